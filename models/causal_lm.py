@@ -1,0 +1,137 @@
+"""The decoder stack every supported architecture maps onto.
+
+``model(cache, batch) -> (new_cache, logits)`` runs one ragged step over paged KV and Mamba
+state slots; ``model.forward_full(ids)`` runs whole sequences from an empty cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hicache_jax.models.batch import ForwardBatch, page_group
+from hicache_jax.models.cache import allocate_cache
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.kernels.backend import KernelConfig
+from hicache_jax.models.layers.attention import Attention
+from hicache_jax.models.layers.linear import Embed, Linear
+from hicache_jax.models.layers.mamba2 import Mamba2Mixer
+from hicache_jax.models.layers.mlp import GatedMLP
+from hicache_jax.models.layers.norms import RMSNorm
+
+
+class DecoderLayer(nnx.Module):
+    """``x += mixer(norm(x)); x += mlp(norm(x))``, with Gemma's extra output norms."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels):
+        def norm():
+            return RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+
+        self.kind = kind
+        self.input_norm = norm()
+        if kind == "mamba":
+            self.mixer = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
+        else:
+            self.mixer = Attention(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
+        self.post_mixer_norm = norm() if cfg.sandwich_norms else None
+        self.pre_mlp_norm = norm()
+        self.mlp = GatedMLP(
+            cfg.hidden_size, cfg.intermediate_size, activation=cfg.activation, dtype=dtype, rngs=rngs
+        )
+        self.post_mlp_norm = norm() if cfg.sandwich_norms else None
+
+    def __call__(self, entry, x: jax.Array, batch: ForwardBatch):
+        entry, h = self.mixer(entry, self.input_norm(x), batch)
+        if self.post_mixer_norm is not None:
+            h = self.post_mixer_norm(h)
+        x = x + h
+        h = self.mlp(self.pre_mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return entry, x + h
+
+
+class CausalLM(nnx.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+        kernels: KernelConfig | None = None,
+    ):
+        rngs = rngs or nnx.Rngs(0)
+        kernels = kernels or KernelConfig()
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, k, dtype=dtype, rngs=rngs, kernels=kernels) for k in cfg.layer_kinds]
+        )
+        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
+
+    def __call__(self, cache: tuple, batch: ForwardBatch) -> tuple[tuple, jax.Array]:
+        """One step: returns the updated cache and float32 logits ``[R, vocab]`` for the rows
+        ``batch.logits_indices``."""
+        cfg = self.cfg
+        x = self.embed(batch.input_ids)
+        if cfg.embed_scale != 1.0:
+            x = x * jnp.asarray(cfg.embed_scale, self.dtype)
+        new_cache = []
+        for layer, entry in zip(self.layers, cache, strict=True):
+            entry, x = layer(entry, x, batch)
+            new_cache.append(entry)
+        x = self.final_norm(x[batch.logits_indices])
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcap:
+            cap = cfg.final_logit_softcap
+            logits = cap * jnp.tanh(logits / cap)
+        return tuple(new_cache), logits
+
+    def forward_full(self, input_ids: jax.Array) -> jax.Array:
+        """Whole sequences from an empty cache: ``[B, T]`` ids -> ``[B, T, vocab]`` logits."""
+        Bsz, T = input_ids.shape
+        cache = allocate_cache(
+            self.cfg, num_pages=Bsz, page_size=T, num_state_slots=Bsz, dtype=self.dtype
+        )
+        seqs = jnp.arange(Bsz, dtype=jnp.int32)
+        groups = {page_group(k) for k in self.cfg.layer_kinds if k != "mamba"}
+        slots = (seqs[:, None] * T + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
+        batch = ForwardBatch(
+            input_ids=input_ids.reshape(-1).astype(jnp.int32),
+            positions=jnp.tile(jnp.arange(T, dtype=jnp.int32), Bsz),
+            cu_q_lens=jnp.arange(Bsz + 1, dtype=jnp.int32) * T,
+            kv_lens=jnp.full((Bsz,), T, jnp.int32),
+            num_seqs=jnp.int32(Bsz),
+            page_tables={g: seqs[:, None] for g in groups},
+            slot_mappings={g: slots for g in groups},
+            state_slots=seqs,
+            has_initial_state=jnp.zeros((Bsz,), bool),
+            logits_indices=jnp.arange(Bsz * T, dtype=jnp.int32),
+        )
+        _, logits = self(cache, batch)
+        return logits.reshape(Bsz, T, -1)
+
+    def allocate_cache(self, **kwargs) -> tuple:
+        kwargs.setdefault("dtype", self.dtype)
+        return allocate_cache(self.cfg, **kwargs)
+
+
+def make_step(model: CausalLM):
+    """A jitted ``step(params, cache, batch) -> (cache, logits)`` with the cache donated.
+
+    The graph is split from the state so the weights are an argument, not a constant
+    baked into the program."""
+    graphdef, params = nnx.split(model)
+
+    def step(params, cache, batch):
+        return nnx.merge(graphdef, params)(cache, batch)
+
+    return params, jax.jit(step, donate_argnums=(1,))

@@ -1,0 +1,170 @@
+"""Model configuration: one frozen dataclass that describes every supported architecture.
+
+A model is a stack of layers, each of one kind:
+
+- ``"attention"``: full causal attention over the whole prefix;
+- ``"sliding"``: causal attention over the last ``sliding_window`` tokens (the token itself
+  included, so query position ``q`` sees keys ``q - sliding_window + 1 .. q``);
+- ``"mamba"``: a Mamba2 (SSD) mixer with a recurrent state.
+
+Architecture-specific details (Gemma's norm offset, Bamba's partial rotary) are plain fields,
+so the layers read a single config and never branch on an architecture name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+LAYER_KINDS = ("attention", "sliding", "mamba")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaConfig:
+    num_heads: int
+    head_dim: int
+    state_size: int  # N
+    num_groups: int  # G: B and C are shared by num_heads // num_groups heads
+    conv_kernel: int  # K
+    chunk_size: int  # the checkpoint's SSD chunk size (the scan result does not depend on it)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.0  # time_step_limit
+    dt_max: float = math.inf
+
+    def __post_init__(self):
+        for name in ("num_heads", "head_dim", "state_size", "num_groups", "conv_kernel", "chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MambaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_groups:
+            raise ValueError(
+                f"MambaConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_groups ({self.num_groups})"
+            )
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels that go through the causal conv: x, B and C."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_kinds: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    activation: str = "silu"
+    tie_word_embeddings: bool = False
+    # Attention.
+    rope_theta: float = 10000.0
+    rope_theta_sliding: float | None = None  # Gemma3 local layers use their own base
+    rope_linear_factor: float = 1.0  # "linear" rope scaling (positions / factor)
+    partial_rotary_factor: float = 1.0
+    sliding_window: int | None = None
+    query_pre_attn_scalar: float | None = None  # scale = this ** -0.5; default head_dim
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    qk_norm: bool = False
+    # Gemma conventions: RMSNorm multiplies by (1 + w); embeddings scaled by sqrt(hidden);
+    # a norm after attention and after the MLP as well as before.
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    mamba: MambaConfig | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    max_position_embeddings: int = 131072
+
+    def __post_init__(self):
+        if not self.layer_kinds:
+            raise ValueError("ModelConfig.layer_kinds is empty")
+        bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
+        if bad:
+            raise ValueError(f"ModelConfig.layer_kinds has unknown kinds {bad}; known: {LAYER_KINDS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation {self.activation!r} not in {ACTIVATIONS}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if "sliding" in self.layer_kinds and not self.sliding_window:
+            raise ValueError("ModelConfig has sliding layers but no sliding_window")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"ModelConfig.sliding_window must be positive, got {self.sliding_window}")
+        if "mamba" in self.layer_kinds and self.mamba is None:
+            raise ValueError("ModelConfig has mamba layers but no MambaConfig")
+        if self.rotary_dim % 2:
+            raise ValueError(f"rotary dim {self.rotary_dim} must be even")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rope_base(self, kind: str) -> float:
+        if kind == "sliding" and self.rope_theta_sliding is not None:
+            return self.rope_theta_sliding
+        return self.rope_theta
+
+    def rope_factor(self, kind: str) -> float:
+        if kind == "sliding" and self.rope_theta_sliding is not None:
+            return 1.0  # Gemma3 scales only its global layers
+        return self.rope_linear_factor
+
+    def window(self, kind: str) -> int | None:
+        return self.sliding_window if kind == "sliding" else None
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k != "mamba")
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "mamba")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        d = dict(d)
+        if d.get("mamba") is not None:
+            d["mamba"] = MambaConfig(**d["mamba"])
+        d["layer_kinds"] = tuple(d["layer_kinds"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    def num_params(self) -> int:
+        """Parameter count (for presets and benchmarks)."""
+        h, v = self.hidden_size, self.vocab_size
+        n = v * h * (1 if self.tie_word_embeddings else 2) + h
+        for kind in self.layer_kinds:
+            n += 2 * h + (2 * h if self.sandwich_norms else 0) + 3 * h * self.intermediate_size
+            if kind == "mamba":
+                m = self.mamba
+                proj = m.intermediate_size + m.conv_dim + m.num_heads
+                n += h * proj + m.conv_dim * m.conv_kernel + m.intermediate_size * (h + 1)
+                n += 3 * m.num_heads + (m.conv_dim if m.conv_bias else 0)
+            else:
+                q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+                n += h * (q + 2 * kv) + q * h + (2 * self.head_dim if self.qk_norm else 0)
+        return n

@@ -1,0 +1,159 @@
+"""Hugging Face ``config.json`` -> ModelConfig, one function per architecture."""
+
+from __future__ import annotations
+
+import math
+
+from hicache_jax.models.config import MambaConfig, ModelConfig
+from hicache_jax.models.hf.safetensors_io import CheckpointError
+
+
+def _float(v) -> float:
+    """Numbers as transformers writes them (``{"__float__": "Infinity"}`` included)."""
+    if isinstance(v, dict) and "__float__" in v:
+        return float(v["__float__"])
+    return float(v)
+
+
+def _eos(hf: dict) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _rope(params: dict | None, fallback_theta: float, where: str) -> tuple[float, float]:
+    """(theta, linear scaling factor) from a rope_parameters entry."""
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (default, linear)")
+    factor = float(params.get("factor", 1.0)) if kind == "linear" else 1.0
+    return float(params.get("rope_theta", fallback_theta)), factor
+
+
+def _common(hf: dict, arch: str, layer_kinds: tuple[str, ...], where: str) -> dict:
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    return dict(
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=h,
+        intermediate_size=hf["intermediate_size"],
+        layer_kinds=layer_kinds,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or h // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        eos_token_ids=_eos(hf),
+        bos_token_id=hf.get("bos_token_id"),
+        max_position_embeddings=hf.get("max_position_embeddings", 131072),
+    )
+
+
+def _check(hf: dict, where: str, **expected):
+    for key, want in expected.items():
+        if hf.get(key, want) != want:
+            raise CheckpointError(f"{where}: {key}={hf[key]!r} is not supported (expected {want!r})")
+
+
+def mistral(hf: dict, where: str) -> ModelConfig:
+    """MistralForCausalLM (every layer sliding when ``sliding_window`` is set) and
+    LlamaForCausalLM (full attention)."""
+    arch = hf["architectures"][0]
+    _check(hf, where, hidden_act="silu", attention_bias=False, mlp_bias=False)
+    window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+    kind = "sliding" if window else "attention"
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta, factor = _rope(rope, hf.get("rope_theta", 10000.0), where)
+    return ModelConfig(
+        **_common(hf, arch, (kind,) * hf["num_hidden_layers"], where),
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        sliding_window=window,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def gemma3(hf: dict, where: str) -> ModelConfig:
+    """Gemma3ForCausalLM, text only: interleaved local (sliding) and global layers."""
+    if "text_config" in hf:
+        raise CheckpointError(f"{where}: multimodal Gemma3 checkpoints are not supported (text only)")
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{where}: use_bidirectional_attention is not supported")
+    _check(hf, where, attention_bias=False)
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"{where}: hidden_activation {act!r} is not supported")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    kinds = tuple({"sliding_attention": "sliding", "full_attention": "attention"}[t] for t in types)
+    rp = hf.get("rope_parameters") or {}
+    if "full_attention" in rp:
+        g_theta, g_factor = _rope(rp["full_attention"], 1e6, where)
+        l_theta, _ = _rope(rp.get("sliding_attention"), 1e4, where)
+    else:
+        g_theta, g_factor = _rope(hf.get("rope_scaling"), hf.get("rope_theta", 1e6), where)
+        l_theta = float(hf.get("rope_local_base_freq", 1e4))
+    h = hf["hidden_size"]
+    return ModelConfig(
+        **_common(hf, "Gemma3ForCausalLM", kinds, where),
+        activation="gelu_tanh",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        rope_theta=g_theta,
+        rope_linear_factor=g_factor,
+        rope_theta_sliding=l_theta,
+        sliding_window=hf.get("sliding_window", 4096),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        # transformers' Gemma3 attention never applies attn_logit_softcapping (released
+        # Gemma3 configs set it to null); follow the reference.
+        attn_logit_softcap=None,
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        qk_norm=True,
+        norm_offset=1.0,
+        embed_scale=math.sqrt(h),
+        sandwich_norms=True,
+    )
+
+
+def bamba(hf: dict, where: str) -> ModelConfig:
+    """BambaForCausalLM: Mamba2 layers with full attention at ``attn_layer_indices``."""
+    _check(hf, where, hidden_act="silu", attention_bias=False, mlp_bias=False)
+    n = hf["num_hidden_layers"]
+    attn = set(hf.get("attn_layer_indices") or [])
+    kinds = tuple("attention" if i in attn else "mamba" for i in range(n))
+    h = hf["hidden_size"]
+    expand = hf.get("mamba_expand", 2)
+    heads = hf.get("mamba_n_heads", 128)
+    d_head = hf.get("mamba_d_head", "auto")
+    if d_head == "auto":
+        d_head = expand * h // heads
+    if d_head * heads != expand * h:
+        raise CheckpointError(f"{where}: mamba_d_head * mamba_n_heads != mamba_expand * hidden_size")
+    limit = hf.get("time_step_limit") or (0.0, math.inf)
+    rope = hf.get("rope_parameters") or {}
+    theta, factor = _rope(rope, hf.get("rope_theta", 10000.0), where)
+    mamba = MambaConfig(
+        num_heads=heads,
+        head_dim=d_head,
+        state_size=hf.get("mamba_d_state", 256),
+        num_groups=hf.get("mamba_n_groups", 1),
+        conv_kernel=hf.get("mamba_d_conv", 4),
+        chunk_size=hf.get("mamba_chunk_size", 256),
+        conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        proj_bias=bool(hf.get("mamba_proj_bias", False)),
+        dt_min=_float(limit[0]),
+        dt_max=_float(limit[1]),
+    )
+    common = _common(hf, "BambaForCausalLM", kinds, where)
+    common["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-5))
+    return ModelConfig(
+        **common,
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", 0.5)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mamba=mamba,
+    )

@@ -1,0 +1,149 @@
+"""Hugging Face tensor names <-> this package's parameter paths, and checkpoint loading."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class HFNames:
+    """Where an architecture keeps the tensors whose names differ between families."""
+
+    final_norm: str = "model.norm"
+    pre_mlp_norm: str = "post_attention_layernorm"
+    post_mixer_norm: str | None = None
+    post_mlp_norm: str | None = None
+    mlp: str = "mlp"
+
+
+LLAMA_NAMES = HFNames()
+GEMMA3_NAMES = HFNames(
+    pre_mlp_norm="pre_feedforward_layernorm",
+    post_mixer_norm="post_attention_layernorm",
+    post_mlp_norm="post_feedforward_layernorm",
+)
+BAMBA_NAMES = HFNames(final_norm="model.final_layernorm", pre_mlp_norm="pre_ff_layernorm", mlp="feed_forward")
+
+
+def _t(a):  # torch Linear [out, in] -> kernel [in, out]
+    return a.T
+
+
+def _conv(a):  # Conv1d depthwise [C, 1, K] -> [K, C]
+    if a.ndim != 3 or a.shape[1] != 1:
+        raise ValueError(f"expected a depthwise conv weight [C, 1, K], got {a.shape}")
+    return a[:, 0, :].T
+
+
+def _same(a):
+    return a
+
+
+def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple) -> tuple[str, callable]:
+    """The HF tensor (and the transform to our layout) behind one parameter path."""
+    p = tuple(str(x) for x in path)
+    if p == ("embed", "embedding"):
+        return "model.embed_tokens.weight", _same
+    if p == ("lm_head", "kernel"):
+        return "lm_head.weight", _t
+    if p == ("final_norm", "weight"):
+        return f"{names.final_norm}.weight", _same
+    if p[0] != "layers":
+        raise KeyError(path)
+    i, rest = int(p[1]), p[2:]
+    pre = f"model.layers.{i}"
+    kind = cfg.layer_kinds[i]
+    norm = {
+        "input_norm": "input_layernorm",
+        "pre_mlp_norm": names.pre_mlp_norm,
+        "post_mixer_norm": names.post_mixer_norm,
+        "post_mlp_norm": names.post_mlp_norm,
+    }
+    if rest[0] in norm:
+        return f"{pre}.{norm[rest[0]]}.weight", _same
+    if rest[0] == "mlp":
+        return f"{pre}.{names.mlp}.{rest[1]}.weight", _t
+    assert rest[0] == "mixer", path
+    if kind != "mamba":
+        if rest[1] in ("q_norm", "k_norm"):
+            return f"{pre}.self_attn.{rest[1]}.weight", _same
+        return f"{pre}.self_attn.{rest[1]}.{'weight' if rest[2] == 'kernel' else 'bias'}", _t
+    m = f"{pre}.mamba"
+    if rest[1] in ("in_proj", "out_proj"):
+        return (f"{m}.{rest[1]}.weight", _t) if rest[2] == "kernel" else (f"{m}.{rest[1]}.bias", _same)
+    if rest[1] == "conv_weight":
+        return f"{m}.conv1d.weight", _conv
+    if rest[1] == "conv_bias":
+        return f"{m}.conv1d.bias", _same
+    if rest[1] == "norm":
+        return f"{m}.norm.weight", _same
+    return f"{m}.{rest[1]}", _same  # dt_bias, A_log, D
+
+
+def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_state, dtype):
+    """Fill an abstract nnx.State from the checkpoint, checking every tensor."""
+
+    def load(path, leaf):
+        name, transform = hf_tensor(names, cfg, path)
+        where = ckpt.file_of(name)
+        raw = ckpt.get(name)
+        if not (np.issubdtype(raw.dtype, np.floating) or raw.dtype == jnp.bfloat16):
+            raise CheckpointError(f"{where}: tensor {name} has dtype {raw.dtype}, expected a float type")
+        try:
+            arr = transform(raw)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: tensor {name}: {e}") from e
+        if arr.shape != leaf.shape:
+            raise CheckpointError(
+                f"{where}: tensor {name} has shape {tuple(raw.shape)}, "
+                f"expected {expected_hf_shape(transform, leaf.shape)}"
+            )
+        return jnp.asarray(np.asarray(arr), dtype=dtype)
+
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, leaf: load(tuple(_key(k) for k in kp), leaf), abstract_state
+    )
+
+
+def _key(k):
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
+
+
+def expected_hf_shape(transform, shape) -> tuple:
+    if transform is _t:
+        return tuple(reversed(shape))
+    if transform is _conv:
+        return (shape[1], 1, shape[0])
+    return tuple(shape)
+
+
+def export_params(state, names: HFNames, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse mapping: our parameters as HF-named numpy arrays (for tests and tools)."""
+    out = {}
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(state):
+        path = tuple(_key(k) for k in kp)
+        name, transform = hf_tensor(names, cfg, path)
+        a = np.asarray(leaf)
+        if transform is _t:
+            a = a.T
+        elif transform is _conv:
+            a = a.T[:, None, :]
+        out[name] = a
+    return out
+
+
+def abstract_state(model_fn) -> tuple:
+    """(graphdef, abstract param state) without materialising random weights."""
+    abstract = nnx.eval_shape(model_fn)
+    return nnx.split(abstract)

@@ -1,0 +1,73 @@
+"""Kernel backends behind one small registry.
+
+``xla`` is plain JAX (the references, and the CPU default); ``pallas`` is the Pallas kernels
+(TPU Mosaic, GPU Triton, interpret mode on CPU). Backends import lazily, so a CPU machine
+never imports TPU-only code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+
+BACKENDS = ("xla", "pallas")
+
+
+def default_backend() -> str:
+    return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation each kernel uses. ``None`` means the platform default."""
+
+    attention: str | None = None
+    ssd: str | None = None
+    interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
+
+    def __post_init__(self):
+        for field in ("attention", "ssd"):
+            value = getattr(self, field)
+            if value is not None and value not in BACKENDS:
+                raise ValueError(f"KernelConfig.{field}={value!r}; choose one of {BACKENDS}")
+
+    @property
+    def attention_backend(self) -> str:
+        return self.attention or default_backend()
+
+    @property
+    def ssd_backend(self) -> str:
+        return self.ssd or default_backend()
+
+
+@functools.cache
+def attention_fn(backend: str, interpret: bool = False) -> Callable:
+    """``fn(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, num_seqs, **static)``."""
+    if backend == "xla":
+        from hicache_jax.models.kernels.ragged_paged_attention.reference import (
+            ragged_paged_attention,
+        )
+
+        return ragged_paged_attention
+    if backend == "pallas":
+        from hicache_jax.models.kernels.ragged_paged_attention import kernel
+
+        return functools.partial(kernel.ragged_paged_attention, interpret=interpret)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+@functools.cache
+def ssd_fn(backend: str, interpret: bool = False) -> Callable:
+    """``fn(x, dt, A, B, C, D, cu_seqlens, num_seqs, init_states) -> (y, final_states)``."""
+    if backend == "xla":
+        from hicache_jax.models.kernels.mamba2_ssd.chunked import ssd_chunked
+
+        return ssd_chunked
+    if backend == "pallas":
+        from hicache_jax.models.kernels.mamba2_ssd import kernel
+
+        return functools.partial(kernel.ssd_ragged, interpret=interpret)
+    raise ValueError(f"unknown ssd backend {backend!r}; choose one of {BACKENDS}")

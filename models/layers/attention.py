@@ -1,0 +1,65 @@
+"""Attention layer (full or sliding-window) over paged KV."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from hicache_jax.models.batch import ForwardBatch, page_group
+from hicache_jax.models.cache import KVPages
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.kernels import backend
+from hicache_jax.models.kernels.ragged_paged_attention.reference import write_kv
+from hicache_jax.models.layers.linear import Linear
+from hicache_jax.models.layers.norms import RMSNorm
+from hicache_jax.models.layers.rope import apply_rope
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels):
+        H, Hkv, D, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
+        self.group = page_group(kind)
+        self.window = cfg.window(kind)
+        self.rope_base = cfg.rope_base(kind)
+        self.rope_factor = cfg.rope_factor(kind)
+        self.rotary_dim = cfg.rotary_dim
+        self.scale = cfg.attn_scale
+        self.soft_cap = cfg.attn_logit_softcap
+        self.kernels = kernels
+        self.q_proj = Linear(h, H * D, bias=False, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, Hkv * D, bias=False, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, Hkv * D, bias=False, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(H * D, h, bias=False, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+            self.k_norm = RMSNorm(D, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, kv: KVPages, x: jax.Array, batch: ForwardBatch) -> tuple[KVPages, jax.Array]:
+        T = x.shape[0]
+        q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim, factor=self.rope_factor)
+        q = apply_rope(q, batch.positions, **rope)
+        k = apply_rope(k, batch.positions, **rope)
+        k_pages, v_pages = write_kv(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
+        attend = backend.attention_fn(self.kernels.attention_backend, self.kernels.interpret)
+        o = attend(
+            q,
+            k_pages,
+            v_pages,
+            batch.kv_lens,
+            batch.page_tables[self.group],
+            batch.cu_q_lens,
+            batch.num_seqs,
+            sm_scale=self.scale,
+            sliding_window=self.window,
+            soft_cap=self.soft_cap,
+            q_block=1 if batch.decode_only else 8,
+        )
+        return KVPages(k_pages, v_pages), self.o_proj(o.reshape(T, -1))

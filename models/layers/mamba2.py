@@ -1,0 +1,77 @@
+"""Mamba2 mixer: in-projection, causal conv, SSD scan, gated RMSNorm, out-projection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.models.cache import MambaState
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.kernels import backend
+from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
+from hicache_jax.models.kernels.mamba2_ssd.reference import ssd_decode_step
+from hicache_jax.models.layers.linear import Linear
+from hicache_jax.models.layers.norms import GatedRMSNorm
+
+
+class Mamba2Mixer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, kernels):
+        m = cfg.mamba
+        self.cfg = m
+        self.kernels = kernels
+        I, H = m.intermediate_size, m.num_heads
+        self.in_proj = Linear(cfg.hidden_size, I + m.conv_dim + H, bias=m.proj_bias, dtype=dtype, rngs=rngs)
+        self.conv_weight = nnx.Param(
+            (jax.random.normal(rngs.params(), (m.conv_kernel, m.conv_dim)) * 0.5).astype(dtype)
+        )
+        self.conv_bias = nnx.Param(jnp.zeros((m.conv_dim,), dtype)) if m.conv_bias else None
+        self.dt_bias = nnx.Param(jnp.ones((H,), dtype))
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, H + 1, dtype=jnp.float32)).astype(dtype))
+        self.D = nnx.Param(jnp.ones((H,), dtype))
+        self.norm = GatedRMSNorm(I, I // m.num_groups, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(I, cfg.hidden_size, bias=m.proj_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, st: MambaState, x: jax.Array, batch: ForwardBatch
+    ) -> tuple[MambaState, jax.Array]:
+        m = self.cfg
+        T = x.shape[0]
+        I, H, P, G, N = m.intermediate_size, m.num_heads, m.head_dim, m.num_groups, m.state_size
+        S = batch.state_slots.shape[0]
+        num_slots = st.ssm.shape[0]
+        z, xbc, dt = jnp.split(self.in_proj(x), [I, I + m.conv_dim], axis=-1)
+
+        live = (jnp.arange(S) < batch.num_seqs) & (batch.state_slots >= 0)
+        src = jnp.clip(batch.state_slots, 0, num_slots - 1)
+        use_init = (live & batch.has_initial_state)[:, None, None]
+        conv0 = jnp.where(use_init, st.conv[src], 0)
+        h0 = jnp.where(use_init[..., None], st.ssm[src], 0.0)
+
+        bias = self.conv_bias[...] if self.conv_bias is not None else None
+        xbc, conv_new = causal_conv1d(xbc, self.conv_weight[...], bias, conv0, batch.cu_q_lens, batch.num_seqs)
+        xbc = jax.nn.silu(xbc)
+        xs, B, C = jnp.split(xbc, [I, I + G * N], axis=-1)
+        xs, B, C = xs.reshape(T, H, P), B.reshape(T, G, N), C.reshape(T, G, N)
+        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        dt = jnp.clip(dt, m.dt_min, m.dt_max)
+        A = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        D = self.D[...].astype(jnp.float32)
+
+        if batch.decode_only:  # row s holds sequence s's one token
+            rows = jnp.clip(batch.cu_q_lens[:-1], 0, T - 1)
+            y_seq, final = ssd_decode_step(h0, xs[rows], dt[rows], A, B[rows], C[rows], D)
+            dest = jnp.where(jnp.arange(S) < batch.num_seqs, rows, T)
+            y = jnp.zeros((T, H, P), jnp.float32).at[dest].set(y_seq, mode="drop")
+        else:
+            scan = backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret)
+            y, final = scan(xs, dt, A, B, C, D, batch.cu_q_lens, batch.num_seqs, h0)
+
+        y = self.norm(y.reshape(T, I), z)
+        dst = jnp.where(live, batch.state_slots, num_slots)
+        new = MambaState(
+            conv=st.conv.at[dst].set(conv_new.astype(st.conv.dtype), mode="drop"),
+            ssm=st.ssm.at[dst].set(final.astype(st.ssm.dtype), mode="drop"),
+        )
+        return new, self.out_proj(y.astype(x.dtype))

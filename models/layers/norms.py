@@ -1,0 +1,45 @@
+"""RMS norms, computed in float32 whatever the activation dtype."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """``w * x / rms(x)``; with ``offset=1`` (Gemma) the scale is ``1 + w``."""
+
+    def __init__(self, dim: int, *, eps: float, offset: float = 0.0, dtype):
+        self.eps = eps
+        self.offset = offset
+        # Stored as a checkpoint stores it: Gemma's zero-initialised w means scale 1.
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.weight[...].astype(jnp.float32) + self.offset
+        if self.offset:  # Gemma scales in float32, then casts
+            return (rms_normalize(x, self.eps) * scale).astype(x.dtype)
+        return self.weight[...] * rms_normalize(x, self.eps).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """Mamba2's norm: ``x * silu(gate)`` normalised over groups of ``group_size`` channels."""
+
+    def __init__(self, dim: int, group_size: int, *, eps: float, dtype):
+        if dim % group_size:
+            raise ValueError(f"GatedRMSNorm: dim {dim} is not a multiple of group_size {group_size}")
+        self.eps = eps
+        self.group_size = group_size
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        *lead, dim = h.shape
+        h = rms_normalize(h.reshape(*lead, dim // self.group_size, self.group_size), self.eps)
+        return self.weight[...] * h.reshape(*lead, dim).astype(x.dtype)

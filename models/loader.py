@@ -1,0 +1,76 @@
+"""Load a model from a Hugging Face directory or from an orbax checkpoint made by ``convert``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax.numpy as jnp
+from flax import nnx
+
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
+from hicache_jax.models.hf.weights import abstract_state, load_params
+from hicache_jax.models.kernels.backend import KernelConfig
+from hicache_jax.models.registry import architecture, config_from_hf
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype, hf: dict | None = None):
+    if dtype in (None, "auto"):
+        name = (hf or {}).get("dtype") or (hf or {}).get("torch_dtype") or "float32"
+        return DTYPES.get(name, jnp.float32)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+def read_hf_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: not found (is {model_dir} a model directory?)") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from e
+
+
+def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) -> CausalLM:
+    """Build the model named by ``config.json`` and fill it from ``*.safetensors``."""
+    t0 = time.perf_counter()
+    hf = read_hf_config(model_dir)
+    cfg = config_from_hf(hf, os.path.join(model_dir, "config.json"))
+    dtype = resolve_dtype(dtype, hf)
+    names = architecture(cfg.architecture).names
+    ckpt = Checkpoint(model_dir)
+    graphdef, state = abstract_state(lambda: CausalLM(cfg, dtype=dtype, kernels=kernels))
+    pure = load_params(ckpt, names, cfg, nnx.to_pure_dict(state), dtype)
+    nnx.replace_by_pure_dict(state, pure)
+    log.info("loaded %s from %s in %.2fs", cfg.architecture, model_dir, time.perf_counter() - t0)
+    return nnx.merge(graphdef, state)
+
+
+def load_model(path: str, *, dtype=None, kernels: KernelConfig | None = None) -> CausalLM:
+    """A Hugging Face directory, or an orbax checkpoint written by ``convert``."""
+    from hicache_jax.models import orbax_io
+
+    if orbax_io.is_orbax_checkpoint(path):
+        return orbax_io.restore(path, dtype=dtype, kernels=kernels)
+    return load_hf(path, dtype=dtype, kernels=kernels)
+
+
+def model_config(path: str) -> ModelConfig:
+    from hicache_jax.models import orbax_io
+
+    if orbax_io.is_orbax_checkpoint(path):
+        return orbax_io.read_config(path)
+    return config_from_hf(read_hf_config(path), os.path.join(path, "config.json"))

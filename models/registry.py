@@ -1,0 +1,52 @@
+"""``config.json``'s ``architectures[0]`` -> how to build and load that model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.hf import config as hf_config
+from hicache_jax.models.hf.safetensors_io import CheckpointError
+from hicache_jax.models.hf.weights import BAMBA_NAMES, GEMMA3_NAMES, LLAMA_NAMES, HFNames
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    name: str
+    config_from_hf: Callable[[dict, str], ModelConfig]
+    names: HFNames
+
+
+ARCHITECTURES = {
+    a.name: a
+    for a in (
+        Architecture("MistralForCausalLM", hf_config.mistral, LLAMA_NAMES),
+        Architecture("LlamaForCausalLM", hf_config.mistral, LLAMA_NAMES),
+        Architecture("Gemma3ForCausalLM", hf_config.gemma3, GEMMA3_NAMES),
+        Architecture("BambaForCausalLM", hf_config.bamba, BAMBA_NAMES),
+    )
+}
+
+
+def architecture(name: str, where: str = "config.json") -> Architecture:
+    if name not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{where}: architecture {name!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[name]
+
+
+def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    archs = hf.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise CheckpointError(f"{where}: no 'architectures' list")
+    arch = architecture(archs[0], where)
+    try:
+        return arch.config_from_hf(hf, where)
+    except KeyError as e:
+        raise CheckpointError(f"{where}: missing field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{where}: {e}") from e

@@ -1,0 +1,101 @@
+"""Tiny random-weight Hugging Face checkpoints made with ``transformers`` (``save_pretrained``).
+
+Weights are drawn wide enough (unit-scale activations, norm scales away from 1, Mamba
+A/dt/D spread out) that a wrong layout or a missed term shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+FAMILIES = ("mistral", "gemma3", "bamba", "llama")
+PAGE = 16  # page size the tests use; the window is one page and a bit
+
+
+def hf_config(family: str):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    if family == "mistral":
+        return tf.MistralConfig(**common, num_hidden_layers=2, head_dim=16, sliding_window=20)
+    if family == "llama":
+        return tf.LlamaConfig(**(common | {"num_key_value_heads": 1}), num_hidden_layers=2, head_dim=16)
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(
+            **(common | {"num_key_value_heads": 1}),
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=20,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+        )
+    if family == "bamba":
+        return tf.BambaConfig(
+            **common,
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_chunk_size=16,
+            mamba_d_conv=4,
+        )
+    raise ValueError(family)
+
+
+def randomize(model, seed: int = 0) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 1))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5 - 1.0)
+            elif name.endswith(".D"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif "norm" in name:
+                base = 0.0 if "gemma" in type(model).__name__.lower() else 1.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:  # biases
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1] if "conv1d" not in name else p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+
+
+def hf_model(family: str, seed: int = 0):
+    import torch
+    import transformers as tf
+
+    cfg = hf_config(family)
+    cls = {
+        "mistral": tf.MistralForCausalLM,
+        "llama": tf.LlamaForCausalLM,
+        "gemma3": tf.Gemma3ForCausalLM,
+        "bamba": tf.BambaForCausalLM,
+    }[family]
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    randomize(model, seed)
+    return model
+
+
+def make(family: str, out_dir: str, seed: int = 0, **save_kwargs) -> str:
+    hf_model(family, seed).save_pretrained(out_dir, **save_kwargs)
+    return out_dir
+
+
+def load_reference(model_dir: str):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
