@@ -60,14 +60,17 @@ def attention_fn(backend: str, interpret: bool = False) -> Callable:
 
 
 @functools.cache
-def ssd_fn(backend: str, interpret: bool = False) -> Callable:
-    """``fn(x, dt, A, B, C, D, cu_seqlens, num_seqs, init_states) -> (y, final_states)``."""
+def ssd_fn(backend: str, interpret: bool = False, decode: bool = False) -> Callable:
+    """Slot-indexed SSD scan (``decode``: the one-token update of a decode-only batch):
+    ``fn(x, dt, A, B, C, D, cu_seqlens, num_seqs, states, slots, has_initial_state)
+    -> (y, updated_states)``."""
     if backend == "xla":
-        from hicache_jax.models.kernels.mamba2_ssd.chunked import ssd_chunked
+        from hicache_jax.models.kernels.mamba2_ssd import chunked
 
-        return ssd_chunked
+        return chunked.ssd_decode_slots if decode else chunked.ssd_slots
     if backend == "pallas":
         from hicache_jax.models.kernels.mamba2_ssd import kernel
 
-        return functools.partial(kernel.ssd_ragged, interpret=interpret)
+        fn = kernel.ssd_decode if decode else kernel.ssd_ragged
+        return functools.partial(fn, interpret=interpret)
     raise ValueError(f"unknown ssd backend {backend!r}; choose one of {BACKENDS}")

@@ -11,7 +11,7 @@ from hicache_jax.models.cache import MambaState
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend
 from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
-from hicache_jax.models.kernels.mamba2_ssd.reference import ssd_decode_step
+from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import GatedRMSNorm
 
@@ -39,16 +39,9 @@ class Mamba2Mixer(nnx.Module):
         m = self.cfg
         T = x.shape[0]
         I, H, P, G, N = m.intermediate_size, m.num_heads, m.head_dim, m.num_groups, m.state_size
-        S = batch.state_slots.shape[0]
-        num_slots = st.ssm.shape[0]
         z, xbc, dt = jnp.split(self.in_proj(x), [I, I + m.conv_dim], axis=-1)
 
-        live = (jnp.arange(S) < batch.num_seqs) & (batch.state_slots >= 0)
-        src = jnp.clip(batch.state_slots, 0, num_slots - 1)
-        use_init = (live & batch.has_initial_state)[:, None, None]
-        conv0 = jnp.where(use_init, st.conv[src], 0)
-        h0 = jnp.where(use_init[..., None], st.ssm[src], 0.0)
-
+        conv0, live = gather_states(st.conv, batch.state_slots, batch.has_initial_state, batch.num_seqs)
         bias = self.conv_bias[...] if self.conv_bias is not None else None
         xbc, conv_new = causal_conv1d(xbc, self.conv_weight[...], bias, conv0, batch.cu_q_lens, batch.num_seqs)
         xbc = jax.nn.silu(xbc)
@@ -58,20 +51,11 @@ class Mamba2Mixer(nnx.Module):
         dt = jnp.clip(dt, m.dt_min, m.dt_max)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         D = self.D[...].astype(jnp.float32)
-
-        if batch.decode_only:  # row s holds sequence s's one token
-            rows = jnp.clip(batch.cu_q_lens[:-1], 0, T - 1)
-            y_seq, final = ssd_decode_step(h0, xs[rows], dt[rows], A, B[rows], C[rows], D)
-            dest = jnp.where(jnp.arange(S) < batch.num_seqs, rows, T)
-            y = jnp.zeros((T, H, P), jnp.float32).at[dest].set(y_seq, mode="drop")
-        else:
-            scan = backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret)
-            y, final = scan(xs, dt, A, B, C, D, batch.cu_q_lens, batch.num_seqs, h0)
-
-        y = self.norm(y.reshape(T, I), z)
-        dst = jnp.where(live, batch.state_slots, num_slots)
-        new = MambaState(
-            conv=st.conv.at[dst].set(conv_new.astype(st.conv.dtype), mode="drop"),
-            ssm=st.ssm.at[dst].set(final.astype(st.ssm.dtype), mode="drop"),
+        scan = backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret, batch.decode_only)
+        y, ssm = scan(
+            xs, dt, A, B, C, D, batch.cu_q_lens, batch.num_seqs,
+            st.ssm, batch.state_slots, batch.has_initial_state,
         )
+        y = self.norm(y.reshape(T, I), z)
+        new = MambaState(conv=scatter_states(st.conv, batch.state_slots, live, conv_new), ssm=ssm)
         return new, self.out_proj(y.astype(x.dtype))

@@ -91,3 +91,43 @@ def ssd_chunked(
     last = jnp.maximum(ch_end - 1, 0)
     finals = jnp.where((q_lens > 0)[:, None, None, None], ends[last], h0)
     return y, finals
+
+
+def gather_states(states, slots, has_initial_state, num_seqs):
+    """Initial states per sequence from the slot pool (zero where fresh or padding)."""
+    S = slots.shape[0]
+    live = (jnp.arange(S) < num_seqs) & (slots >= 0)
+    src = jnp.clip(slots, 0, states.shape[0] - 1)
+    use = (live & has_initial_state).reshape((S,) + (1,) * (states.ndim - 1))
+    return jnp.where(use, states[src], jnp.zeros((), states.dtype)), live
+
+
+def scatter_states(states, slots, live, new):
+    """Write per-sequence states back to their slots (padding sequences write nothing)."""
+    dst = jnp.where(live, slots, states.shape[0])
+    return states.at[dst].set(new.astype(states.dtype), mode="drop")
+
+
+def ssd_slots(x, dt, A, B, C, D, cu_seqlens, num_seqs, states, slots, has_initial_state):
+    """Slot-indexed prefill scan: read each sequence's state from ``states[slots[s]]``
+    (when ``has_initial_state[s]``), scan, and write the final state back to that slot.
+
+    states: [num_slots, H, P, N] float32 -> returns (y [T, H, P], updated states)."""
+    h0, live = gather_states(states, slots, has_initial_state, num_seqs)
+    y, finals = ssd_chunked(x, dt, A, B, C, D, cu_seqlens, num_seqs, h0)
+    return y, scatter_states(states, slots, live, finals)
+
+
+def ssd_decode_slots(x, dt, A, B, C, D, cu_seqlens, num_seqs, states, slots, has_initial_state):
+    """Slot-indexed one-token update for a decode-only batch (sequence s's token at row
+    ``cu_seqlens[s]``); same signature and result as ``ssd_slots``."""
+    from hicache_jax.models.kernels.mamba2_ssd.reference import ssd_decode_step
+
+    T = x.shape[0]
+    S = slots.shape[0]
+    h0, live = gather_states(states, slots, has_initial_state, num_seqs)
+    rows = jnp.clip(cu_seqlens[:-1], 0, T - 1)
+    y_seq, new = ssd_decode_step(h0, x[rows], dt[rows], A, B[rows], C[rows], D)
+    dest = jnp.where(jnp.arange(S) < num_seqs, rows, T)
+    y = jnp.zeros((T,) + x.shape[1:], jnp.float32).at[dest].set(y_seq, mode="drop")
+    return y, scatter_states(states, slots, live, new)
