@@ -1,0 +1,135 @@
+"""Page-granular radix tree of cached prefixes.
+
+One node per page of ``page_size`` tokens; a node's key is that page's token ids, so the
+path from the root spells a prefix. A node holds, per layer kind, what the cache keeps for
+its page (device indices; ``None`` = not held):
+
+- ``full``:  the full-attention KV page;
+- ``swa``:   the sliding-window KV page (``None`` on a node that still has other data is a
+  *tombstone*: a match may pass through it but never end right after it);
+- ``mamba``: a recurrent-state snapshot taken at the end of the page.
+
+``lock_ref`` counts running requests whose prefix ends at or below the node; a locked node
+is never evicted and keeps its full KV and snapshot. ``swa_lock`` counts running requests
+whose sliding window covers the node: only those pin its SWA page, so a long prompt's
+older SWA pages become evictable while the request still runs. The tree holds indices
+only; pools free them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+_clock = itertools.count(1)
+
+
+class Node:
+    __slots__ = ("key", "parent", "children", "full", "swa", "mamba", "lock_ref", "swa_lock", "last_access", "depth")
+
+    def __init__(self, key: tuple[int, ...], parent: Node | None):
+        self.key = key
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.full: int | None = None
+        self.swa: int | None = None
+        self.mamba: int | None = None
+        self.lock_ref = 0
+        self.swa_lock = 0
+        self.last_access = next(_clock)
+        self.depth = 0 if parent is None else parent.depth + 1  # pages from the root
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def empty(self) -> bool:
+        return self.full is None and self.swa is None and self.mamba is None
+
+    def __repr__(self) -> str:
+        return (
+            f"Node(depth={self.depth}, full={self.full}, swa={self.swa}, mamba={self.mamba}, "
+            f"lock={self.lock_ref}, swa_lock={self.swa_lock})"
+        )
+
+
+class RadixTree:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.root = Node((), None)
+
+    def page_key(self, tokens: Sequence[int], page: int) -> tuple[int, ...]:
+        P = self.page_size
+        return tuple(int(t) for t in tokens[page * P : (page + 1) * P])
+
+    def walk(self, tokens: Sequence[int], max_pages: int, start: Node | None = None) -> list[Node]:
+        """Existing nodes along ``tokens``' full pages (at most ``max_pages`` from the root),
+        starting below ``start`` (default: the root)."""
+        node = start or self.root
+        path: list[Node] = []
+        for page in range(node.depth, max_pages):
+            node = node.children.get(self.page_key(tokens, page))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def path_to(self, node: Node) -> list[Node]:
+        path = []
+        while not node.is_root:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def add_child(self, parent: Node, key: tuple[int, ...]) -> Node:
+        if len(key) != self.page_size:
+            raise ValueError(f"a node key must be one full page ({self.page_size} tokens), got {len(key)}")
+        node = Node(key, parent)
+        parent.children[key] = node
+        return node
+
+    def remove_leaf(self, node: Node) -> None:
+        if node.children or node.is_root or node.lock_ref or node.swa_lock:
+            raise RuntimeError(f"cannot remove {node}: not an unlocked leaf")
+        del node.parent.children[node.key]
+
+    @staticmethod
+    def touch(nodes: Sequence[Node]) -> None:
+        tick = next(_clock)
+        for n in nodes:
+            n.last_access = tick
+
+    @staticmethod
+    def lock(node: Node) -> None:
+        while not node.is_root:
+            node.lock_ref += 1
+            node = node.parent
+
+    @staticmethod
+    def unlock(node: Node) -> None:
+        while not node.is_root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlocking {node} below zero")
+            node.lock_ref -= 1
+            node = node.parent
+
+    def nodes(self) -> Iterator[Node]:
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def num_nodes(self) -> int:
+        return sum(1 for _ in self.nodes())
+
+    def check_integrity(self) -> None:
+        for n in self.nodes():
+            if n.lock_ref < 0 or n.swa_lock < 0:
+                raise AssertionError(f"{n}: negative lock count")
+            child_locks = sum(c.lock_ref for c in n.children.values())
+            if n.lock_ref < child_locks:
+                raise AssertionError(f"{n}: lock_ref {n.lock_ref} < children's {child_locks}")
+            if n.depth != n.parent.depth + 1 or n.parent.children.get(n.key) is not n:
+                raise AssertionError(f"{n}: broken parent link")

@@ -1,0 +1,294 @@
+"""The engine: requests in, tokens out. ``step()`` is schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+
+import numpy as np
+
+from hicache_jax.cache.pool import IndexPool
+from hicache_jax.cache.prefix import PrefixRules
+from hicache_jax.cache.prefix_cache import PrefixCache
+from hicache_jax.config import EngineConfig
+from hicache_jax.models.batch import page_group
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.models.kernels.backend import KernelConfig
+from hicache_jax.models.tokenizer import Tokenizer
+from hicache_jax.outputs import format_output, output_text
+from hicache_jax.request import Req, Status
+from hicache_jax.runner import ModelRunner
+from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
+from hicache_jax.scheduler.cache_adapter import CacheAdapter
+from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
+from hicache_jax.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
+    kernels = KernelConfig(attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret)
+    if cfg.model_path:
+        from hicache_jax.models.loader import load_model
+
+        return load_model(cfg.model_path, dtype=cfg.dtype, kernels=kernels), Tokenizer(cfg.model_path)
+    from hicache_jax.models.loader import resolve_dtype
+    from hicache_jax.models.presets import TOKENIZER, build_preset
+
+    dtype = resolve_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)
+    return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, model: CausalLM | None = None, tokenizer: Tokenizer | None = None):
+        if model is None:
+            model, tokenizer = load_model_and_tokenizer(cfg)
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer or Tokenizer(None)
+        mc = model.cfg
+        kinds = set(mc.layer_kinds)
+        P = cfg.page_size
+        self.context_len = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+        full_pages = cfg.max_total_tokens // P
+        pools: dict[str, IndexPool] = {}
+        if "attention" in kinds:
+            pools["full"] = IndexPool(full_pages, "full-attention pages")
+        if "sliding" in kinds:
+            n = max(1, int(full_pages * cfg.swa_full_tokens_ratio)) if "attention" in kinds else full_pages
+            pools["swa"] = IndexPool(n, "sliding-window pages")
+        if "mamba" in kinds:
+            pools["mamba"] = IndexPool(cfg.num_state_slots, "mamba state slots")
+        self.rules = PrefixRules(
+            page_size=P,
+            has_full="attention" in kinds,
+            sliding_window=mc.sliding_window if "sliding" in kinds else None,
+            has_mamba="mamba" in kinds,
+        )
+        self.prefix_cache = PrefixCache(self.rules, pools, enabled=not cfg.disable_radix_cache)
+        self.adapter = CacheAdapter(self.prefix_cache)
+        self.scheduler = Scheduler(cfg, self.adapter)
+        groups = tuple(sorted({page_group(k) for k in kinds if k != "mamba"}))
+        self.runner = ModelRunner(
+            model,
+            num_pages={g: pools["full" if g == "full" else "swa"].size for g in groups},
+            page_size=P,
+            num_state_slots=pools["mamba"].size if "mamba" in pools else 0,
+        )
+        self.builder = BatchBuilder(
+            page_size=P,
+            groups=groups,
+            max_running=cfg.max_running_requests,
+            max_prefill=cfg.chunked_prefill_size,
+            max_pages=-(-self.context_len // P),
+        )
+        self.requests: dict[str, Req] = {}
+        self._rng = random.Random(cfg.random_seed)
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+        if cfg.warmup:
+            self.warmup()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        input_ids: list[int] | None = None,
+        text: str | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        cache_salt: str | None = None,
+        stream: bool = False,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequest naming the bad field."""
+        sp = SamplingParams.from_dict(sampling_params)
+        if (input_ids is None) == (text is None):
+            raise InvalidRequest("give exactly one of text or input_ids")
+        if text is not None:
+            if not isinstance(text, str):
+                raise InvalidRequest("text must be a string")
+            input_ids = self.tokenizer.encode(text)
+        if not isinstance(input_ids, (list, tuple)) or any(
+            not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in input_ids
+        ):
+            raise InvalidRequest("input_ids must be a list of integers")
+        input_ids = [int(t) for t in input_ids]
+        if not input_ids:
+            raise InvalidRequest("the prompt is empty")
+        V = self.model.cfg.vocab_size
+        bad = [t for t in input_ids if not 0 <= t < V]
+        if bad:
+            raise InvalidRequest(f"input_ids: token ids {bad[:5]} outside the vocabulary [0, {V})")
+        n = len(input_ids)
+        if n + sp.max_new_tokens > self.context_len:
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length {self.context_len}"
+            )
+        capacity = min(p.size for k, p in self.prefix_cache.pools.items() if k != "mamba") * self.cfg.page_size
+        if "swa" in self.prefix_cache.pools and "full" not in self.prefix_cache.pools:
+            capacity = 1 << 62  # sliding-only models hold a window, not the sequence
+        if n + sp.max_new_tokens > capacity:
+            raise InvalidRequest(f"prompt + max_new_tokens ({n + sp.max_new_tokens}) exceeds the KV cache ({capacity} tokens)")
+        if not isinstance(logprob_start_len, int) or logprob_start_len < -1 or logprob_start_len >= max(n, 1):
+            raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {n}), got {logprob_start_len!r}")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+        rid = rid or uuid.uuid4().hex
+        if rid in self.requests:
+            raise InvalidRequest(f"rid {rid!r} is already in use")
+        req = Req(
+            rid=rid,
+            input_ids=input_ids,
+            sampling=sp,
+            return_logprob=bool(return_logprob),
+            logprob_start_len=logprob_start_len if return_logprob else -1,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+            cache_salt=cache_salt,
+            seed=sp.seed if sp.seed is not None else self._rng.getrandbits(31),
+            stream=stream,
+        )
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        req = self.scheduler.abort(rid)
+        if req is None:
+            return False
+        self._finish(req, {"type": "abort", "message": "aborted"})
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one batch; returns requests that finished or produced tokens this step."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        batch, sampling, copies, top, first_rows = self.builder.build(plan)
+        out = self.runner.step(batch, sampling, copies, top)
+        self.stats["steps"] += 1
+        return self._postprocess(plan, out, first_rows)
+
+    def _postprocess(self, plan: StepPlan, out, first_rows: list[int]) -> list[Req]:
+        touched = []
+        now = time.monotonic()
+        for s, item in enumerate(plan.items):
+            req = item.req
+            req.num_computed = item.end
+            if item.wants_input_logprobs:
+                self._record_input_logprobs(req, item, out, first_rows[s])
+            finished = None
+            if item.samples:
+                if len(req.output_ids) >= req.sampling.max_new_tokens:
+                    finished = {"type": "length", "length": req.sampling.max_new_tokens}
+                else:
+                    tok = int(out.next_ids[s])
+                    req.output_ids.append(tok)
+                    top = None
+                    if req.top_logprobs_num:
+                        top = list(zip(out.next_top_logprobs[s].tolist(), out.next_top_ids[s].tolist()))
+                    req.output_logprobs.append((float(out.next_logprobs[s]), top))
+                    self.stats["generated_tokens"] += 1
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    finished = self._stop_reason(req, tok)
+                touched.append(req)
+            if finished:
+                self.scheduler.running.remove(req)
+                self.adapter.finish(req)
+                self._finish(req, finished)
+            else:
+                self.adapter.after_step(req, insert=item.num_tokens > 1 or item.start < req.input_len)
+        return touched
+
+    def _record_input_logprobs(self, req: Req, item, out, row0: int) -> None:
+        lsl = req.logprob_start_len
+        for q in range(max(item.start, lsl), min(item.end, req.input_len - 1)):
+            row = row0 + q - item.start
+            top = None
+            if req.top_logprobs_num:
+                top = list(zip(out.row_top_logprobs[row].tolist(), out.row_top_ids[row].tolist()))
+            req.input_logprobs[q + 1] = (float(out.target_logprobs[row]), top)
+        if lsl < req.input_len and lsl not in req.input_logprobs:
+            req.input_logprobs[lsl] = (None, None)  # the first scored token has no context row
+
+    def _stop_reason(self, req: Req, tok: int) -> dict | None:
+        sp = req.sampling
+        if tok in sp.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if not sp.ignore_eos and tok in self.model.cfg.eos_token_ids:
+            return {"type": "stop", "matched": tok}
+        if sp.stop and self.tokenizer.has_text:
+            text = self.tokenizer.decode(req.output_ids[-64:], skip_special_tokens=False) or ""
+            for s in sp.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if req.input_len + len(req.output_ids) >= self.context_len:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self.stats["prompt_tokens"] += req.input_len
+        self.stats["cached_tokens"] += req.cached_tokens
+
+    # ---- results -------------------------------------------------------------------------------
+    def output(self, rid: str) -> dict:
+        return format_output(self.requests[rid], self.tokenizer)
+
+    def pop_output(self, rid: str) -> dict:
+        out = self.output(rid)
+        del self.requests[rid]
+        return out
+
+    def text_so_far(self, rid: str) -> str | None:
+        return output_text(self.requests[rid], self.tokenizer)
+
+    # ---- maintenance -----------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Clear the device cache; refused (False) while requests are in flight."""
+        if self.scheduler.has_work():
+            return False
+        self.prefix_cache.flush()
+        return True
+
+    def check_integrity(self) -> None:
+        self.prefix_cache.check_integrity(self.adapter.held(self.scheduler.running))
+
+    def warmup(self) -> None:
+        """Compile the step for every shape bucket, so serving never stops to compile."""
+        from hicache_jax.scheduler.plan import WorkItem
+
+        t0 = time.perf_counter()
+        P = self.cfg.page_size
+        dummy_pages = min(p.size for p in self.prefix_cache.pools.values() if p.name != "mamba state slots")
+        sizes = [1 << i for i in range((self.cfg.max_running_requests - 1).bit_length() + 1)]
+        plans = []
+        for S in sizes:  # decode-only shapes
+            plans.append([(1, 1)] * S)
+        for T in self.builder.buckets:  # prefill shapes
+            plans.append([(T - min(T, 1), 0)] if T > 1 else [(1, 0)])
+        for spec in plans:
+            items = []
+            for i, (n, _) in enumerate(spec):
+                n = max(1, min(n, dummy_pages * P - 1, self.cfg.chunked_prefill_size))
+                r = Req(rid=f"warmup{i}", input_ids=[0] * (n + 1), sampling=SamplingParams(temperature=0))
+                r.full_pages = r.swa_pages = [0] * -(-(n + 1) // P)
+                r.own_full = r.own_swa = [False] * len(r.full_pages)
+                items.append(WorkItem(r, 0, n if len(spec) > 1 or n > 1 else 1))
+            plan = StepPlan(items=items)
+            batch, sampling, copies, top, _ = self.builder.build(plan)
+            batch.slot_mappings.update({g: np.full_like(v, -1) for g, v in batch.slot_mappings.items()})
+            self.runner.step(batch, sampling, copies, top)
+        log.info("warm-up compiled %d step shapes in %.1fs", self.runner.num_compiled(), time.perf_counter() - t0)

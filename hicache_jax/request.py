@@ -1,0 +1,73 @@
+"""One request's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from hicache_jax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no input logprobs
+    top_logprobs_num: int = 0
+    cache_salt: str | None = None
+    seed: int = 0  # resolved sampling seed (the request's, or drawn at arrival)
+    stream: bool = False
+
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: dict | None = None
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    # Cache state (owned by the scheduler's cache adapter).
+    num_computed: int = 0  # tokens of fill_ids whose KV/state is in the cache
+    cached_tokens: int = 0
+    cached_details: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    full_pages: list = dataclasses.field(default_factory=list)  # per page: index | None
+    swa_pages: list = dataclasses.field(default_factory=list)  # per page: index | None (freed)
+    own_full: list = dataclasses.field(default_factory=list)  # per page: the request frees it
+    own_swa: list = dataclasses.field(default_factory=list)
+    state_slot: int | None = None  # working Mamba state
+    restore_from: int | None = None  # snapshot slot to copy into state_slot before the next step
+    snapshots: dict = dataclasses.field(default_factory=dict)  # page count -> snapshot slot
+    last_node: object = None  # deepest radix node this request locks
+    swa_locked: list = dataclasses.field(default_factory=list)  # nodes whose SWA page it pins
+    num_inserted_pages: int = 0  # pages of fill_ids already in the tree
+    retractions: int = 0
+
+    # Logprobs.
+    input_logprobs: dict = dataclasses.field(default_factory=dict)  # position -> (lp, top)
+    output_logprobs: list = dataclasses.field(default_factory=list)  # (lp, top) per output
+    streamed: int = 0  # outputs already delivered to a streaming client
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return len(self.input_ids) + len(self.output_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,94 @@
+"""The model runner: device cache arrays and one jitted function per step shape.
+
+A step is ``restore snapshots -> forward -> take snapshots -> sample``, all inside one
+jit, so logits never leave the device and Mamba state copies need no extra dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.models.cache import MambaState
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.sampler import SamplingInputs, SamplingOutputs, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCopies:
+    """Mamba state slot copies: ``before`` the forward (restore a snapshot into a working
+    slot) and ``after`` it (snapshot a working slot). -1 entries copy nothing."""
+
+    before_src: jax.Array  # [K] int32
+    before_dst: jax.Array
+    after_src: jax.Array
+    after_dst: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    StateCopies, data_fields=["before_src", "before_dst", "after_src", "after_dst"], meta_fields=[]
+)
+
+
+def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
+    out = []
+    for entry in cache:
+        if isinstance(entry, MambaState):
+            n = entry.ssm.shape[0]
+            ok = (src >= 0) & (dst >= 0)
+            s, d = jnp.where(ok, src, 0), jnp.where(ok, dst, n)  # gather first, then scatter
+            entry = MambaState(
+                conv=entry.conv.at[d].set(entry.conv[s], mode="drop"),
+                ssm=entry.ssm.at[d].set(entry.ssm[s], mode="drop"),
+            )
+        out.append(entry)
+    return tuple(out)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, *, num_pages: dict[str, int], page_size: int, num_state_slots: int):
+        self.model = model
+        self.cfg = model.cfg
+        self.page_size = page_size
+        self.has_mamba = "mamba" in self.cfg.layer_kinds
+        self.graphdef, self.params = nnx.split(model)
+        self.cache = model.allocate_cache(
+            num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots
+        )
+        self._step = jax.jit(
+            functools.partial(_step, self.graphdef), static_argnames=("top_logprobs",), donate_argnums=(1,)
+        )
+
+    def step(
+        self,
+        batch: ForwardBatch,
+        sampling: SamplingInputs,
+        copies: StateCopies,
+        top_logprobs: int,
+    ) -> SamplingOutputs:
+        self.cache, out = self._step(self.params, self.cache, batch, sampling, copies, top_logprobs=top_logprobs)
+        return jax.tree_util.tree_map(np.asarray, out)
+
+    def num_compiled(self) -> int:
+        """How many step programs have been compiled (the JIT-hygiene tests watch it)."""
+        return self._step._cache_size()
+
+    def kv_bytes_per_token(self) -> int:
+        b = 0
+        for entry in self.cache:
+            if not isinstance(entry, MambaState):
+                b += 2 * entry.k[0, 0].size * entry.k.dtype.itemsize
+        return b
+
+
+def _step(graphdef, params, cache, batch, sampling, copies, *, top_logprobs):
+    cache = copy_states(cache, copies.before_src, copies.before_dst)
+    cache, logits = nnx.merge(graphdef, params)(cache, batch)
+    cache = copy_states(cache, copies.after_src, copies.after_dst)
+    return cache, sample(logits, sampling, top_logprobs)

@@ -1,0 +1,1 @@
+"""Scheduling: which requests run next, and the one adapter that joins requests to the cache."""

@@ -1,0 +1,186 @@
+"""The one place that knows both requests and the cache.
+
+A request's pages are either borrowed from the radix tree (its matched prefix, and
+whatever it inserted: the tree owns those) or its own (it frees them). Page ``j`` holds
+tokens ``jP .. jP+P-1``::
+
+    pages      | 0 | 1 | 2 | 3 | 4 | 5 | 6 |
+    owner      | tree (matched/inserted)   | own (decode) ...
+    sliding KV   x   x   x  [ window ...   ]      x: tombstoned by the tree, or freed
+
+Prompt pages go into the tree at every prefill chunk boundary, before anything can slide
+out of the window, so the window that ends at the prompt's usable end survives for the
+next identical prompt. A running request frees only the out-of-window SWA pages it owns
+and pins (``swa_lock``) only the tree nodes inside its current window.
+"""
+
+from __future__ import annotations
+
+from hicache_jax.cache.prefix_cache import Match, PrefixCache
+from hicache_jax.request import Req
+
+
+class CacheAdapter:
+    def __init__(self, cache: PrefixCache):
+        self.cache = cache
+        self.rules = cache.rules
+        self.P = cache.rules.page_size
+        self.kinds = tuple(k for k in ("full", "swa") if k in cache.pools)
+        self.has_mamba = "mamba" in cache.pools
+
+    # ---- admission ---------------------------------------------------------------------
+    def match(self, req: Req) -> Match:
+        lsl = req.logprob_start_len if req.return_logprob else -1
+        return self.cache.match(req.fill_ids, len(req.fill_ids), lsl)
+
+    def admit(self, req: Req, match: Match, first_end: int) -> bool:
+        """Take the matched prefix and the resources for tokens up to ``first_end``;
+        all or nothing."""
+        if self.has_mamba:
+            slot = self.cache.alloc("mamba", 1)
+            if slot is None:
+                return False
+        n = len(match.nodes)
+        self.cache.lock(match.last)
+        req.full_pages = [x.full for x in match.nodes]
+        req.swa_pages = [x.swa for x in match.nodes]
+        req.own_full = [False] * n
+        req.own_swa = [False] * n
+        req.num_computed = req.cached_tokens = match.end
+        req.num_inserted_pages = n
+        req.last_node = match.last
+        self._relock_window(req, match.nodes)
+        if self.has_mamba:
+            req.state_slot = slot[0]
+            req.restore_from = match.last.mamba if n else None
+        if not self.ensure_pages(req, first_end):
+            self.release(req)
+            return False
+        return True
+
+    def ensure_pages(self, req: Req, end: int) -> bool:
+        """Own pages for every page up to token ``end``; all or nothing."""
+        need = -(-end // self.P) - len(req.full_pages)
+        if need <= 0:
+            return True
+        got = {}
+        for kind in self.kinds:
+            got[kind] = self.cache.alloc(kind, need)
+            if got[kind] is None:
+                for k, pages in got.items():
+                    if pages:
+                        self.cache.pools[k].free(pages)
+                return False
+        req.full_pages += got.get("full", [None] * need)
+        req.own_full += [True] * need if "full" in got else [False] * need
+        req.swa_pages += got.get("swa", [None] * need)
+        req.own_swa += [True] * need if "swa" in got else [False] * need
+        return True
+
+    def snapshot_slot(self, req: Req, pages: int) -> int | None:
+        """A slot for a state snapshot at ``pages`` pages (None: no room, skip it)."""
+        if not self.cache.enabled:
+            return None
+        decode = [k for k in req.snapshots if k > req.num_inserted_pages]
+        if decode:  # during decode keep one rolling snapshot: the latest page boundary
+            slot = req.snapshots.pop(decode[0])
+        else:
+            got = self.cache.alloc("mamba", 1)
+            if got is None:
+                return None
+            slot = got[0]
+        req.snapshots[pages] = slot
+        return slot
+
+    # ---- after a step -------------------------------------------------------------------
+    def after_step(self, req: Req, insert: bool) -> None:
+        if insert:
+            self.insert(req, req.num_computed // self.P)
+        self._slide_window(req)
+
+    def insert(self, req: Req, num_pages: int) -> None:
+        num_pages = min(num_pages, len(req.full_pages))
+        if not self.cache.enabled or num_pages <= req.num_inserted_pages:
+            return
+        pages = {
+            "full": [p if own else None for p, own in zip(req.full_pages, req.own_full)],
+            "swa": [p if own else None for p, own in zip(req.swa_pages, req.own_swa)],
+        }
+        pages = {k: v for k, v in pages.items() if k in self.cache.pools}
+        if self.has_mamba:
+            pages["mamba"] = [req.snapshots.get(j + 1) for j in range(num_pages)]
+        node, taken = self.cache.insert(req.fill_ids, req.last_node, num_pages, pages)
+        for j in taken.get("full", ()):
+            req.own_full[j] = False
+        for j in taken.get("swa", ()):
+            req.own_swa[j] = False
+        for j in [k for k in req.snapshots if k <= num_pages]:
+            slot = req.snapshots.pop(j)
+            if j - 1 not in taken.get("mamba", ()):
+                self.cache.pools["mamba"].free([slot])  # the tree had one already
+        self.cache.lock(node)
+        self.cache.unlock(req.last_node)
+        req.last_node = node
+        req.num_inserted_pages = num_pages
+        self._relock_window(req, self.cache.tree.path_to(node))
+
+    def _relock_window(self, req: Req, path: list) -> None:
+        """Pin the tree nodes inside the request's current window, and only those."""
+        self.cache.swa_unlock(req.swa_locked)
+        window = self.rules.swa_pages_needed(req.num_computed) if "swa" in self.cache.pools else range(0)
+        req.swa_locked = [path[j] for j in window if j < len(path)]
+        self.cache.swa_lock(req.swa_locked)
+        first = window.start if window else len(req.swa_pages)
+        self._drop_swa_before(req, first if "swa" in self.cache.pools else 0)
+
+    def _slide_window(self, req: Req) -> None:
+        if "swa" not in self.cache.pools:
+            return
+        first = self.rules.swa_pages_needed(req.num_computed).start if req.num_computed else 0
+        keep = [n for n in req.swa_locked if n.depth - 1 >= first]
+        self.cache.swa_unlock([n for n in req.swa_locked if n.depth - 1 < first])
+        req.swa_locked = keep
+        self._drop_swa_before(req, first)
+
+    def _drop_swa_before(self, req: Req, first: int) -> None:
+        """Out-of-window pages: free the ones the request owns, forget the borrowed ones."""
+        for j in range(min(first, len(req.swa_pages))):
+            if req.swa_pages[j] is not None:
+                if req.own_swa[j]:
+                    self.cache.pools["swa"].free([req.swa_pages[j]])
+                    req.own_swa[j] = False
+                req.swa_pages[j] = None
+
+    # ---- leaving ------------------------------------------------------------------------
+    def finish(self, req: Req) -> None:
+        """Give the computed sequence to the tree, then release what is left."""
+        self.insert(req, req.num_computed // self.P)
+        self.release(req)
+
+    def release(self, req: Req) -> None:
+        for kind, pages, own in (("full", req.full_pages, req.own_full), ("swa", req.swa_pages, req.own_swa)):
+            mine = [p for p, o in zip(pages, own) if o and p is not None]
+            if mine:
+                self.cache.pools[kind].free(mine)
+        if self.has_mamba:
+            slots = list(req.snapshots.values()) + ([req.state_slot] if req.state_slot is not None else [])
+            self.cache.pools["mamba"].free(slots)
+        self.cache.swa_unlock(req.swa_locked)
+        self.cache.unlock(req.last_node)
+        req.full_pages, req.swa_pages, req.own_full, req.own_swa = [], [], [], []
+        req.snapshots, req.swa_locked = {}, []
+        req.state_slot = req.restore_from = req.last_node = None
+        req.num_computed = req.num_inserted_pages = 0
+
+    def held(self, reqs) -> dict[str, list[int]]:
+        """Indices the given (running) requests own, for integrity checks."""
+        out: dict[str, list[int]] = {k: [] for k in self.cache.pools}
+        for r in reqs:
+            for kind, pages, own in (("full", r.full_pages, r.own_full), ("swa", r.swa_pages, r.own_swa)):
+                if kind in out:
+                    out[kind] += [p for p, o in zip(pages, own) if o and p is not None]
+            if self.has_mamba:
+                out["mamba"] += list(r.snapshots.values())
+                if r.state_slot is not None:
+                    out["mamba"].append(r.state_slot)
+        return out

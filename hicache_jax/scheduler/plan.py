@@ -1,0 +1,177 @@
+"""A step's work and the padded device inputs built from it.
+
+Shapes come from a few buckets so steady-state serving never recompiles:
+
+- decode-only steps: ``S`` = the next power of two >= the number of sequences, ``T = S``;
+- steps with prefill: ``T`` from a short geometric list, ``S = max_running_requests``;
+- logits rows: one per sequence, or one per token when a request wants input logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.request import Req
+from hicache_jax.runner import StateCopies
+from hicache_jax.sampler import SamplingInputs
+from hicache_jax.sampling_params import MAX_TOP_LOGPROBS
+
+
+@dataclasses.dataclass
+class WorkItem:
+    req: Req
+    start: int  # first token (index into fill_ids) fed this step
+    end: int  # one past the last
+    has_initial_state: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.req.input_ids) + len(self.req.output_ids)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        r = self.req
+        return r.return_logprob and 0 <= r.logprob_start_len and self.start < r.input_len
+
+
+@dataclasses.dataclass
+class StepPlan:
+    items: list[WorkItem]
+    copies_before: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    copies_after: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(i.num_tokens == 1 for i in self.items)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    out, b = [], 16
+    while b < max_tokens:
+        out.append(b)
+        b *= 4
+    return out + [max_tokens]
+
+
+class BatchBuilder:
+    def __init__(self, *, page_size: int, groups: tuple[str, ...], max_running: int, max_prefill: int, max_pages: int):
+        self.P = page_size
+        self.groups = groups
+        self.max_running = max_running
+        self.buckets = token_buckets(max_prefill + max_running)
+        self.max_pages = max_pages
+
+    def shapes(self, plan: StepPlan) -> tuple[int, int, int]:
+        """(T, S, R) for a plan."""
+        n = len(plan.items)
+        if plan.decode_only:
+            S = 1 << (n - 1).bit_length()
+            T = S
+        else:
+            S = self.max_running
+            T = next(b for b in self.buckets if b >= plan.num_tokens)
+        R = T if any(i.wants_input_logprobs for i in plan.items) else S
+        return T, S, R
+
+    def build(self, plan: StepPlan) -> tuple[ForwardBatch, SamplingInputs, StateCopies, int, list[int]]:
+        """Device inputs, the top-logprobs width, and each item's first row in T."""
+        T, S, R = self.shapes(plan)
+        P = self.P
+        ids = np.zeros(T, np.int32)
+        pos = np.zeros(T, np.int32)
+        cu = np.zeros(S + 1, np.int32)
+        kv = np.zeros(S, np.int32)
+        tables = {g: np.zeros((S, self.max_pages), np.int32) for g in self.groups}
+        slots = {g: np.full(T, -1, np.int32) for g in self.groups}
+        state_slots = np.full(S, -1, np.int32)
+        has_init = np.zeros(S, bool)
+        targets = np.full(R, -1, np.int32)
+        s_inputs = {
+            "temperature": np.zeros(S, np.float32),
+            "top_p": np.ones(S, np.float32),
+            "top_k": np.full(S, -1, np.int32),
+            "min_p": np.zeros(S, np.float32),
+            "seeds": np.zeros(S, np.uint32),
+            "counters": np.zeros(S, np.int32),
+        }
+        last_rows = np.zeros(S, np.int32)
+        first_rows = []
+        t = 0
+        for s, item in enumerate(plan.items):
+            r = item.req
+            fill = r.fill_ids
+            n = item.num_tokens
+            ids[t : t + n] = fill[item.start : item.end]
+            p = np.arange(item.start, item.end)
+            pos[t : t + n] = p
+            for g, pages in (("full", r.full_pages), ("swa", r.swa_pages)):
+                if g in tables:
+                    row = np.array([-1 if x is None else x for x in pages], np.int64)
+                    tables[g][s, : len(row)] = np.maximum(row, 0)
+                    slot_page = row[p // P]
+                    if (slot_page < 0).any():
+                        raise RuntimeError(f"request {r.rid}: no {g} page for positions being written")
+                    slots[g][t : t + n] = slot_page * P + p % P
+            kv[s] = item.end
+            state_slots[s] = -1 if r.state_slot is None else r.state_slot
+            has_init[s] = item.has_initial_state
+            sp = r.sampling
+            s_inputs["temperature"][s] = sp.temperature
+            s_inputs["top_p"][s] = sp.top_p
+            s_inputs["top_k"][s] = sp.top_k
+            s_inputs["min_p"][s] = sp.min_p
+            s_inputs["seeds"][s] = r.seed
+            s_inputs["counters"][s] = len(r.output_ids)
+            last_rows[s] = (t + n - 1) if R == T else s
+            if R == T:
+                nxt = fill[item.start + 1 : item.end + 1]  # row q scores token q+1
+                targets[t : t + len(nxt)] = nxt
+            first_rows.append(t)
+            t += n
+            cu[s + 1] = t
+        cu[len(plan.items) + 1 :] = t
+        logits_rows = np.arange(R, dtype=np.int32) if R == T else np.minimum(cu[1:] - 1, T - 1).astype(np.int32)
+        if R != T:
+            logits_rows[len(plan.items) :] = 0
+        batch = ForwardBatch(
+            input_ids=ids,
+            positions=pos,
+            cu_q_lens=cu,
+            kv_lens=kv,
+            num_seqs=np.int32(len(plan.items)),
+            page_tables=tables,
+            slot_mappings=slots,
+            state_slots=state_slots,
+            has_initial_state=has_init,
+            logits_indices=logits_rows,
+            decode_only=plan.decode_only,
+        )
+        sampling = SamplingInputs(last_rows=last_rows, targets=targets, **s_inputs)
+        copies = self._copies(plan)
+        top = MAX_TOP_LOGPROBS if any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items) else 0
+        return batch, sampling, copies, top, first_rows
+
+    def _copies(self, plan: StepPlan) -> StateCopies:
+        K = self.max_running
+
+        def pad(pairs):
+            src = np.full(K, -1, np.int32)
+            dst = np.full(K, -1, np.int32)
+            for i, (a, b) in enumerate(pairs):
+                src[i], dst[i] = a, b
+            return src, dst
+
+        bs, bd = pad(plan.copies_before)
+        as_, ad = pad(plan.copies_after)
+        return StateCopies(before_src=bs, before_dst=bd, after_src=as_, after_dst=ad)

@@ -1,0 +1,480 @@
+"""Mamba2 SSD as Pallas TPU kernels: ragged chunked prefill (``ssd_ragged``) and the one-token
+decode update (``ssd_decode``). Both read each sequence's initial state from its slot in the
+state pool and write the final state back to that slot inside the kernel; the pool is aliased
+input -> output, so under a jit that donates it the update is in place.
+
+Prefill grid = (head block, token block). A token block is ``chunk`` rows of the flat batch, so
+it may cut through sequences; each grid step loops over its *segments* (sequence ∩ block)::
+
+    rows         | s0: 40 tokens                 | s1: 3 | s2: 20          |
+    blocks (Q=16)| b0: 16  | b1: 16  | b2: 8     + 3     + 5 | b3: 15 + pad |
+    segments     | s0      | s0      | s0 | s1 | s2          | s2           |
+
+The state of the sequence that runs across a block boundary is carried to the next block in
+VMEM scratch (the token-block axis runs in order). A sequence's first segment loads its state
+from ``states[slots[s]]`` (or zeros), its last segment writes the state back. Token-block
+major keeps x, dt, B, C and y in aligned blocks that Pallas double-buffers; a sequence-major
+grid would need ragged row DMAs whose last chunk spills into the next sequence's rows. The
+work is the same bound either way: segments <= num_blocks + num_seqs, each one chunk of work.
+
+Within a segment, rows outside it are masked to ``dt = 0, x = B = C = 0``: they neither decay
+nor add to the state and their y is 0, so every segment is a plain chunk of the SSD scan
+(the quadratic form of ``chunked.py`` plus the carried state). Masking with ``where`` also
+keeps NaN in padding rows out of the results.
+
+Layouts, chosen so every block meets the TPU (8, 128) tiling whatever P, N and HB are:
+x and y [T, H*P] (a free reshape; a head is a static lane slice), B and C [G, T, N] and dt
+[H/HB, T, HB] (transposes that fuse into their producer under jit; B, C and dt are small next
+to x). ``HB`` heads per block either lie in one group or cover ``GB`` whole groups.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _dot(a, b, contract: tuple[int, int], precision) -> jax.Array:
+    """2-D matmul contracting ``a``'s dim ``contract[0]`` with ``b``'s dim ``contract[1]``."""
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+
+def pick_head_block(num_heads: int, num_groups: int, head_dim: int, target: int = 8) -> int:
+    """Largest head block <= target that divides H, lies in one group or covers whole groups,
+    and spans whole 128-lane tiles of x; else all heads (always valid)."""
+    hpg = num_heads // num_groups
+    for hb in range(min(target, num_heads), 0, -1):
+        fits = num_heads % hb == 0 and (hpg % hb == 0 or hb % hpg == 0)
+        if fits and (hb * head_dim) % 128 == 0:
+            return hb
+    return num_heads
+
+
+def _group_block(num_heads: int, num_groups: int, head_block: int) -> tuple[int, int]:
+    """(groups per head block, heads per group); checks the head block is group-compatible."""
+    hpg = num_heads // num_groups
+    if num_heads % num_groups or num_heads % head_block:
+        raise ValueError(f"H={num_heads} must divide by G={num_groups} and head_block={head_block}")
+    if hpg % head_block and head_block % hpg:
+        raise ValueError(f"head_block={head_block} must lie in one group or cover whole groups")
+    return max(1, head_block // hpg), hpg
+
+
+def _group_blk(hb, *, head_block: int, hpg: int, groups_per_block: int):
+    """Index of head block ``hb``'s groups in B, C cut into blocks of GB groups."""
+    return lax.div(hb * head_block, hpg * groups_per_block)
+
+
+def _group_major(v: jax.Array) -> jax.Array:
+    """[T, G, N] -> [G, T, N]: a group's rows as one tile."""
+    return v.transpose(1, 0, 2)
+
+
+def _head_major(v: jax.Array, head_block: int) -> jax.Array:
+    """[T, H] -> [H/HB, T, HB]: a head block's columns as one tile."""
+    T, H = v.shape
+    return v.reshape(T, H // head_block, head_block).transpose(1, 0, 2)
+
+
+def _live_cu(cu_seqlens: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """cu_seqlens with entries past num_seqs pinned to the live end (padding may hold junk)."""
+    n = cu_seqlens.shape[0]
+    cu = cu_seqlens.astype(jnp.int32)
+    return jnp.where(jnp.arange(n) <= num_seqs, cu, cu[num_seqs])
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def _segment(lo, hi, blocks, y_ref, h_scr, *, hpg: int, precision) -> None:
+    """One chunk of the scan for the rows [lo, hi) of this block, state in ``h_scr``."""
+    x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref = blocks
+    Q = x_ref.shape[0]
+    HB, P, N = h_scr.shape
+    rows = lax.broadcasted_iota(jnp.int32, (Q, 1), 0)
+    mask = (rows >= lo) & (rows < hi)  # [Q, 1]
+    i, j = lax.broadcasted_iota(jnp.int32, (Q, Q), 0), lax.broadcasted_iota(jnp.int32, (Q, Q), 1)
+    causal = i >= j  # [Qi, Qj]
+    dt = jnp.where(mask, dt_ref[...].astype(F32), 0.0)  # [Q, HB]
+    a = dt * a_ref[...]  # [Q, HB], log-decay per row, <= 0
+    # Cumulative sums as matmuls with a triangle of ones (the MXU's native cumsum), in both
+    # orientations so exp(cum_i - cum_j) needs no in-register transpose.
+    tril = causal.astype(F32)  # [Qi, Qj]
+    cum = _dot(tril, a, (1, 0), HIGHEST)  # [Q, HB]
+    cum_t = _dot(a, tril, (0, 1), HIGHEST)  # [HB, Q]
+    d_row = d_ref[...]  # [1, HB]
+    per_group: dict[int, tuple] = {}
+    for h in range(HB):  # static: a handful of heads, each a few [Q, *] matmuls
+        g = h // hpg  # group within this block
+        if g not in per_group:
+            Bg = jnp.where(mask, b_ref[g].astype(F32), 0.0)  # [Q, N]
+            Cg = jnp.where(mask, c_ref[g].astype(F32), 0.0)  # [Q, N]
+            per_group[g] = (Bg, Cg, _dot(Cg, Bg, (1, 1), precision))  # CB: [Qi, Qj]
+        Bg, Cg, CB = per_group[g]
+        xh = jnp.where(mask, x_ref[:, h * P : (h + 1) * P].astype(F32), 0.0)  # [Q, P]
+        xdt = xh * dt[:, h : h + 1]  # [Q, P]
+        ci = cum[:, h : h + 1]  # [Q, 1]
+        c_end = cum[Q - 1 :, h : h + 1]  # [1, 1]; masked rows after hi add 0, so = cum[hi-1]
+        decay = jnp.exp(jnp.where(causal, ci - cum_t[h : h + 1, :], -jnp.inf))  # [Qi, Qj]
+        state = h_scr[h]  # [P, N] state before the segment
+        y = _dot(CB * decay, xdt, (1, 0), precision)  # [Q, P] within the chunk
+        y = y + jnp.exp(ci) * _dot(Cg, state, (1, 1), precision)  # [Q, P] from the state
+        y_ref[:, h * P : (h + 1) * P] += y + d_row[:, h : h + 1] * xh
+        to_end = xdt * jnp.exp(c_end - ci)  # [Q, P]
+        h_scr[h] = jnp.exp(c_end) * state + _dot(to_end, Bg, (0, 0), precision)  # [P, N]
+
+
+def _ragged_kernel(
+    # scalar prefetch (SMEM)
+    cu_ref,  # [S + 1] live cu_seqlens
+    meta_ref,  # [2]: num_seqs, last token block holding live rows
+    slots_ref,  # [S] state slot (-1: none)
+    init_ref,  # [S] 1: start from the slot's state
+    first_ref,  # [NB] first sequence touching each token block
+    last_ref,  # [NB] one past the last sequence touching it
+    # blocks (VMEM) and the state pool (HBM)
+    x_ref,  # [Q, HB*P]
+    dt_ref,  # [Q, HB]
+    a_ref,  # [1, HB]
+    b_ref,  # [GB, Q, N]
+    c_ref,  # [GB, Q, N]
+    d_ref,  # [1, HB]
+    states_in,  # [num_slots, H, P, N] HBM
+    y_ref,  # [Q, HB*P]
+    states_out,  # [num_slots, H, P, N] HBM, aliases states_in
+    h_scr,  # [HB, P, N] f32: the running state
+    sem,  # DMA semaphore
+    *,
+    hpg: int,
+    precision,
+):
+    hb, blk = pl.program_id(0), pl.program_id(1)
+    Q = x_ref.shape[0]
+    HB = h_scr.shape[0]
+    heads = pl.ds(hb * HB, HB)
+    num_seqs = meta_ref[0]
+
+    def write_state(slot):
+        copy = pltpu.make_async_copy(h_scr, states_out.at[slot, heads], sem)
+        copy.start()
+        copy.wait()  # h_scr is reused by the next segment
+
+    @pl.when(blk == 0)
+    def _():
+        # Empty live sequences touch no block: their final state is their initial state,
+        # which for a fresh one means writing zeros (as the xla backend does).
+        h_scr[...] = jnp.zeros(h_scr.shape, F32)
+
+        def empty(s, carry):
+            fresh = (cu_ref[s + 1] == cu_ref[s]) & (slots_ref[s] >= 0) & (init_ref[s] == 0)
+            pl.when(fresh)(lambda: write_state(slots_ref[s]))
+            return carry
+
+        lax.fori_loop(0, num_seqs, empty, 0)
+
+    y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+    blk_lo = blk * Q
+
+    def segment(s, carry):
+        start, end, slot = cu_ref[s], cu_ref[s + 1], slots_ref[s]
+        live = slot >= 0
+
+        @pl.when(end > start)
+        def _():
+            @pl.when(start >= blk_lo)  # the sequence begins here: load its initial state
+            def _():
+                @pl.when(live & (init_ref[s] != 0))
+                def _():
+                    copy = pltpu.make_async_copy(states_in.at[slot, heads], h_scr, sem)
+                    copy.start()
+                    copy.wait()
+
+                @pl.when(~(live & (init_ref[s] != 0)))
+                def _():
+                    h_scr[...] = jnp.zeros(h_scr.shape, F32)
+
+            lo = jnp.maximum(start - blk_lo, 0)
+            hi = jnp.minimum(end - blk_lo, Q)
+            blocks = (x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref)
+            _segment(lo, hi, blocks, y_ref, h_scr, hpg=hpg, precision=precision)
+            pl.when(live & (end <= blk_lo + Q))(lambda: write_state(slot))  # it ends here
+
+        return carry
+
+    lax.fori_loop(first_ref[blk], last_ref[blk], segment, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "head_block", "precision", "interpret"))
+def ssd_ragged(
+    x: jax.Array,  # [T, H, P]
+    dt: jax.Array,  # [T, H] softplus + bias already applied
+    A: jax.Array,  # [H]
+    B: jax.Array,  # [T, G, N]
+    C: jax.Array,  # [T, G, N]
+    D: jax.Array,  # [H]
+    cu_seqlens: jax.Array,  # [S + 1]
+    num_seqs: jax.Array,  # []
+    states: jax.Array,  # [num_slots, H, P, N] float32
+    slots: jax.Array,  # [S] int32, -1: none
+    has_initial_state: jax.Array,  # [S] bool
+    *,
+    chunk: int = 128,
+    head_block: int | None = None,
+    precision: lax.Precision = HIGHEST,
+    interpret=False,
+) -> tuple[jax.Array, jax.Array]:  # y [T, H, P] float32, updated states
+    """Ragged, slot-indexed chunked SSD scan (prefill and mixed batches).
+
+    ``chunk``: rows per token block (a multiple of 8; 128 or 256 on TPU). ``precision`` of the
+    data matmuls: HIGHEST matches the references to f32 rounding; DEFAULT (one bf16 pass) is
+    faster on TPU. Live sequences must own distinct slots."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    Q = chunk
+    HB = head_block or pick_head_block(H, G, P)
+    GB, hpg = _group_block(H, G, HB)
+    NB = -(-T // Q)
+    Tp = NB * Q
+    if Tp != T:  # rows past cu_seqlens[num_seqs] are never live: zero padding is safe
+        pad = lambda v: jnp.pad(v, [(0, Tp - T)] + [(0, 0)] * (v.ndim - 1))
+        x, dt, B, C = pad(x), pad(dt), pad(B), pad(C)
+
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    cu = _live_cu(cu_seqlens, num_seqs)  # [S + 1]
+    blk_lo = jnp.arange(NB, dtype=jnp.int32) * Q
+    # Sequences touching block b: those ending after its start and starting before its end.
+    first = jnp.searchsorted(cu[1:], blk_lo, side="right").astype(jnp.int32)  # [NB]
+    last = jnp.minimum(jnp.searchsorted(cu[:-1], blk_lo + Q, side="left"), num_seqs)  # [NB]
+    last_blk = jnp.maximum((cu[num_seqs] + Q - 1) // Q - 1, 0)
+    meta = jnp.stack([num_seqs, last_blk]).astype(jnp.int32)  # [2]
+
+    # Blocks past the live rows re-use the last live block index, so Pallas skips their DMA.
+    rb = lambda b, meta_ref: jnp.minimum(b, meta_ref[1])
+    gblk = functools.partial(_group_blk, head_block=HB, hpg=hpg, groups_per_block=GB)
+    group_spec = pl.BlockSpec((GB, Q, N), lambda hb, b, cu, meta, *_: (gblk(hb), rb(b, meta), 0))
+    head_spec = pl.BlockSpec((None, 1, HB), lambda hb, b, *_: (hb, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(H // HB, NB),
+        in_specs=[
+            pl.BlockSpec((Q, HB * P), lambda hb, b, cu, meta, *_: (rb(b, meta), hb)),  # x
+            pl.BlockSpec((None, Q, HB), lambda hb, b, cu, meta, *_: (hb, rb(b, meta), 0)),  # dt
+            head_spec,  # A
+            group_spec,  # B
+            group_spec,  # C
+            head_spec,  # D
+            pl.BlockSpec(memory_space=pl.ANY),  # states
+        ],
+        out_specs=[
+            pl.BlockSpec((Q, HB * P), lambda hb, b, *_: (b, hb)),  # y
+            pl.BlockSpec(memory_space=pl.ANY),  # states
+        ],
+        scratch_shapes=[pltpu.VMEM((HB, P, N), F32), pltpu.SemaphoreType.DMA],
+    )
+    y, states = pl.pallas_call(
+        functools.partial(_ragged_kernel, hpg=hpg, precision=precision),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((Tp, H * P), F32),
+            jax.ShapeDtypeStruct(states.shape, states.dtype),
+        ],
+        input_output_aliases={12: 1},  # 6 scalar-prefetch operands, then x dt A B C D states
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(
+        cu,
+        meta,
+        slots.astype(jnp.int32),
+        has_initial_state.astype(jnp.int32),
+        first,
+        last.astype(jnp.int32),
+        x.reshape(Tp, H * P),
+        _head_major(dt.astype(F32), HB),
+        _head_major(A.astype(F32)[None], HB),
+        _group_major(B),
+        _group_major(C),
+        _head_major(D.astype(F32)[None], HB),
+        states,
+    )
+    return y[:T].reshape(T, H, P), states
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _decode_kernel(
+    # scalar prefetch (SMEM)
+    rows_ref,  # [S] the sequence's token row (-1: padding sequence)
+    slots_ref,  # [S] slot to write (-1: none, or padding)
+    init_ref,  # [S] 1: start from the slot's state
+    read_ref,  # [S] slot whose block the pipeline fetches (see ssd_decode)
+    # blocks: this head block's columns of the whole (small) decode batch stay resident
+    x_ref,  # [T, HB*P]
+    dt_ref,  # [T, HB]
+    a_ref,  # [1, HB]
+    b_ref,  # [GB, T, N]
+    c_ref,  # [GB, T, N]
+    d_ref,  # [1, HB]
+    state_ref,  # [HB, P, N] states[read[s], head block], double-buffered by Pallas
+    y_ref,  # [T, HB*P]
+    states_out,  # [num_slots, H, P, N] HBM, aliases the state pool
+    out_scr,  # [2, HB, P, N] f32: new states, written back while the next sequence runs
+    sems,  # [2] DMA semaphores
+    pending,  # [2] int32 SMEM: a write-back from out_scr[i] is in flight
+    *,
+    hpg: int,
+    precision,
+):
+    hb, s = pl.program_id(0), pl.program_id(1)
+    S = pl.num_programs(1)
+    HB, P, N = state_ref.shape
+    heads = pl.ds(hb * HB, HB)
+    buf = lax.rem(s, 2)  # (lax.rem/div, not % and //: indices are >= 0, no sign fix-up)
+
+    def copy(i, slot):
+        return pltpu.make_async_copy(out_scr.at[i], states_out.at[slot, heads], sems.at[i])
+
+    def drain(i):
+        @pl.when(pending[i] != 0)
+        def _():
+            copy(i, 0).wait()  # the wait only needs the byte count and the semaphore
+            pending[i] = 0
+
+    @pl.when(s == 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+        pending[0] = 0
+        pending[1] = 0
+
+    drain(buf)  # out_scr[buf] was last sent two sequences ago
+    row, slot = rows_ref[s], slots_ref[s]
+    r = pl.ds(jnp.maximum(row, 0), 1)
+    fresh = init_ref[s] == 0  # start from zeros; `where`, not `* 0`, so NaN never leaks
+    xr = x_ref[r, :].astype(F32)  # [1, HB*P]
+    dtr = dt_ref[r, :].astype(F32)  # [1, HB]
+    decay = jnp.exp(dtr * a_ref[...])  # [1, HB]
+    d_row = d_ref[...]  # [1, HB]
+    for h in range(HB):
+        g = h // hpg
+        xh = xr[:, h * P : (h + 1) * P]  # [1, P]
+        bg, cg = b_ref[g, r, :].astype(F32), c_ref[g, r, :].astype(F32)  # [1, N]
+        old = jnp.where(fresh, 0.0, state_ref[h].astype(F32))  # [P, N]
+        new = decay[:, h : h + 1] * old + _dot(xh * dtr[:, h : h + 1], bg, (0, 0), precision)
+        out_scr[buf, h] = new  # [P, N]
+        y = _dot(cg, new, (1, 1), precision) + d_row[:, h : h + 1] * xh  # [1, P]
+
+        @pl.when(row >= 0)  # padding sequences leave their (zeroed) rows alone
+        def _(y=y, h=h):
+            y_ref[r, pl.ds(h * P, P)] = y
+
+    @pl.when(slot >= 0)
+    def _():
+        copy(buf, slot).start()
+        pending[buf] = 1
+
+    @pl.when(s == S - 1)  # leave nothing in flight when the head block ends
+    def _():
+        drain(0)
+        drain(1)
+
+
+@functools.partial(jax.jit, static_argnames=("head_block", "precision", "interpret"))
+def ssd_decode(
+    x: jax.Array,  # [T, H, P]
+    dt: jax.Array,  # [T, H]
+    A: jax.Array,  # [H]
+    B: jax.Array,  # [T, G, N]
+    C: jax.Array,  # [T, G, N]
+    D: jax.Array,  # [H]
+    cu_seqlens: jax.Array,  # [S + 1]; sequence s's one token is row cu_seqlens[s]
+    num_seqs: jax.Array,  # []
+    states: jax.Array,  # [num_slots, H, P, N] float32
+    slots: jax.Array,  # [S] int32, -1: none
+    has_initial_state: jax.Array,  # [S] bool
+    *,
+    head_block: int | None = None,
+    precision: lax.Precision = HIGHEST,
+    interpret=False,
+) -> tuple[jax.Array, jax.Array]:  # y [T, H, P] float32, updated states
+    """One-token SSD update for a decode-only batch, slot-indexed like ``ssd_ragged``.
+
+    Grid = (head block, sequence). Decode is bound by the state pool's bytes, so the state
+    read goes through a BlockSpec whose index map follows the slots (Pallas prefetches the
+    next sequence's state while this one computes) and the write-back is an async DMA that
+    overlaps the next sequence."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    S = slots.shape[0]
+    HB = head_block or pick_head_block(H, G, P)
+    GB, hpg = _group_block(H, G, HB)
+
+    s_idx = jnp.arange(S, dtype=jnp.int32)
+    live = s_idx < num_seqs
+    rows = jnp.clip(cu_seqlens[:-1], 0, T - 1).astype(jnp.int32)  # [S]
+    write = jnp.where(live, slots, -1).astype(jnp.int32)  # [S]
+    init = (live & (slots >= 0) & has_initial_state).astype(jnp.int32)  # [S]
+    # A sequence that reads nothing re-uses the previous read's block index, so the pipeline
+    # issues no DMA for it; padding rows of y are never written, so they stay 0.
+    reader = lax.cummax(jnp.where(init > 0, s_idx, -1), axis=0)  # [S]
+    read = jnp.where(reader >= 0, write[jnp.maximum(reader, 0)], 0)  # [S]
+    rows = jnp.where(live, rows, -1)  # [S]; padding sequences write no y row
+
+    full = lambda width, col: pl.BlockSpec((T, width), lambda hb, s, *_: (0, col(hb)))
+    gblk = functools.partial(_group_blk, head_block=HB, hpg=hpg, groups_per_block=GB)
+    group_spec = pl.BlockSpec((GB, T, N), lambda hb, s, *_: (gblk(hb), 0, 0))
+    head_spec = pl.BlockSpec((None, 1, HB), lambda hb, s, *_: (hb, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(H // HB, S),
+        in_specs=[
+            full(HB * P, lambda hb: hb),  # x
+            pl.BlockSpec((None, T, HB), lambda hb, s, *_: (hb, 0, 0)),  # dt
+            head_spec,  # A
+            group_spec,  # B
+            group_spec,  # C
+            head_spec,  # D
+            pl.BlockSpec((None, HB, P, N), lambda hb, s, rows, wr, init, rd: (rd[s], hb, 0, 0)),
+        ],
+        out_specs=[
+            full(HB * P, lambda hb: hb),  # y
+            pl.BlockSpec(memory_space=pl.ANY),  # states
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((2, HB, P, N), F32),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((2,), jnp.int32),
+        ],
+    )
+    y, states = pl.pallas_call(
+        functools.partial(_decode_kernel, hpg=hpg, precision=precision),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((T, H * P), F32),
+            jax.ShapeDtypeStruct(states.shape, states.dtype),
+        ],
+        input_output_aliases={10: 1},  # 4 scalar-prefetch operands, then x dt A B C D states
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(
+        rows,
+        write,
+        init,
+        read.astype(jnp.int32),
+        x.reshape(T, H * P),
+        _head_major(dt.astype(F32), HB),
+        _head_major(A.astype(F32)[None], HB),
+        _group_major(B),
+        _group_major(C),
+        _head_major(D.astype(F32)[None], HB),
+        states,
+    )
+    return y.reshape(T, H, P), states

@@ -1,0 +1,83 @@
+"""Built-in model presets with random weights (fixed seed), so demos and tests run offline.
+
+``tiny*`` presets are for tests and notebooks; ``100m`` is the benchmark size. The tiny
+tokenizer (byte-level BPE, 500 tokens) ships in ``hicache_jax/assets``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+from flax import nnx
+
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.models.config import MambaConfig, ModelConfig
+from hicache_jax.models.kernels.backend import KernelConfig
+
+import hicache_jax
+
+TOKENIZER = os.path.join(os.path.dirname(hicache_jax.__file__), "assets", "tiny_tokenizer.json")
+
+_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    eos_token_ids=(2,),
+    bos_token_id=1,
+    max_position_embeddings=8192,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Gemma3-style local/global interleave: the default for demos.
+    "tiny": ModelConfig(
+        architecture="preset:tiny",
+        layer_kinds=("sliding", "attention", "sliding", "attention"),
+        sliding_window=32,
+        rope_theta_sliding=10000.0,
+        rope_theta=1e6,
+        **_TINY,
+    ),
+    # Mistral-style: every layer sliding.
+    "tiny-swa": ModelConfig(
+        architecture="preset:tiny-swa", layer_kinds=("sliding",) * 2, sliding_window=32, **_TINY
+    ),
+    # Bamba-style Mamba2 + attention hybrid.
+    "tiny-mamba": ModelConfig(
+        architecture="preset:tiny-mamba",
+        layer_kinds=("mamba", "attention", "mamba"),
+        partial_rotary_factor=0.5,
+        mamba=MambaConfig(num_heads=8, head_dim=16, state_size=16, num_groups=1, conv_kernel=4, chunk_size=64),
+        **_TINY,
+    ),
+    # ~100M parameters: 5 local : 1 global, for benchmarks.
+    "100m": ModelConfig(
+        architecture="preset:100m",
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        layer_kinds=(("sliding",) * 5 + ("attention",)) * 2,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        sliding_window=512,
+        rope_theta_sliding=10000.0,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+        max_position_embeddings=32768,
+    ),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def build_preset(name: str, *, seed: int = 0, dtype=jnp.float32, kernels: KernelConfig | None = None) -> CausalLM:
+    return CausalLM(preset_config(name), dtype=dtype, rngs=nnx.Rngs(seed), kernels=kernels)

@@ -1,0 +1,51 @@
+"""Text <-> token ids: ``tokenizer.json`` through ``tokenizers`` when a model ships one,
+otherwise token ids in, token ids out."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class Tokenizer:
+    def __init__(self, path: str | None):
+        """``path``: a model directory (or a tokenizer.json file); None or no tokenizer.json
+        means an ids-only tokenizer."""
+        self._tok = None
+        self.config: dict = {}
+        if path is None:
+            return
+        file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
+        if os.path.isfile(file):
+            from tokenizers import Tokenizer as HFTokenizer
+
+            try:
+                self._tok = HFTokenizer.from_file(file)
+            except Exception as e:  # tokenizers raises plain Exception subclasses
+                raise ValueError(f"{file}: unreadable tokenizer ({e})") from e
+        cfg = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                self.config = json.load(f)
+
+    @property
+    def has_text(self) -> bool:
+        return self._tok is not None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if self._tok is None:
+            raise ValueError("this model has no tokenizer.json: send input_ids instead of text")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str | None:
+        if self._tok is None:
+            return None
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str | None:
+        """One token's text (for logprob triples), None without a tokenizer."""
+        return None if self._tok is None else self._tok.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return None if self._tok is None else self._tok.get_vocab_size()

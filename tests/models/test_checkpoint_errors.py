@@ -1,0 +1,97 @@
+"""Malformed checkpoints fail with an error naming the file and the tensor."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from hicache_jax.models import CheckpointError, load_hf
+from tests import hf_checkpoints
+
+TENSOR = "model.layers.1.self_attn.k_proj.weight"
+
+
+@pytest.fixture
+def mistral_copy(checkpoint_dir, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir("mistral"), dst)
+    return str(dst)
+
+
+def rewrite(path, fn):
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    fn(tensors)
+    save_file(tensors, f)
+    return f
+
+
+def test_unsupported_architecture(mistral_copy):
+    cfg_path = os.path.join(mistral_copy, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["architectures"] = ["FancyNetForCausalLM"]
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(CheckpointError, match=r"config\.json.*FancyNetForCausalLM.*not supported"):
+        load_hf(mistral_copy)
+
+
+def test_missing_config(mistral_copy):
+    os.remove(os.path.join(mistral_copy, "config.json"))
+    with pytest.raises(CheckpointError, match=r"config\.json: not found"):
+        load_hf(mistral_copy)
+
+
+def test_missing_tensor(mistral_copy):
+    f = rewrite(mistral_copy, lambda t: t.pop(TENSOR))
+    with pytest.raises(CheckpointError, match=f"tensor {TENSOR} is missing") as e:
+        load_hf(mistral_copy)
+    assert mistral_copy in str(e.value) or f in str(e.value)
+
+
+def test_wrong_shape(mistral_copy):
+    def shrink(t):
+        t[TENSOR] = t[TENSOR][:-1]
+
+    f = rewrite(mistral_copy, shrink)
+    with pytest.raises(CheckpointError, match=rf"{f}: tensor {TENSOR} has shape \(31, 64\), expected \(32, 64\)"):
+        load_hf(mistral_copy)
+
+
+def test_wrong_dtype(mistral_copy):
+    def to_int(t):
+        t[TENSOR] = t[TENSOR].astype(np.int32)
+
+    f = rewrite(mistral_copy, to_int)
+    with pytest.raises(CheckpointError, match=rf"{f}: tensor {TENSOR} has dtype int32"):
+        load_hf(mistral_copy)
+
+
+def test_truncated_file(mistral_copy):
+    f = os.path.join(mistral_copy, "model.safetensors")
+    data = open(f, "rb").read()
+    open(f, "wb").write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{f}: tensor .* truncated"):
+        load_hf(mistral_copy)
+
+
+def test_garbage_file(mistral_copy):
+    f = os.path.join(mistral_copy, "model.safetensors")
+    open(f, "wb").write(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(CheckpointError, match=rf"{f}: not a safetensors file"):
+        load_hf(mistral_copy)
+
+
+def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path, checkpoint_dir):
+    path = hf_checkpoints.make("mistral", str(tmp_path / "sharded"), max_shard_size="60KB")
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    ids = np.arange(30)[None]
+    whole = load_hf(checkpoint_dir("mistral")).forward_full(ids)
+    np.testing.assert_array_equal(np.asarray(load_hf(path).forward_full(ids)), np.asarray(whole))
+    os.remove(os.path.join(path, shards[-1]))
+    with pytest.raises(CheckpointError, match=shards[-1]):
+        load_hf(path)

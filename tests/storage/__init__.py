@@ -1,0 +1,1 @@
+"""Tests of hicache_jax.storage: page keys, page codec, L3 stores and the storage client."""

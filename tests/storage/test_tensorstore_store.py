@@ -1,0 +1,135 @@
+"""The TensorStore L3 backend on memory:// and on a file directory, and across processes."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hicache_jax.storage.base import make_store
+from hicache_jax.storage.tensorstore_store import InvalidStoreSpec, TensorStoreL3, resolve_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request, tmp_path):
+    spec = "memory://" if request.param == "memory" else str(tmp_path / "l3")
+    s = make_store("tensorstore", spec)
+    yield s
+    s.close()
+
+
+def test_put_get_exists_delete(store):
+    assert store.get(["a.kv", "b.kv"]) == [None, None]
+    assert store.put([("a.kv", b"alpha"), ("b.kv", b"")]) == 2
+    assert store.exists(["a.kv", "b.kv", "c.kv"]) == [True, True, False]
+    assert store.get(["b.kv", "c.kv", "a.kv"]) == [b"", None, b"alpha"]
+    store.delete(["a.kv", "missing.kv"])
+    assert store.exists(["a.kv", "b.kv"]) == [False, True]
+    stats = store.stats()
+    assert stats["pages_written"] == 2 and stats["misses"] == 3 and stats["pages_read"] == 2
+    assert stats["bytes_read"] == 5 and stats["bytes_written"] == 5
+
+
+def test_put_skips_existing_unless_forced(store):
+    assert store.put([("a.kv", b"one")]) == 1
+    assert store.put([("a.kv", b"two"), ("b.kv", b"bee"), ("b.kv", b"bee")]) == 1
+    assert store.get(["a.kv"]) == [b"one"]
+    assert store.stats()["skipped_puts"] == 2
+    assert store.put([("a.kv", b"two")], force=True) == 1
+    assert store.get(["a.kv"]) == [b"two"]
+
+
+def test_clear(store):
+    store.put([(f"{i}.kv", b"x") for i in range(5)])
+    store.clear()
+    assert store.exists([f"{i}.kv" for i in range(5)]) == [False] * 5
+    store.clear()  # clearing an empty store is a no-op
+
+
+def test_clear_removes_only_its_prefix(tmp_path):
+    outer = TensorStoreL3(str(tmp_path))
+    inner = TensorStoreL3(str(tmp_path / "inner"))
+    outer.put([("keep.kv", b"1")])
+    inner.put([("drop.kv", b"2")])
+    inner.clear()
+    assert outer.get(["keep.kv"]) == [b"1"]
+    assert inner.get(["drop.kv"]) == [None]
+
+
+def test_closed_store_refuses_calls(store):
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get(["a.kv"])
+    store.close()
+
+
+@pytest.mark.parametrize("bad_key", ["", "/abs.kv", "../up.kv"])
+def test_bad_keys_rejected(store, bad_key):
+    with pytest.raises(ValueError, match="invalid L3 key"):
+        store.put([(bad_key, b"x")])
+
+
+def test_spec_forms_share_one_file_store(tmp_path):
+    d = tmp_path / "l3"
+    by_path = TensorStoreL3(str(d), file_io_concurrency=8)
+    by_path.put([("k.kv", b"v")])
+    by_url = TensorStoreL3(f"file://{d}")
+    by_dict = TensorStoreL3({"driver": "file", "path": str(d)})
+    by_json = TensorStoreL3(json.dumps({"driver": "file", "path": str(d) + "/"}))
+    for s in (by_url, by_dict, by_json):
+        assert s.get(["k.kv"]) == [b"v"]
+    assert (d / "k.kv").is_file()  # the key sits inside the directory, not beside it
+
+
+def test_resolve_spec():
+    assert resolve_spec("gs://bucket/prefix") == {
+        "driver": "gcs", "bucket": "bucket", "path": "prefix/"
+    }
+    assert resolve_spec("memory://") == {"driver": "memory"}
+    local = resolve_spec("rel/dir")
+    assert local["path"] == os.path.abspath("rel/dir") + "/" and local["file_io_sync"] is False
+    assert resolve_spec({"driver": "file", "path": "/x", "file_io_sync": True})["file_io_sync"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["nonsense://bucket", '{"driver": "file"', {"driver": "no-such-driver"}, {"path": "/x"}, ""],
+)
+def test_bad_spec_names_the_spec(spec):
+    with pytest.raises(InvalidStoreSpec) as info:
+        TensorStoreL3(spec)
+    if spec:
+        assert (str(spec) if isinstance(spec, str) else repr(spec)[:10]) in str(info.value)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown L3 backend"):
+        make_store("nope", "memory://")
+
+
+def test_two_processes_share_a_file_store_without_torn_reads(tmp_path):
+    d = str(tmp_path / "shared")
+    TensorStoreL3(d)  # create nothing yet; both workers open the same directory
+    deadline = time.time() + 3.0
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.storage._rw_worker", d, str(i), str(deadline)],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in (1, 2)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for r in results:
+        assert r["reads"] > 0 and r["writes"] > 0
+        assert r["corrupt"] == 0 and r["torn"] == 0 and r["missing"] == 0, r
+    # Each process read pages the other one wrote: the store really was shared.
+    assert sum(r["foreign"] for r in results) > 0, results
