@@ -126,17 +126,24 @@ class CacheAdapter:
 
     def _relock_window(self, req: Req, path: list) -> None:
         """Pin the tree nodes inside the request's current window, and only those."""
+        if "swa" not in self.cache.pools:
+            return
         self.cache.swa_unlock(req.swa_locked)
-        window = self.rules.swa_pages_needed(req.num_computed) if "swa" in self.cache.pools else range(0)
-        req.swa_locked = [path[j] for j in window if j < len(path)]
+        first = self._window_start(req)
+        req.swa_locked = path[first:]
         self.cache.swa_lock(req.swa_locked)
-        first = window.start if window else len(req.swa_pages)
-        self._drop_swa_before(req, first if "swa" in self.cache.pools else 0)
+        self._drop_swa_before(req, first)
+
+    def _window_start(self, req: Req) -> int:
+        """First page to keep: the window of the last page boundary, not of the current
+        position, so the computed sequence stays matchable up to that boundary."""
+        aligned = req.num_computed // self.P * self.P
+        return self.rules.swa_pages_needed(aligned).start if aligned else 0
 
     def _slide_window(self, req: Req) -> None:
         if "swa" not in self.cache.pools:
             return
-        first = self.rules.swa_pages_needed(req.num_computed).start if req.num_computed else 0
+        first = self._window_start(req)
         keep = [n for n in req.swa_locked if n.depth - 1 >= first]
         self.cache.swa_unlock([n for n in req.swa_locked if n.depth - 1 < first])
         req.swa_locked = keep

@@ -63,9 +63,12 @@ class Case:
         return np.where(use[:, None, None, None], src, 0.0).astype(np.float32)
 
 
-def make_case(seed: int, seqs, *, groups: int, num_rows: int, num_padding: int = 2) -> Case:
+def make_case(
+    seed: int, seqs, *, groups: int, num_rows: int, num_padding: int = 2, strong: bool = False
+) -> Case:
     """``seqs``: (length, slot, has_initial_state) per live sequence; ``num_padding`` more
-    sequences past ``num_seqs``. Rows past the live ones and never-read slots are NaN."""
+    sequences past ``num_seqs``. Rows past the live ones and never-read slots are NaN.
+    ``strong``: model-like decays (A_h = -2h, dt ~ 1.3), so |cumsum| over a chunk is ~100s."""
     rng = np.random.default_rng(seed)
     T, G = num_rows, groups
     lens = [n for n, _, _ in seqs] + [0] * num_padding
@@ -73,8 +76,10 @@ def make_case(seed: int, seqs, *, groups: int, num_rows: int, num_padding: int =
     assert cu[-1] <= T
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     x, B, C = f(T, H, P), f(T, G, N), f(T, G, N)
-    dt = np.log1p(np.exp(f(T, H) - 1.0))  # softplus: ~0.3 per step
-    A = -np.exp(rng.uniform(np.log(0.05), 0.0, H)).astype(np.float32)  # mild decay: states matter
+    dt = np.log1p(np.exp(f(T, H) + (1.0 if strong else -1.0)))  # softplus: ~1.3 or ~0.3
+    A = -np.exp(rng.uniform(np.log(0.05), 0.0, H)).astype(np.float32)  # mild: states matter
+    if strong:
+        A = -2.0 * np.arange(1, H + 1, dtype=np.float32)
     slots = np.array([s for _, s, _ in seqs] + [-1] * num_padding, np.int32)
     has_init = np.array([i for _, _, i in seqs] + [True] * num_padding)
     states = f(NUM_SLOTS, H, P, N)
@@ -143,13 +148,37 @@ def test_ragged_matches_sequential(impl, chunk, groups, head_block):
     assert_close(pool, pool_want, "state pool")  # also: untouched slots keep NaN / values
 
 
-def test_ragged_tpu_interpreter_no_races():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_strong_decay_long_chunk(impl):
+    """|cum| ~ 600 over a chunk: exp(cum_i - cum_j) must be exactly 1 on the diagonal (the
+    kernel's two orientations of the cumsum must be the same numbers), else eps * |cum| lands
+    on the dominant term of y."""
+    Q, seqs = 64, ragged_seqs(64)
+    rows = sum(n for n, _, _ in seqs) + 5
+    case = make_case(5, seqs, groups=2, num_rows=rows, strong=True)
+    y_want, pool_want = expected(case)
+    if impl == "xla":
+        y = chunked.ssd_chunked(*case.args[:8], case.init_states(), chunk=Q)[0]
+        pool = chunked.ssd_slots(*case.args)[1]
+    else:
+        y, pool = kernel.ssd_ragged(*case.args, chunk=Q, interpret=True)
+    assert_close(y, y_want, "y")
+    assert_close(pool, pool_want, "state pool")
+
+
+@pytest.mark.parametrize("which", ["ragged", "decode"])
+def test_tpu_interpreter_no_races(which):
     """The TPU-semantics interpreter: uninitialized VMEM is NaN and DMA races are reported."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
-    case = make_case(7, ragged_seqs(8)[:5], groups=2, num_rows=48)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
-    y, pool = kernel.ssd_ragged(*case.args, chunk=8, head_block=2, interpret=params)
+    if which == "ragged":
+        case = make_case(7, ragged_seqs(8)[:5], groups=2, num_rows=48)
+        y, pool = kernel.ssd_ragged(*case.args, chunk=8, head_block=2, interpret=params)
+    else:
+        seqs = [(1, 3, True), (1, 5, False), (1, -1, True), (1, 0, True)]
+        case = make_case(8, seqs, groups=2, num_rows=6)
+        y, pool = kernel.ssd_decode(*case.args, head_block=2, interpret=params)
     assert not interpret_pallas_call.races.races_found
     y_want, pool_want = expected(case)
     assert_close(y, y_want, "y")
