@@ -47,6 +47,7 @@ class CacheAdapter:
         req.own_full = [False] * n
         req.own_swa = [False] * n
         req.num_computed = req.cached_tokens = match.end
+        req.cached_details = {"device": match.end, "host": 0, "storage": 0}
         req.num_inserted_pages = n
         req.last_node = match.last
         self._relock_window(req, match.nodes)

@@ -133,3 +133,13 @@ def test_two_processes_share_a_file_store_without_torn_reads(tmp_path):
         assert r["corrupt"] == 0 and r["torn"] == 0 and r["missing"] == 0, r
     # Each process read pages the other one wrote: the store really was shared.
     assert sum(r["foreign"] for r in results) > 0, results
+
+
+def test_results_keep_input_order_across_read_windows(tmp_path):
+    store = TensorStoreL3(str(tmp_path), max_in_flight=2)
+    keys = [f"{i:03d}.kv" for i in range(11)]
+    store.put([(k, k.encode() * (i + 1)) for i, k in enumerate(keys[::2])])
+    order = keys[::-1] + keys
+    got = store.get(order)
+    assert got == [k.encode() * (keys[::2].index(k) + 1) if k in keys[::2] else None for k in order]
+    assert store.exists(order) == [g is not None for g in got]

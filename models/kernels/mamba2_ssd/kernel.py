@@ -6,9 +6,10 @@ input -> output, so under a jit that donates it the update is in place.
 Prefill grid = (head block, token block). A token block is ``chunk`` rows of the flat batch, so
 it may cut through sequences; each grid step loops over its *segments* (sequence ∩ block)::
 
-    rows         | s0: 40 tokens                 | s1: 3 | s2: 20          |
-    blocks (Q=16)| b0: 16  | b1: 16  | b2: 8     + 3     + 5 | b3: 15 + pad |
-    segments     | s0      | s0      | s0 | s1 | s2          | s2           |
+    rows (cu)     0                               40   43                 63 64
+    sequences     |<--------- s0: 40 ------------>|s1:3|<------ s2: 20 ----->|
+    token blocks  | b0: 0-16  | b1: 16-32 | b2: 32-48         | b3: 48-64      |
+    segments      | s0        | s0        | s0:8 | s1:3 | s2:5 | s2:15 | pad:1  |
 
 The state of the sequence that runs across a block boundary is carried to the next block in
 VMEM scratch (the token-block axis runs in order). A sequence's first segment loads its state
@@ -69,6 +70,13 @@ def _group_block(num_heads: int, num_groups: int, head_block: int) -> tuple[int,
     return max(1, head_block // hpg), hpg
 
 
+def _check(states: jax.Array, chunk: int | None = None) -> None:
+    if states.dtype != F32:
+        raise ValueError(f"the state pool must be float32 (got {states.dtype})")
+    if chunk is not None and chunk % 8:
+        raise ValueError(f"chunk={chunk} must be a multiple of 8 (TPU sublanes)")
+
+
 def _group_blk(hb, *, head_block: int, hpg: int, groups_per_block: int):
     """Index of head block ``hb``'s groups in B, C cut into blocks of GB groups."""
     return lax.div(hb * head_block, hpg * groups_per_block)
@@ -106,11 +114,14 @@ def _segment(lo, hi, blocks, y_ref, h_scr, *, hpg: int, precision) -> None:
     causal = i >= j  # [Qi, Qj]
     dt = jnp.where(mask, dt_ref[...].astype(F32), 0.0)  # [Q, HB]
     a = dt * a_ref[...]  # [Q, HB], log-decay per row, <= 0
-    # Cumulative sums as matmuls with a triangle of ones (the MXU's native cumsum), in both
-    # orientations so exp(cum_i - cum_j) needs no in-register transpose.
+    # The cumulative sum as a matmul with a triangle of ones (the MXU's cumsum). Its row
+    # orientation must be the *same* numbers, so that exp(cum_i - cum_i) is exactly 1: the
+    # diagonal term dominates y, and two differently rounded sums of up to Q log-decays
+    # would put eps * |cum| on it. A product with the identity at HIGHEST is exact (an f32 is
+    # three bf16 pieces, each times 1) and avoids an in-register transpose.
     tril = causal.astype(F32)  # [Qi, Qj]
     cum = _dot(tril, a, (1, 0), HIGHEST)  # [Q, HB]
-    cum_t = _dot(a, tril, (0, 1), HIGHEST)  # [HB, Q]
+    cum_t = _dot(cum, (i == j).astype(F32), (0, 0), HIGHEST)  # [HB, Q], = cum.T exactly
     d_row = d_ref[...]  # [1, HB]
     per_group: dict[int, tuple] = {}
     for h in range(HB):  # static: a handful of heads, each a few [Q, *] matmuls
@@ -240,6 +251,7 @@ def ssd_ragged(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     Q = chunk
+    _check(states, chunk)
     HB = head_block or pick_head_block(H, G, P)
     GB, hpg = _group_block(H, G, HB)
     NB = -(-T // Q)
@@ -414,6 +426,7 @@ def ssd_decode(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     S = slots.shape[0]
+    _check(states)
     HB = head_block or pick_head_block(H, G, P)
     GB, hpg = _group_block(H, G, HB)
 
@@ -428,7 +441,7 @@ def ssd_decode(
     read = jnp.where(reader >= 0, write[jnp.maximum(reader, 0)], 0)  # [S]
     rows = jnp.where(live, rows, -1)  # [S]; padding sequences write no y row
 
-    full = lambda width, col: pl.BlockSpec((T, width), lambda hb, s, *_: (0, col(hb)))
+    head_cols = pl.BlockSpec((T, HB * P), lambda hb, s, *_: (0, hb))
     gblk = functools.partial(_group_blk, head_block=HB, hpg=hpg, groups_per_block=GB)
     group_spec = pl.BlockSpec((GB, T, N), lambda hb, s, *_: (gblk(hb), 0, 0))
     head_spec = pl.BlockSpec((None, 1, HB), lambda hb, s, *_: (hb, 0, 0))
@@ -436,7 +449,7 @@ def ssd_decode(
         num_scalar_prefetch=4,
         grid=(H // HB, S),
         in_specs=[
-            full(HB * P, lambda hb: hb),  # x
+            head_cols,  # x
             pl.BlockSpec((None, T, HB), lambda hb, s, *_: (hb, 0, 0)),  # dt
             head_spec,  # A
             group_spec,  # B
@@ -445,7 +458,7 @@ def ssd_decode(
             pl.BlockSpec((None, HB, P, N), lambda hb, s, rows, wr, init, rd: (rd[s], hb, 0, 0)),
         ],
         out_specs=[
-            full(HB * P, lambda hb: hb),  # y
+            head_cols,  # y
             pl.BlockSpec(memory_space=pl.ANY),  # states
         ],
         scratch_shapes=[
