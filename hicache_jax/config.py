@@ -50,32 +50,94 @@ class EngineConfig:
 
     def __post_init__(self):
         r = _require
-        r(self.page_size > 0 and self.page_size & (self.page_size - 1) == 0, "page_size", "must be a power of two", self.page_size)
-        r(self.chunked_prefill_size >= self.page_size, "chunked_prefill_size", f"must be >= page_size ({self.page_size})", self.chunked_prefill_size)
-        r(self.chunked_prefill_size % self.page_size == 0, "chunked_prefill_size", f"must be a multiple of page_size ({self.page_size})", self.chunked_prefill_size)
+        r(
+            self.page_size > 0 and self.page_size & (self.page_size - 1) == 0,
+            "page_size",
+            "must be a power of two",
+            self.page_size,
+        )
+        r(
+            self.chunked_prefill_size >= self.page_size,
+            "chunked_prefill_size",
+            f"must be >= page_size ({self.page_size})",
+            self.chunked_prefill_size,
+        )
+        r(
+            self.chunked_prefill_size % self.page_size == 0,
+            "chunked_prefill_size",
+            f"must be a multiple of page_size ({self.page_size})",
+            self.chunked_prefill_size,
+        )
         r(self.max_running_requests >= 1, "max_running_requests", "must be >= 1", self.max_running_requests)
-        r(self.max_total_tokens >= self.page_size, "max_total_tokens", "must hold at least one page", self.max_total_tokens)
-        r(0 < self.swa_full_tokens_ratio <= 1.0, "swa_full_tokens_ratio", "must be in (0, 1]", self.swa_full_tokens_ratio)
-        r(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16", self.dtype)
+        r(
+            self.max_total_tokens >= self.page_size,
+            "max_total_tokens",
+            "must hold at least one page",
+            self.max_total_tokens,
+        )
+        r(
+            0 < self.swa_full_tokens_ratio <= 1.0,
+            "swa_full_tokens_ratio",
+            "must be in (0, 1]",
+            self.swa_full_tokens_ratio,
+        )
+        r(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            "must be auto, float32, bfloat16 or float16",
+            self.dtype,
+        )
         for name in ("attention_backend", "ssd_backend"):
             v = getattr(self, name)
             r(v in (None, "xla", "pallas"), name, "must be xla or pallas", v)
         r(self.tp_size >= 1, "tp_size", "must be >= 1", self.tp_size)
         r(self.hicache_ratio > 0, "hicache_ratio", "must be > 0", self.hicache_ratio)
         r(self.hicache_size_gb >= 0, "hicache_size_gb", "must be >= 0", self.hicache_size_gb)
-        r(self.hicache_write_policy in WRITE_POLICIES, "hicache_write_policy", f"must be one of {WRITE_POLICIES}", self.hicache_write_policy)
-        r(self.hicache_storage_prefetch_policy in PREFETCH_POLICIES, "hicache_storage_prefetch_policy", f"must be one of {PREFETCH_POLICIES}", self.hicache_storage_prefetch_policy)
-        r(self.hicache_storage_backend in (None, "tensorstore"), "hicache_storage_backend", "must be tensorstore (or unset)", self.hicache_storage_backend)
+        r(
+            self.hicache_write_policy in WRITE_POLICIES,
+            "hicache_write_policy",
+            f"must be one of {WRITE_POLICIES}",
+            self.hicache_write_policy,
+        )
+        r(
+            self.hicache_storage_prefetch_policy in PREFETCH_POLICIES,
+            "hicache_storage_prefetch_policy",
+            f"must be one of {PREFETCH_POLICIES}",
+            self.hicache_storage_prefetch_policy,
+        )
+        r(
+            self.hicache_storage_backend in (None, "tensorstore"),
+            "hicache_storage_backend",
+            "must be tensorstore (or unset)",
+            self.hicache_storage_backend,
+        )
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
-            raise ConfigError("hicache_storage_backend requires enable_hierarchical_cache (L3 is filled from L2)")
+            raise ConfigError(
+                "hicache_storage_backend requires enable_hierarchical_cache (L3 is filled from L2)"
+            )
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ConfigError("enable_hierarchical_cache contradicts disable_radix_cache")
         if self.hicache_storage_spec and not self.hicache_storage_backend:
             raise ConfigError("hicache_storage_spec is set but hicache_storage_backend is not")
-        r(self.hicache_prefetch_threshold >= 0, "hicache_prefetch_threshold", "must be >= 0", self.hicache_prefetch_threshold)
-        r(0 < self.hicache_host_rate_limit <= 1, "hicache_host_rate_limit", "must be in (0, 1]", self.hicache_host_rate_limit)
+        r(
+            self.hicache_prefetch_threshold >= 0,
+            "hicache_prefetch_threshold",
+            "must be >= 0",
+            self.hicache_prefetch_threshold,
+        )
+        r(
+            0 < self.hicache_host_rate_limit <= 1,
+            "hicache_host_rate_limit",
+            "must be in (0, 1]",
+            self.hicache_host_rate_limit,
+        )
         if self.mamba_cache_slots is not None:
-            r(self.mamba_cache_slots >= 2 * self.max_running_requests, "mamba_cache_slots", "must be >= 2 x max_running_requests", self.mamba_cache_slots)
+            r(
+                self.mamba_cache_slots >= 2 * self.max_running_requests,
+                "mamba_cache_slots",
+                "must be >= 2 x max_running_requests",
+                self.mamba_cache_slots,
+            )
 
     @property
     def num_state_slots(self) -> int:

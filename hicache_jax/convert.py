@@ -1,6 +1,6 @@
 """Convert a Hugging Face checkpoint to an orbax checkpoint for fast, sharded restore.
 
-    python -m hicache_jax.convert --model_path DIR --out OUT_DIR [--dtype bfloat16]
+python -m hicache_jax.convert --model_path DIR --out OUT_DIR [--dtype bfloat16]
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
-    kernels = KernelConfig(attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret)
+    kernels = KernelConfig(
+        attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret
+    )
     if cfg.model_path:
         from hicache_jax.models.loader import load_model
 
@@ -126,17 +128,24 @@ class Engine:
         n = len(input_ids)
         if n + sp.max_new_tokens > self.context_len:
             raise InvalidRequest(
-                f"prompt ({n} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length {self.context_len}"
+                f"prompt ({n} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
+                f"the context length {self.context_len}"
             )
-        capacity = min(p.size for k, p in self.prefix_cache.pools.items() if k != "mamba") * self.cfg.page_size
+        capacity = (
+            min(p.size for k, p in self.prefix_cache.pools.items() if k != "mamba") * self.cfg.page_size
+        )
         if "swa" in self.prefix_cache.pools and "full" not in self.prefix_cache.pools:
             capacity = 1 << 62  # sliding-only models hold a window, not the sequence
         if n + sp.max_new_tokens > capacity:
-            raise InvalidRequest(f"prompt + max_new_tokens ({n + sp.max_new_tokens}) exceeds the KV cache ({capacity} tokens)")
+            raise InvalidRequest(
+                f"prompt + max_new_tokens ({n + sp.max_new_tokens}) exceeds the KV cache ({capacity} tokens)"
+            )
         if not isinstance(logprob_start_len, int) or logprob_start_len < -1 or logprob_start_len >= max(n, 1):
             raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {n}), got {logprob_start_len!r}")
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+            raise InvalidRequest(
+                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
+            )
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
             raise InvalidRequest(f"rid {rid!r} is already in use")
@@ -291,4 +300,6 @@ class Engine:
             batch, sampling, copies, top, _ = self.builder.build(plan)
             batch.slot_mappings.update({g: np.full_like(v, -1) for g, v in batch.slot_mappings.items()})
             self.runner.step(batch, sampling, copies, top)
-        log.info("warm-up compiled %d step shapes in %.1fs", self.runner.num_compiled(), time.perf_counter() - t0)
+        log.info(
+            "warm-up compiled %d step shapes in %.1fs", self.runner.num_compiled(), time.perf_counter() - t0
+        )

@@ -49,5 +49,7 @@ def format_output(req: Req, tok: Tokenizer) -> dict:
                 tops = [req.input_logprobs.get(i, (None, None))[1] for i in positions]
                 meta["input_top_logprobs"] = _tops(tops, req.top_logprobs_num, tok)
         if req.top_logprobs_num:
-            meta["output_top_logprobs"] = _tops([top for _, top in req.output_logprobs], req.top_logprobs_num, tok)
+            meta["output_top_logprobs"] = _tops(
+                [top for _, top in req.output_logprobs], req.top_logprobs_num, tok
+            )
     return {"text": output_text(req, tok), "output_ids": list(req.output_ids), "meta_info": meta}

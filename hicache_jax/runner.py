@@ -72,7 +72,9 @@ class ModelRunner:
         copies: StateCopies,
         top_logprobs: int,
     ) -> SamplingOutputs:
-        self.cache, out = self._step(self.params, self.cache, batch, sampling, copies, top_logprobs=top_logprobs)
+        self.cache, out = self._step(
+            self.params, self.cache, batch, sampling, copies, top_logprobs=top_logprobs
+        )
         return jax.tree_util.tree_map(np.asarray, out)
 
     def num_compiled(self) -> int:

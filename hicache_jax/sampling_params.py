@@ -29,7 +29,7 @@ class SamplingParams:
         def bad(field, why):
             raise InvalidRequest(f"sampling_params.{field}: {why} (got {getattr(self, field)!r})")
 
-        for f, t in (("max_new_tokens", int), ("top_k", int), ("n", int)):
+        for f in ("max_new_tokens", "top_k", "n"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(f, f"must be an integer, not {type(v).__name__}")

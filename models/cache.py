@@ -41,9 +41,7 @@ def allocate_cache(
             entries.append(
                 MambaState(
                     conv=jnp.full((num_state_slots, m.conv_kernel - 1, m.conv_dim), fill, dtype),
-                    ssm=jnp.full(
-                        (num_state_slots, m.num_heads, m.head_dim, m.state_size), fill, jnp.float32
-                    ),
+                    ssm=jnp.full((num_state_slots, m.num_heads, m.head_dim, m.state_size), fill, jnp.float32),
                 )
             )
         else:

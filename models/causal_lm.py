@@ -98,9 +98,7 @@ class CausalLM(nnx.Module):
     def forward_full(self, input_ids: jax.Array) -> jax.Array:
         """Whole sequences from an empty cache: ``[B, T]`` ids -> ``[B, T, vocab]`` logits."""
         Bsz, T = input_ids.shape
-        cache = allocate_cache(
-            self.cfg, num_pages=Bsz, page_size=T, num_state_slots=Bsz, dtype=self.dtype
-        )
+        cache = allocate_cache(self.cfg, num_pages=Bsz, page_size=T, num_state_slots=Bsz, dtype=self.dtype)
         seqs = jnp.arange(Bsz, dtype=jnp.int32)
         groups = {page_group(k) for k in self.cfg.layer_kinds if k != "mamba"}
         slots = (seqs[:, None] * T + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)

@@ -91,9 +91,7 @@ def read_config(path: str) -> ModelConfig:
     return ModelConfig.from_dict(_read_meta(path)["config"])
 
 
-def restore(
-    path: str, *, dtype=None, kernels: KernelConfig | None = None, sharding=None
-) -> CausalLM:
+def restore(path: str, *, dtype=None, kernels: KernelConfig | None = None, sharding=None) -> CausalLM:
     """Restore a converted model; ``sharding(path, abstract_leaf)`` may place each leaf."""
     from hicache_jax.models.loader import resolve_dtype
 

@@ -11,11 +11,10 @@ import os
 import jax.numpy as jnp
 from flax import nnx
 
+import hicache_jax
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import MambaConfig, ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
-
-import hicache_jax
 
 TOKENIZER = os.path.join(os.path.dirname(hicache_jax.__file__), "assets", "tiny_tokenizer.json")
 
@@ -50,7 +49,9 @@ PRESETS: dict[str, ModelConfig] = {
         architecture="preset:tiny-mamba",
         layer_kinds=("mamba", "attention", "mamba"),
         partial_rotary_factor=0.5,
-        mamba=MambaConfig(num_heads=8, head_dim=16, state_size=16, num_groups=1, conv_kernel=4, chunk_size=64),
+        mamba=MambaConfig(
+            num_heads=8, head_dim=16, state_size=16, num_groups=1, conv_kernel=4, chunk_size=64
+        ),
         **_TINY,
     ),
     # ~100M parameters: 5 local : 1 global, for benchmarks.
@@ -79,5 +80,7 @@ def preset_config(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
-def build_preset(name: str, *, seed: int = 0, dtype=jnp.float32, kernels: KernelConfig | None = None) -> CausalLM:
+def build_preset(
+    name: str, *, seed: int = 0, dtype=jnp.float32, kernels: KernelConfig | None = None
+) -> CausalLM:
     return CausalLM(preset_config(name), dtype=dtype, rngs=nnx.Rngs(seed), kernels=kernels)

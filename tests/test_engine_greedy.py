@@ -29,7 +29,9 @@ def test_greedy_matches_transformers(checkpoint_dir, family):
     # Mistral's prompt is longer than its window (20); chunked prefill (32) splits it.
     prompts = [rng.randint(0, 512, 45).tolist(), rng.randint(0, 512, 13).tolist()]
     llm = LLM(model_path=path, dtype="float32", page_size=16, chunked_prefill_size=32, max_running_requests=4)
-    outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True})
+    outs = llm.generate(
+        input_ids=prompts, sampling_params={"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    )
     for prompt, out in zip(prompts, outs):
         assert len(out["output_ids"]) == NEW
         with torch.no_grad():

@@ -21,9 +21,17 @@ def run(engine, prompts, params, check_every_step=False):
 def test_pressure_gives_the_outputs_of_solo_runs(preset):
     rng = np.random.RandomState(0)
     shared = rng.randint(3, 500, 24).tolist()
-    prompts = [shared[: rng.randint(0, 24)] + rng.randint(3, 500, rng.randint(5, 30)).tolist() for _ in range(16)]
+    prompts = [
+        shared[: rng.randint(0, 24)] + rng.randint(3, 500, rng.randint(5, 30)).tolist() for _ in range(16)
+    ]
     params = [
-        {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0.0 if i % 2 else 0.8, "top_k": 50, "seed": i}
+        {
+            "max_new_tokens": 20,
+            "ignore_eos": True,
+            "temperature": 0.0 if i % 2 else 0.8,
+            "top_k": 50,
+            "seed": i,
+        }
         for i in range(16)
     ]
     base = dict(preset=preset, page_size=16, chunked_prefill_size=64, max_running_requests=16)

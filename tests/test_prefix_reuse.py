@@ -33,7 +33,9 @@ def per_token_kl(lp, ref):
 @pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba"])
 def test_multiturn_branches_match_recompute(checkpoint_dir, family):
     path = checkpoint_dir(family)
-    kw = dict(model_path=path, dtype="float32", page_size=P, chunked_prefill_size=CHUNK, max_running_requests=4)
+    kw = dict(
+        model_path=path, dtype="float32", page_size=P, chunked_prefill_size=CHUNK, max_running_requests=4
+    )
     cached = LLM(**kw)
     fresh = LLM(**kw, disable_radix_cache=True)
     rng = np.random.RandomState(3)

@@ -128,7 +128,9 @@ class PrefixCache:
         return node.parent
 
     def _prune(self, node: Node) -> None:
-        while not node.is_root and node.empty and not node.children and not node.lock_ref and not node.swa_lock:
+        while (
+            not node.is_root and node.empty and not node.children and not node.lock_ref and not node.swa_lock
+        ):
             parent = node.parent
             self.tree.remove_leaf(node)
             node = parent

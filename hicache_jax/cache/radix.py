@@ -25,7 +25,18 @@ _clock = itertools.count(1)
 
 
 class Node:
-    __slots__ = ("key", "parent", "children", "full", "swa", "mamba", "lock_ref", "swa_lock", "last_access", "depth")
+    __slots__ = (
+        "key",
+        "parent",
+        "children",
+        "full",
+        "swa",
+        "mamba",
+        "lock_ref",
+        "swa_lock",
+        "last_access",
+        "depth",
+    )
 
     def __init__(self, key: tuple[int, ...], parent: Node | None):
         self.key = key

@@ -65,7 +65,9 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class BatchBuilder:
-    def __init__(self, *, page_size: int, groups: tuple[str, ...], max_running: int, max_prefill: int, max_pages: int):
+    def __init__(
+        self, *, page_size: int, groups: tuple[str, ...], max_running: int, max_prefill: int, max_pages: int
+    ):
         self.P = page_size
         self.groups = groups
         self.max_running = max_running
@@ -141,7 +143,9 @@ class BatchBuilder:
             t += n
             cu[s + 1] = t
         cu[len(plan.items) + 1 :] = t
-        logits_rows = np.arange(R, dtype=np.int32) if R == T else np.minimum(cu[1:] - 1, T - 1).astype(np.int32)
+        logits_rows = (
+            np.arange(R, dtype=np.int32) if R == T else np.minimum(cu[1:] - 1, T - 1).astype(np.int32)
+        )
         if R != T:
             logits_rows[len(plan.items) :] = 0
         batch = ForwardBatch(
@@ -159,7 +163,11 @@ class BatchBuilder:
         )
         sampling = SamplingInputs(last_rows=last_rows, targets=targets, **s_inputs)
         copies = self._copies(plan)
-        top = MAX_TOP_LOGPROBS if any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items) else 0
+        top = (
+            MAX_TOP_LOGPROBS
+            if any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items)
+            else 0
+        )
         return batch, sampling, copies, top, first_rows
 
     def _copies(self, plan: StepPlan) -> StateCopies:

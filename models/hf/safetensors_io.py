@@ -113,9 +113,7 @@ class Checkpoint:
                 self.files = {found[0]: f}
                 self.where = dict.fromkeys(f.keys(), found[0])
             else:
-                raise CheckpointError(
-                    f"{model_dir}: no model.safetensors or model.safetensors.index.json"
-                )
+                raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
         self.model_dir = model_dir
 
     def __contains__(self, name: str) -> bool:

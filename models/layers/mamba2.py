@@ -10,8 +10,8 @@ from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend
-from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
 from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
+from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import GatedRMSNorm
 
@@ -33,9 +33,7 @@ class Mamba2Mixer(nnx.Module):
         self.norm = GatedRMSNorm(I, I // m.num_groups, eps=cfg.rms_norm_eps, dtype=dtype)
         self.out_proj = Linear(I, cfg.hidden_size, bias=m.proj_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(
-        self, st: MambaState, x: jax.Array, batch: ForwardBatch
-    ) -> tuple[MambaState, jax.Array]:
+    def __call__(self, st: MambaState, x: jax.Array, batch: ForwardBatch) -> tuple[MambaState, jax.Array]:
         m = self.cfg
         T = x.shape[0]
         I, H, P, G, N = m.intermediate_size, m.num_heads, m.head_dim, m.num_groups, m.state_size
@@ -43,7 +41,9 @@ class Mamba2Mixer(nnx.Module):
 
         conv0, live = gather_states(st.conv, batch.state_slots, batch.has_initial_state, batch.num_seqs)
         bias = self.conv_bias[...] if self.conv_bias is not None else None
-        xbc, conv_new = causal_conv1d(xbc, self.conv_weight[...], bias, conv0, batch.cu_q_lens, batch.num_seqs)
+        xbc, conv_new = causal_conv1d(
+            xbc, self.conv_weight[...], bias, conv0, batch.cu_q_lens, batch.num_seqs
+        )
         xbc = jax.nn.silu(xbc)
         xs, B, C = jnp.split(xbc, [I, I + G * N], axis=-1)
         xs, B, C = xs.reshape(T, H, P), B.reshape(T, G, N), C.reshape(T, G, N)
@@ -53,8 +53,17 @@ class Mamba2Mixer(nnx.Module):
         D = self.D[...].astype(jnp.float32)
         scan = backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret, batch.decode_only)
         y, ssm = scan(
-            xs, dt, A, B, C, D, batch.cu_q_lens, batch.num_seqs,
-            st.ssm, batch.state_slots, batch.has_initial_state,
+            xs,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            batch.cu_q_lens,
+            batch.num_seqs,
+            st.ssm,
+            batch.state_slots,
+            batch.has_initial_state,
         )
         y = self.norm(y.reshape(T, I), z)
         new = MambaState(conv=scatter_states(st.conv, batch.state_slots, live, conv_new), ssm=ssm)

@@ -56,7 +56,9 @@ def test_wrong_shape(mistral_copy):
         t[TENSOR] = t[TENSOR][:-1]
 
     f = rewrite(mistral_copy, shrink)
-    with pytest.raises(CheckpointError, match=rf"{f}: tensor {TENSOR} has shape \(31, 64\), expected \(32, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=rf"{f}: tensor {TENSOR} has shape \(31, 64\), expected \(32, 64\)"
+    ):
         load_hf(mistral_copy)
 
 

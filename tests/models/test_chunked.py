@@ -47,4 +47,6 @@ def test_chunks_match_full_pass(checkpoint_dir, family):
     for chunk in (1, 7, 64):
         got = run_chunked(model, step, params, ids, chunk)
         assert not np.isnan(got).any(), f"chunk {chunk}: NaN leaked from unused pages/slots"
-        np.testing.assert_allclose(got, full, atol=2e-5 * np.abs(full).max(), rtol=0, err_msg=f"chunk={chunk}")
+        np.testing.assert_allclose(
+            got, full, atol=2e-5 * np.abs(full).max(), rtol=0, err_msg=f"chunk={chunk}"
+        )

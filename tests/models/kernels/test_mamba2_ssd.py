@@ -15,8 +15,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hicache_jax.models.kernels.mamba2_ssd import chunked, kernel, reference
 from jax.experimental.pallas import tpu as pltpu
+
+from hicache_jax.models.kernels.mamba2_ssd import chunked, kernel, reference
 
 H, P, N = 4, 8, 16  # heads, head dim, state size
 NUM_SLOTS = 8

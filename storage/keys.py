@@ -1,0 +1,144 @@
+"""Content-addressed L3 page keys: a namespace, chained SHA-256 page hashes, key strings.
+
+A page key names the KV of one FULL page of tokens *given everything before it*:
+
+    h_0 = H(namespace.digest || u32le(tokens[0:P]))
+    h_i = H(h_{i-1}          || u32le(tokens[iP:(i+1)P]))
+
+so two prompts share a key exactly when they share the whole prefix up to and
+including that page, and two namespaces (models, dtypes, page sizes, layouts,
+TP shards, tenants) never share a key. A trailing partial page has no key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+HASH_BYTES = 32  # SHA-256 digest size
+KINDS = ("kv", "swa", "mamba")  # full-attention KV, sliding-window KV, Mamba state snapshot
+_U32_LIMIT = 2**32
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for a stored page to be reusable.
+
+    Invariant: any change to any field changes `digest`, hence every page key.
+    `cache_salt=None` (no salt) and `cache_salt=""` are different namespaces.
+    """
+
+    model_fingerprint: str  # identity of the weights (e.g. a hash of the checkpoint)
+    kv_dtype: str  # e.g. "bfloat16"
+    page_size: int  # tokens per page
+    layout_version: int  # bump when the stored array layout changes
+    tp_rank: int = 0
+    tp_size: int = 1
+    cache_salt: str | None = None  # per-tenant / per-request isolation
+
+    def __post_init__(self) -> None:
+        if not self.model_fingerprint:
+            raise ValueError("Namespace.model_fingerprint must be non-empty")
+        if not self.kv_dtype:
+            raise ValueError("Namespace.kv_dtype must be non-empty")
+        if self.page_size <= 0:
+            raise ValueError(f"Namespace.page_size must be > 0, got {self.page_size}")
+        if self.layout_version < 0:
+            raise ValueError(f"Namespace.layout_version must be >= 0, got {self.layout_version}")
+        if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
+
+    def canonical_bytes(self) -> bytes:
+        """A stable, unambiguous encoding of all fields (sorted-key JSON, ASCII only)."""
+        fields = dataclasses.asdict(self)
+        body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return b"hicache-jax/namespace/v1\x00" + body.encode("ascii")
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """SHA-256 of `canonical_bytes()`; the seed of every page hash chain."""
+        return hashlib.sha256(self.canonical_bytes()).digest()
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hex id (first 8 bytes of `digest`) written into page headers."""
+        return self.digest[:8].hex()
+
+    def with_salt(self, cache_salt: str | None) -> Namespace:
+        """The same namespace for another tenant (or none)."""
+        return dataclasses.replace(self, cache_salt=cache_salt)
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes; raises ValueError outside [0, 2**32)."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if arr.dtype.kind == "O":  # Python ints too large for int64, or non-ints
+        bad = [t for t in arr.tolist() if not isinstance(t, int) or not 0 <= t < _U32_LIMIT]
+        raise ValueError(f"token ids must be integers in [0, 2**32); got e.g. {bad[:3]}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= _U32_LIMIT:
+        raise ValueError(f"token ids must be in [0, 2**32); got min {lo}, max {hi}")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def page_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    page_size: int,
+    namespace: Namespace,
+    start_hash: bytes | None = None,
+) -> list[bytes]:
+    """Chained SHA-256 digests, one per FULL page of `token_ids`.
+
+    `start_hash` continues a chain: pass the hash of the page just before
+    `token_ids[0]` (which must then sit on a page boundary). Without it the chain
+    starts at `namespace.digest`. Hence, for any split at a page boundary k*P:
+    `page_hashes(t) == h[:k] + page_hashes(t[k*P:], start_hash=h[k-1])`.
+    """
+    if page_size != namespace.page_size:
+        raise ValueError(f"page_size {page_size} != namespace.page_size {namespace.page_size}")
+    if start_hash is not None and len(start_hash) != HASH_BYTES:
+        raise ValueError(f"start_hash must be {HASH_BYTES} bytes, got {len(start_hash)}")
+    data = token_bytes(token_ids)
+    page_bytes = 4 * page_size
+    prev = namespace.digest if start_hash is None else bytes(start_hash)
+    out = []
+    for begin in range(0, len(data) - page_bytes + 1, page_bytes):
+        prev = hashlib.sha256(prev + data[begin : begin + page_bytes]).digest()
+        out.append(prev)
+    return out
+
+
+def page_key(h: bytes, kind: str) -> str:
+    """The store key of one page: ``<64 hex chars>.<kind>``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown page kind {kind!r}; expected one of {KINDS}")
+    if len(h) != HASH_BYTES:
+        raise ValueError(f"page hash must be {HASH_BYTES} bytes, got {len(h)}")
+    return f"{h.hex()}.{kind}"
+
+
+def page_keys(hashes: Sequence[bytes], kind: str) -> list[str]:
+    """`page_key` over a chain."""
+    return [page_key(h, kind) for h in hashes]
+
+
+def parse_key(key: str) -> tuple[bytes, str]:
+    """Inverse of `page_key`: ``(hash, kind)``; raises ValueError on a malformed key."""
+    hex_part, dot, kind = key.partition(".")
+    if not dot or kind not in KINDS or len(hex_part) != 2 * HASH_BYTES:
+        raise ValueError(f"malformed page key {key!r}")
+    try:
+        return bytes.fromhex(hex_part), kind
+    except ValueError:
+        raise ValueError(f"malformed page key {key!r}") from None
