@@ -16,6 +16,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+
 from hicache_jax.models.kernels.mamba2_ssd import chunked, kernel
 
 F32 = jnp.float32
@@ -69,10 +70,7 @@ def bench_case(name, fn, shape, bw, dtype, **static) -> None:
     step = lambda st: call(*head, st, *tail)[1]
     secs = _timeit(step, states)
     floor = floor_bytes(T, S, H, P, G, N, jnp.dtype(dtype).itemsize) / bw
-    print(
-        f"{name:<44} {secs * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   "
-        f"{secs / floor:5.2f}x floor"
-    )
+    print(f"{name:<44} {secs * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {secs / floor:5.2f}x floor")
 
 
 def check_interpret() -> None:

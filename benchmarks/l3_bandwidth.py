@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.keys import Namespace
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
@@ -59,7 +60,9 @@ def _resident_share(paths: Sequence[Path]) -> float | None:
         chunk = [str(p) for p in paths[i : i + 512]]
         out = subprocess.run(
             ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE", *chunk],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout
         for line in out.split("\n"):
             if line.strip():
@@ -208,17 +211,17 @@ def _print_table(rows: list[dict], threads: int, args) -> None:
     head = f"{'value':>9} {'pages':>6}  {'op':<10} {'raw':>7} {'L3':>7} {'L3/raw':>7} "
     print(head + f"{'client':>7} {'client/raw':>10}")
     for r in rows:
-        for op, suffix in (("write", "_write"), ("read cold", "_read_cold"),
-                           ("read warm", "_read_warm")):
+        for op, suffix in (("write", "_write"), ("read cold", "_read_cold"), ("read warm", "_read_warm")):
             raw, l3, cl = r["raw" + suffix], r["l3" + suffix], r["client" + suffix]
             print(
                 f"{_size(r['value_bytes']):>9} {r['pages']:>6}  {op:<10} {raw:7.2f} {l3:7.2f} "
                 f"{l3 / raw:7.2f} {cl:7.2f} {cl / raw:10.2f}"
             )
-        res = [f"{k}={r.get(k + '_resident_before_cold', float('nan')):.0%}"
-               for k in ("raw", "l3", "client")]
-        print(f"{'':>18}cold: fadvise(DONTNEED)={r['fadvise']}, resident before read "
-              f"(fincore, max): {', '.join(res)}")
+        res = [f"{k}={r.get(k + '_resident_before_cold', float('nan')):.0%}" for k in ("raw", "l3", "client")]
+        print(
+            f"{'':>18}cold: fadvise(DONTNEED)={r['fadvise']}, resident before read "
+            f"(fincore, max): {', '.join(res)}"
+        )
 
 
 def _size(n: int) -> str:
@@ -238,7 +241,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict]] = {"storage": bench_st
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--sizes", default="64K,1536K",
+        "--sizes",
+        default="64K,1536K",
         type=lambda s: [_parse_size(x) for x in s.split(",")],
         help="page value sizes: 64-token pages of a tiny model and of a ~100M model",
     )

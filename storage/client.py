@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+
 from hicache_jax.storage.base import L3Store
 from hicache_jax.storage.codec import CorruptPage, decode_page, encode_page
 from hicache_jax.storage.keys import Namespace
@@ -76,8 +77,15 @@ class StorageClient:
         self._pool = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="l3-prefetch")
         self._io = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="l3-read")
         self._stats = Counters(
-            "reads", "read_misses", "bytes_read", "read_errors", "checksum_failures",
-            "writes", "bytes_written", "skipped_writes", "write_errors",
+            "reads",
+            "read_misses",
+            "bytes_read",
+            "read_errors",
+            "checksum_failures",
+            "writes",
+            "bytes_written",
+            "skipped_writes",
+            "write_errors",
         )
         # Writer state, all guarded by _cond.
         self._cond = threading.Condition()
@@ -241,7 +249,9 @@ class StorageClient:
                 log.exception("L3 write of %d pages failed", len(encoded))
                 errors.update((k, e) for k, _ in encoded)
         self._stats.add(
-            writes=len(written), bytes_written=nbytes, skipped_writes=skipped,
+            writes=len(written),
+            bytes_written=nbytes,
+            skipped_writes=skipped,
             write_errors=len(errors),
         )
         for key, _, _, ticket in batch:

@@ -42,8 +42,18 @@ assert _FIXED.size == 32
 _DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<")
     for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
     )
 }
 _DTYPES.update(
@@ -75,9 +85,7 @@ def _fingerprint_bytes(fingerprint: str) -> bytes:
     return raw
 
 
-def encode_page(
-    arrays: Mapping[str, np.ndarray], namespace_fingerprint: str, key: str = ""
-) -> bytes:
+def encode_page(arrays: Mapping[str, np.ndarray], namespace_fingerprint: str, key: str = "") -> bytes:
     """Serialize `arrays` (in order) for one namespace and, optionally, one store key."""
     if not 0 < len(arrays) < 2**16:
         raise ValueError(f"a page holds 1..65535 arrays, got {len(arrays)}")
@@ -107,8 +115,12 @@ def encode_page(
         body.append(memoryview(arr.reshape(-1).view(np.uint8)))
         pos += pad + arr.nbytes
     fields = [
-        MAGIC, FORMAT_VERSION, len(parts), _fingerprint_bytes(namespace_fingerprint),
-        meta_len, payload_len,
+        MAGIC,
+        FORMAT_VERSION,
+        len(parts),
+        _fingerprint_bytes(namespace_fingerprint),
+        meta_len,
+        payload_len,
     ]
     # The crc field is outside the checksummed range, so checksum the pieces first and
     # join once: the payload is copied exactly once.

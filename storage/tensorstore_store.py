@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import tensorstore as ts
+
 from hicache_jax.storage.base import L3Store
 from hicache_jax.storage.stats import Counters
 
@@ -103,8 +104,13 @@ class TensorStoreL3(L3Store):
             raise InvalidStoreSpec(f"cannot open L3 store {spec!r} ({self.spec}): {e}") from e
         self._closed = False
         self._stats = Counters(
-            "pages_read", "bytes_read", "misses", "pages_written", "bytes_written",
-            "skipped_puts", "deletes",
+            "pages_read",
+            "bytes_read",
+            "misses",
+            "pages_written",
+            "bytes_written",
+            "skipped_puts",
+            "deletes",
         )
 
     def __repr__(self) -> str:
@@ -127,14 +133,9 @@ class TensorStoreL3(L3Store):
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         kv = self._store()
         read = lambda k: kv.read(_check_key(k))
-        out = [
-            r.value if r.state == "value" else None
-            for r in _windowed(read, keys, self.max_in_flight)
-        ]
+        out = [r.value if r.state == "value" else None for r in _windowed(read, keys, self.max_in_flight)]
         hits = [v for v in out if v is not None]
-        self._stats.add(
-            pages_read=len(hits), bytes_read=sum(map(len, hits)), misses=len(out) - len(hits)
-        )
+        self._stats.add(pages_read=len(hits), bytes_read=sum(map(len, hits)), misses=len(out) - len(hits))
         return out
 
     def put(self, items: Sequence[tuple[str, bytes]], *, force: bool = False) -> int:

@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+
 from hicache_jax.storage.codec import CorruptPage, decode_page, encode_page
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
 

@@ -5,6 +5,7 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+
 from hicache_jax.storage.base import L3Store
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.codec import encode_page
@@ -17,8 +18,13 @@ NS = Namespace("tiny", "bfloat16", 4, 1)
 def _pages(n, start=0):
     keys = page_keys(page_hashes(np.arange(4 * (start + n)), 4, NS), "kv")[start:]
     return [
-        (k, {"k": np.full((2, 4, 8), i + start, ml_dtypes.bfloat16),
-             "v": np.full((2, 4, 8), -(i + start), ml_dtypes.bfloat16)})
+        (
+            k,
+            {
+                "k": np.full((2, 4, 8), i + start, ml_dtypes.bfloat16),
+                "v": np.full((2, 4, 8), -(i + start), ml_dtypes.bfloat16),
+            },
+        )
         for i, k in enumerate(keys)
     ]
 

@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+
 from hicache_jax.storage.codec import ALIGN, CorruptPage, decode_page, encode_page
 
 FP = "0123456789abcdef"
@@ -19,8 +20,17 @@ def _page(dtype, shape=(2, 16, 3)):
 
 @pytest.mark.parametrize(
     "dtype",
-    [np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.int8, np.int32,
-     np.uint8, np.int64, np.bool_],
+    [
+        np.float32,
+        np.float16,
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        np.int8,
+        np.int32,
+        np.uint8,
+        np.int64,
+        np.bool_,
+    ],
 )
 def test_round_trip(dtype):
     page = _page(dtype)

@@ -5,6 +5,7 @@ import struct
 
 import numpy as np
 import pytest
+
 from hicache_jax.storage.keys import Namespace, page_hashes, page_key, page_keys, parse_key
 
 NS = Namespace("model-a", "bfloat16", 4, 1)

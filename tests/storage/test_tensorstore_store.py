@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from hicache_jax.storage.base import make_store
 from hicache_jax.storage.tensorstore_store import InvalidStoreSpec, TensorStoreL3, resolve_spec
 
@@ -86,9 +87,7 @@ def test_spec_forms_share_one_file_store(tmp_path):
 
 
 def test_resolve_spec():
-    assert resolve_spec("gs://bucket/prefix") == {
-        "driver": "gcs", "bucket": "bucket", "path": "prefix/"
-    }
+    assert resolve_spec("gs://bucket/prefix") == {"driver": "gcs", "bucket": "bucket", "path": "prefix/"}
     assert resolve_spec("memory://") == {"driver": "memory"}
     local = resolve_spec("rel/dir")
     assert local["path"] == os.path.abspath("rel/dir") + "/" and local["file_io_sync"] is False
@@ -119,7 +118,11 @@ def test_two_processes_share_a_file_store_without_torn_reads(tmp_path):
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.storage._rw_worker", d, str(i), str(deadline)],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in (1, 2)
     ]
