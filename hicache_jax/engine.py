@@ -276,30 +276,10 @@ class Engine:
         self.prefix_cache.check_integrity(self.adapter.held(self.scheduler.running))
 
     def warmup(self) -> None:
-        """Compile the step for every shape bucket, so serving never stops to compile."""
-        from hicache_jax.scheduler.plan import WorkItem
-
+        """Compile the step for every shape bucket, so serving never stops to compile.
+        Each warm-up batch is empty (``num_seqs = 0``): nothing is read or written."""
         t0 = time.perf_counter()
-        P = self.cfg.page_size
-        dummy_pages = min(p.size for p in self.prefix_cache.pools.values() if p.name != "mamba state slots")
-        sizes = [1 << i for i in range((self.cfg.max_running_requests - 1).bit_length() + 1)]
-        plans = []
-        for S in sizes:  # decode-only shapes
-            plans.append([(1, 1)] * S)
-        for T in self.builder.buckets:  # prefill shapes
-            plans.append([(T - min(T, 1), 0)] if T > 1 else [(1, 0)])
-        for spec in plans:
-            items = []
-            for i, (n, _) in enumerate(spec):
-                n = max(1, min(n, dummy_pages * P - 1, self.cfg.chunked_prefill_size))
-                r = Req(rid=f"warmup{i}", input_ids=[0] * (n + 1), sampling=SamplingParams(temperature=0))
-                r.full_pages = r.swa_pages = [0] * -(-(n + 1) // P)
-                r.own_full = r.own_swa = [False] * len(r.full_pages)
-                items.append(WorkItem(r, 0, n if len(spec) > 1 or n > 1 else 1))
-            plan = StepPlan(items=items)
-            batch, sampling, copies, top, _ = self.builder.build(plan)
-            batch.slot_mappings.update({g: np.full_like(v, -1) for g, v in batch.slot_mappings.items()})
+        for shape in self.builder.warmup_shapes():
+            batch, sampling, copies, top, _ = self.builder.build(StepPlan(items=[]), shape)
             self.runner.step(batch, sampling, copies, top)
-        log.info(
-            "warm-up compiled %d step shapes in %.1fs", self.runner.num_compiled(), time.perf_counter() - t0
-        )
+        log.info("warm-up: %d step programs in %.1fs", self.runner.num_compiled(), time.perf_counter() - t0)

@@ -51,3 +51,29 @@ def test_greedy_matches_transformers(checkpoint_dir, family):
         top2 = torch.topk(logits, 2).values
         gap = float(top2[0] - top2[1])
         assert gap < 1e-4, f"{family}: first difference at output {k} is not a near-tie (gap {gap})"
+
+
+def test_input_logprobs_match_transformers_with_a_cached_prefix(checkpoint_dir):
+    path = checkpoint_dir("gemma3")
+    ref = load_reference(path)
+    prompt = np.random.RandomState(1).randint(0, 512, 60).tolist()
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0], -1).numpy()
+    want = [logp[i - 1, prompt[i]] for i in range(41, 60)]
+    llm = LLM(model_path=path, dtype="float32", page_size=16, chunked_prefill_size=32)
+    sp = {"max_new_tokens": 2, "temperature": 0}
+    for attempt in range(2):  # the second pass reuses the prefix, but not past 40
+        out = llm.generate(
+            input_ids=[prompt],
+            sampling_params=sp,
+            return_logprob=True,
+            logprob_start_len=40,
+            top_logprobs_num=3,
+        )[0]
+        meta = out["meta_info"]
+        assert meta["cached_tokens"] == (32 if attempt else 0)
+        lps = meta["input_token_logprobs"]
+        assert len(lps) == 20 and lps[0][0] is None and [x[1] for x in lps] == prompt[40:]
+        np.testing.assert_allclose([x[0] for x in lps[1:]], want, atol=2e-5)
+        tops = meta["input_top_logprobs"][1]
+        assert [t[1] for t in tops] == np.argsort(-logp[40])[:3].tolist()

@@ -86,9 +86,19 @@ class BatchBuilder:
         R = T if any(i.wants_input_logprobs for i in plan.items) else S
         return T, S, R
 
-    def build(self, plan: StepPlan) -> tuple[ForwardBatch, SamplingInputs, StateCopies, int, list[int]]:
-        """Device inputs, the top-logprobs width, and each item's first row in T."""
-        T, S, R = self.shapes(plan)
+    def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
+        """Every (T, S, R, decode_only) a step without input logprobs can take."""
+        decode = [(1 << i,) * 3 + (True,) for i in range((self.max_running - 1).bit_length() + 1)]
+        prefill = [(T, self.max_running, self.max_running, False) for T in self.buckets]
+        return decode + prefill
+
+    def build(
+        self, plan: StepPlan, shape: tuple[int, int, int, bool] | None = None
+    ) -> tuple[ForwardBatch, SamplingInputs, StateCopies, int, list[int]]:
+        """Device inputs, the top-logprobs width, and each item's first row in T.
+        ``shape`` forces (T, S, R, decode_only) (warm-up builds empty batches of each)."""
+        T, S, R = shape[:3] if shape else self.shapes(plan)
+        decode_only = shape[3] if shape else plan.decode_only
         P = self.P
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
@@ -159,7 +169,7 @@ class BatchBuilder:
             state_slots=state_slots,
             has_initial_state=has_init,
             logits_indices=logits_rows,
-            decode_only=plan.decode_only,
+            decode_only=decode_only,
         )
         sampling = SamplingInputs(last_rows=last_rows, targets=targets, **s_inputs)
         copies = self._copies(plan)

@@ -1,0 +1,68 @@
+"""usable_prefix_end: the one rule for how long a cached prefix may be."""
+
+import pytest
+
+from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
+
+P = 16
+T, F = True, False
+
+
+def rules(full=True, window=None, mamba=False):
+    return PrefixRules(page_size=P, has_full=full, sliding_window=window, has_mamba=mamba)
+
+
+def end(r, input_len, full=(), swa=(), mamba=(), lsl=-1):
+    return usable_prefix_end(r, input_len, lsl, list(full), list(swa), list(mamba))
+
+
+def test_caps_at_input_minus_one_floored_to_page():
+    r = rules()
+    assert end(r, 64, full=[T] * 4) == 48  # 63 -> 48: one token must be computed
+    assert end(r, 65, full=[T] * 4) == 64
+    assert end(r, 65, full=[T] * 4, lsl=40) == 32  # input logprobs from 40 need rows >= 40
+    assert end(r, 1, full=[T]) == 0
+
+
+def test_full_attention_needs_every_page():
+    assert end(rules(), 100, full=[T, T, F, T, T]) == 32
+
+
+def test_sliding_window_needs_only_the_window():
+    r = rules(full=False, window=20)
+    # end 64 reads 45..63: pages 2 and 3; pages 0 and 1 may be gone
+    assert end(r, 100, swa=[F, F, T, T]) == 64
+    assert end(r, 100, swa=[F, F, F, T]) == 0  # 48 needs 29..47 (pages 1, 2); 32 needs 13..31
+    assert end(r, 100, swa=[T, T, F, T]) == 32
+    # a window of 1 reads nothing before the end
+    assert end(rules(full=False, window=1), 100, swa=[F, F, F]) == 48
+
+
+@pytest.mark.parametrize(
+    "window, needed_from", [(16, 3), (17, 3), (18, 2), (33, 2), (34, 1), (49, 1), (50, 0)]
+)
+def test_window_not_a_page_multiple(window, needed_from):
+    r = rules(full=False, window=window)
+    swa = [j >= needed_from for j in range(4)]
+    assert end(r, 100, swa=swa) == 64
+    if needed_from:
+        swa[needed_from] = False
+        assert end(r, 100, swa=swa) < 64
+
+
+def test_mamba_ends_only_at_snapshots():
+    r = rules(mamba=True)
+    assert end(r, 100, full=[T] * 6, mamba=[F, T, F, F, T, F]) == 80
+    assert end(r, 70, full=[T] * 6, mamba=[F, T, F, F, T, F]) == 32  # cap 64 -> last snapshot 32
+
+
+def test_hybrid_takes_every_kind_at_once():
+    r = rules(full=True, window=20, mamba=True)
+    full, swa, mamba = [T] * 6, [T, T, T, F, T, T], [F, T, F, T, T, F]
+    # 80: snapshot ok, window pages 3-4: page 3 missing. 64: window pages 2-3: missing. 32: ok.
+    assert end(r, 200, full=full, swa=swa, mamba=mamba) == 32
+
+
+def test_availability_shorter_than_prompt():
+    assert end(rules(), 1000, full=[T, T]) == 32
+    assert end(rules(full=False, window=20), 1000, swa=[T]) == 16

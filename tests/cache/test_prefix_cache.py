@@ -1,0 +1,90 @@
+"""The L1 prefix cache: LRU eviction, locks, SWA tombstones, integrity checks."""
+
+import pytest
+
+from hicache_jax.cache.pool import IndexPool
+from hicache_jax.cache.prefix import PrefixRules
+from hicache_jax.cache.prefix_cache import PrefixCache
+
+P = 4
+
+
+def make(window=None, pages=16):
+    rules = PrefixRules(page_size=P, has_full=True, sliding_window=window, has_mamba=False)
+    pools = {"full": IndexPool(pages, "full")}
+    if window:
+        pools["swa"] = IndexPool(pages, "swa")
+    return PrefixCache(rules, pools)
+
+
+def put(cache, tokens, n_pages):
+    pages = {k: pool.alloc(n_pages) for k, pool in cache.pools.items()}
+    node, taken = cache.insert(tokens, None, n_pages, pages)
+    for kind, idx in pages.items():  # what the tree did not take stays ours: free it
+        cache.pools[kind].free([p for j, p in enumerate(idx) if j not in taken[kind]])
+    return node
+
+
+def test_match_and_duplicate_insert():
+    c = make()
+    seq = list(range(100, 113))  # 3 full pages + 1 token
+    put(c, seq, 3)
+    assert c.match(seq, len(seq)).end == 12
+    assert c.match(seq[:9], 9).end == 8
+    assert c.match([1] + seq[1:], 13).end == 0
+    put(c, seq, 3)  # the same pages again: nothing new is taken
+    assert c.pools["full"].num_used == 3
+    c.check_integrity()
+
+
+def test_lru_eviction_spares_locked_nodes():
+    c = make(pages=6)
+    a, b = list(range(0, 12)), list(range(50, 62))
+    node_a = put(c, a, 3)
+    put(c, b, 3)
+    c.lock(node_a)
+    assert c.alloc("full", 3) is not None  # only b's pages can go
+    assert c.match(a, 13).end == 12 and c.match(b, 13).end == 0
+    assert c.alloc("full", 1) is None  # a is locked
+    c.unlock(node_a)
+    assert c.alloc("full", 1) is not None
+    c.check_integrity(held_outside={"full": sorted(c.pools["full"].used() - set(c.tree_indices()["full"]))})
+
+
+def test_swa_tombstones_block_ends_but_not_passage():
+    c = make(window=5)  # the token at e reads e-4..e-1
+    seq = list(range(24))
+    put(c, seq, 6)
+    assert c.match(seq, 24).end == 20
+    path = c.tree.walk(seq, 6)
+
+    def tombstone(j):  # page j holds tokens 4j..4j+3
+        c.pools["swa"].free([path[j].swa])
+        path[j].swa = None
+
+    tombstone(3)
+    assert c.match(seq, 24).end == 20  # end 20 reads 16..19 (page 4): passes page 3
+    tombstone(4)
+    assert c.match(seq, 24).end == 12  # 20 reads page 4, 16 reads page 3; 12 reads page 2
+    c.check_integrity()
+
+
+def test_integrity_catches_leaks_and_double_owners():
+    c = make()
+    put(c, list(range(8)), 2)
+    leaked = c.pools["full"].alloc(1)
+    with pytest.raises(AssertionError, match="leaked"):
+        c.check_integrity()
+    c.check_integrity(held_outside={"full": leaked})
+    owned = c.tree_indices()["full"][:1]
+    with pytest.raises(AssertionError, match="owned twice"):
+        c.check_integrity(held_outside={"full": leaked + owned})
+
+
+def test_pool_refuses_double_free():
+    pool = IndexPool(4, "p")
+    got = pool.alloc(2)
+    pool.free(got)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        pool.free(got[:1])
+    assert pool.alloc(5) is None and pool.num_free == 4
