@@ -1,0 +1,118 @@
+"""Decode throughput and step time against the memory floor.
+
+    python benchmarks/decode.py [--presets tiny,100m] [--batches 1,8,32] [--context 256]
+
+For each preset and batch size: B requests with a ``--context``-token prompt are prefilled,
+then decode steps are timed through the engine (scheduling included) and through the
+runner alone. The floor of a decode step is the bytes it must read (weights, plus each
+sequence's KV: the whole context for full-attention layers, the window for sliding ones,
+plus Mamba states read and written) over the memcpy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hicache_jax.config import EngineConfig
+from hicache_jax.engine import Engine
+from hicache_jax.models.cache import MambaState
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Device copy bandwidth in bytes/s (read + write counted once: bytes moved / time)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 0)  # materialises a new buffer: one read, one write
+    copy(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def step_bytes(engine: Engine, batch: int, context: int) -> int:
+    cfg = engine.model.cfg
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(engine.runner.params))
+    kv = 0
+    for kind, entry in zip(cfg.layer_kinds, engine.runner.cache):
+        if isinstance(entry, MambaState):
+            kv += 2 * batch * (entry.ssm[0].nbytes + entry.conv[0].nbytes)  # read + write
+        else:
+            per_token = 2 * entry.k[0, 0].nbytes
+            span = min(context, cfg.sliding_window) if kind == "sliding" else context
+            kv += batch * span * per_token
+    return weights + kv
+
+
+def bench(preset: str, batch: int, context: int, steps: int, bandwidth: float) -> dict:
+    engine = Engine(
+        EngineConfig(
+            preset=preset,
+            page_size=16,
+            chunked_prefill_size=max(512, context),
+            max_running_requests=max(batch, 1),
+            max_total_tokens=batch * (context + steps + 64) + 1024,
+            warmup=False,
+        )
+    )
+    rng = np.random.RandomState(0)
+    for _ in range(batch):
+        engine.add_request(
+            input_ids=rng.randint(3, 500, context).tolist(),
+            sampling_params={"max_new_tokens": steps + 8, "ignore_eos": True, "temperature": 0},
+        )
+    while any(r.remaining > 1 or not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):  # compile and settle the decode shape
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    engine_step = (time.perf_counter() - t0) / steps
+    # The runner alone, on the same decode batch shape.
+    plan = engine.scheduler.schedule()
+    inputs = engine.builder.build(plan)
+    engine.runner.step(*inputs[:4])
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.runner.step(*inputs[:4])
+    runner_step = (time.perf_counter() - t0) / steps
+    floor = step_bytes(engine, batch, context + steps) / bandwidth
+    return {
+        "preset": preset,
+        "batch": batch,
+        "tokens_per_s": batch / engine_step,
+        "engine_step_ms": 1e3 * engine_step,
+        "runner_step_ms": 1e3 * runner_step,
+        "floor_ms": 1e3 * floor,
+        "runner/floor": runner_step / floor,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--presets", default="tiny,100m")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=16)
+    args = p.parse_args()
+    bw = memcpy_bandwidth()
+    print(f"device: {jax.devices()[0].device_kind}; memcpy bandwidth {bw / 1e9:.2f} GB/s")
+    print(f"{'preset':>8} {'B':>3} {'tok/s':>9} {'engine ms':>10} {'runner ms':>10} {'floor ms':>9} {'ratio':>7}")
+    for preset in args.presets.split(","):
+        for b in (int(x) for x in args.batches.split(",")):
+            r = bench(preset, b, args.context, args.steps, bw)
+            print(
+                f"{preset:>8} {b:>3} {r['tokens_per_s']:>9.1f} {r['engine_step_ms']:>10.2f} "
+                f"{r['runner_step_ms']:>10.2f} {r['floor_ms']:>9.3f} {r['runner/floor']:>7.1f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
