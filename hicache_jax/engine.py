@@ -113,6 +113,8 @@ class Engine:
         if text is not None:
             if not isinstance(text, str):
                 raise InvalidRequest("text must be a string")
+            if not self.tokenizer.has_text:
+                raise InvalidRequest("this model has no tokenizer.json: send input_ids instead of text")
             input_ids = self.tokenizer.encode(text)
         if not isinstance(input_ids, (list, tuple)) or any(
             not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in input_ids
