@@ -88,7 +88,16 @@ class Engine:
         )
         self.requests: dict[str, Req] = {}
         self._rng = random.Random(cfg.random_seed)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+        self.stats = {
+            "steps": 0,
+            "requests_finished": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "cached_tokens": 0,
+            "cached_tokens_device": 0,
+            "cached_tokens_host": 0,
+            "cached_tokens_storage": 0,
+        }
         if cfg.warmup:
             self.warmup()
 
@@ -251,8 +260,11 @@ class Engine:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()
+        self.stats["requests_finished"] += 1
         self.stats["prompt_tokens"] += req.input_len
         self.stats["cached_tokens"] += req.cached_tokens
+        for tier, n in req.cached_details.items():
+            self.stats[f"cached_tokens_{tier}"] += n
 
     # ---- results -------------------------------------------------------------------------------
     def output(self, rid: str) -> dict:
@@ -273,6 +285,17 @@ class Engine:
             return False
         self.prefix_cache.flush()
         return True
+
+    def metrics(self) -> dict:
+        """Counters and gauges for /metrics and /get_server_info (plain numbers)."""
+        out = dict(self.stats)
+        out["num_running_reqs"] = len(self.scheduler.running)
+        out["num_waiting_reqs"] = len(self.scheduler.waiting)
+        out["num_retractions"] = self.scheduler.num_retractions
+        for kind, pool in self.prefix_cache.pools.items():
+            out[f"pool_{kind}_used"] = pool.num_used
+            out[f"pool_{kind}_size"] = pool.size
+        return out
 
     def check_integrity(self) -> None:
         self.prefix_cache.check_integrity(self.adapter.held(self.scheduler.running))
