@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 import uuid
 
 import numpy as np
 
+from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
@@ -24,6 +26,7 @@ from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, Sampli
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
 from hicache_jax.scheduler.scheduler import Scheduler
+from hicache_jax.transfer import PageTransfer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,20 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
 
     dtype = resolve_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)
     return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
+
+
+def make_host_pools(
+    cfg: EngineConfig, pools: dict[str, IndexPool], transfer: PageTransfer
+) -> dict[str, HostPool]:
+    """L2 sized as the device pools x ``hicache_ratio``, or to ``hicache_size_gb``."""
+    layouts = {k: transfer.layout(k) for k in pools}
+    sizes = {k: max(1, int(p.size * cfg.hicache_ratio)) for k, p in pools.items()}
+    if cfg.hicache_size_gb > 0:
+        page_kinds = [k for k in pools if k != "mamba"]
+        per_page = sum(HostPool(k, 0, layouts[k]).bytes_per_page for k in page_kinds)
+        for k in page_kinds:
+            sizes[k] = max(1, int(cfg.hicache_size_gb * 1e9 / per_page))
+    return {k: HostPool(k, sizes[k], layouts[k]) for k in pools}
 
 
 class Engine:
@@ -69,9 +86,6 @@ class Engine:
             sliding_window=mc.sliding_window if "sliding" in kinds else None,
             has_mamba="mamba" in kinds,
         )
-        self.prefix_cache = PrefixCache(self.rules, pools, enabled=not cfg.disable_radix_cache)
-        self.adapter = CacheAdapter(self.prefix_cache)
-        self.scheduler = Scheduler(cfg, self.adapter)
         groups = tuple(sorted({page_group(k) for k in kinds if k != "mamba"}))
         self.runner = ModelRunner(
             model,
@@ -79,6 +93,21 @@ class Engine:
             page_size=P,
             num_state_slots=pools["mamba"].size if "mamba" in pools else 0,
         )
+        host, transfer = None, None
+        if cfg.enable_hierarchical_cache:
+            transfer = PageTransfer(self.runner)
+            host = make_host_pools(cfg, pools, transfer)
+        self.prefix_cache = PrefixCache(
+            self.rules,
+            pools,
+            enabled=not cfg.disable_radix_cache,
+            host=host,
+            transfer=transfer,
+            write_policy=cfg.hicache_write_policy,
+        )
+        self.storage = self._make_storage() if cfg.hicache_storage_backend else None
+        self.adapter = CacheAdapter(self.prefix_cache)
+        self.scheduler = Scheduler(cfg, self.adapter, self.storage)
         self.builder = BatchBuilder(
             page_size=P,
             groups=groups,
@@ -100,6 +129,41 @@ class Engine:
         }
         if cfg.warmup:
             self.warmup()
+
+    def _make_storage(self):
+        import tempfile
+
+        from hicache_jax.cache.storage_tier import StorageTier
+        from hicache_jax.models.fingerprint import params_fingerprint
+        from hicache_jax.models.loader import model_fingerprint
+        from hicache_jax.storage.base import make_store
+        from hicache_jax.storage.client import StorageClient
+        from hicache_jax.storage.keys import Namespace
+
+        cfg = self.cfg
+        fp = model_fingerprint(cfg.model_path) if cfg.model_path else None
+        fp = fp or params_fingerprint(self.runner.params, label=self.model.cfg.architecture)
+        namespace = Namespace(
+            model_fingerprint=fp,
+            kv_dtype=str(self.model.dtype),
+            page_size=cfg.page_size,
+            layout_version=1,
+            tp_rank=0,
+            tp_size=cfg.tp_size,
+        )
+        spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
+        store = make_store(cfg.hicache_storage_backend, spec)
+        log.info(
+            "L3: %s store at %s (namespace %s)", cfg.hicache_storage_backend, spec, namespace.fingerprint
+        )
+        return StorageTier(
+            StorageClient(store, namespace),
+            namespace,
+            self.prefix_cache,
+            policy=cfg.hicache_storage_prefetch_policy,
+            threshold=cfg.hicache_prefetch_threshold,
+            host_rate_limit=cfg.hicache_host_rate_limit,
+        )
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -172,6 +236,9 @@ class Engine:
             stream=stream,
         )
         self.requests[rid] = req
+        if self.storage is not None and not self.cfg.disable_radix_cache:
+            lsl = req.logprob_start_len if req.return_logprob else -1
+            self.storage.start(rid, req.input_ids, req.input_len, lsl, req.cache_salt)
         self.scheduler.add(req)
         return rid
 
@@ -194,7 +261,10 @@ class Engine:
         batch, sampling, copies, top, first_rows = self.builder.build(plan)
         out = self.runner.step(batch, sampling, copies, top)
         self.stats["steps"] += 1
-        return self._postprocess(plan, out, first_rows)
+        touched = self._postprocess(plan, out, first_rows)
+        if self.prefix_cache.host:
+            self.prefix_cache.backup_pending()  # write policy: device -> host (-> L3)
+        return touched
 
     def _postprocess(self, plan: StepPlan, out, first_rows: list[int]) -> list[Req]:
         touched = []
@@ -280,11 +350,27 @@ class Engine:
 
     # ---- maintenance -----------------------------------------------------------------------------
     def flush_cache(self) -> bool:
-        """Clear the device cache; refused (False) while requests are in flight."""
+        """Clear L1 and L2 after draining pending L3 writes; L3 is kept. Refused (False)
+        while requests are in flight."""
         if self.scheduler.has_work():
             return False
+        if self.prefix_cache.host:
+            self.prefix_cache.backup_pending()
+        if self.storage is not None:
+            self.storage.drain()
         self.prefix_cache.flush()
         return True
+
+    def clear_storage(self) -> bool:
+        """Clear L3 (shared by every server on it). False when no L3 is configured."""
+        if self.storage is None:
+            return False
+        self.storage.clear()
+        return True
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
 
     def metrics(self) -> dict:
         """Counters and gauges for /metrics and /get_server_info (plain numbers)."""
@@ -295,6 +381,12 @@ class Engine:
         for kind, pool in self.prefix_cache.pools.items():
             out[f"pool_{kind}_used"] = pool.num_used
             out[f"pool_{kind}_size"] = pool.size
+        for kind, pool in self.prefix_cache.host.items():
+            out[f"host_pool_{kind}_used"] = pool.index.num_used
+            out[f"host_pool_{kind}_size"] = pool.size
+        out.update(self.prefix_cache.counters)
+        if self.storage is not None:
+            out.update(self.storage.stats())
         return out
 
     def check_integrity(self) -> None:

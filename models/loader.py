@@ -74,3 +74,13 @@ def model_config(path: str) -> ModelConfig:
     if orbax_io.is_orbax_checkpoint(path):
         return orbax_io.read_config(path)
     return config_from_hf(read_hf_config(path), os.path.join(path, "config.json"))
+
+
+def model_fingerprint(path: str) -> str | None:
+    """The weights identity of a model directory (None when it cannot be told)."""
+    from hicache_jax.models import orbax_io
+    from hicache_jax.models.fingerprint import checkpoint_fingerprint
+
+    if orbax_io.is_orbax_checkpoint(path):
+        return orbax_io.read_fingerprint(path)
+    return checkpoint_fingerprint(path)

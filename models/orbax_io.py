@@ -58,11 +58,14 @@ def save(model: CausalLM, out_dir: str, *, source: str | None = None) -> None:
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(os.path.join(out_dir, "params"), _str_keys(params))
     ckptr.wait_until_finished()
+    from hicache_jax.models.fingerprint import checkpoint_fingerprint
+
     meta = {
         "layout_version": LAYOUT_VERSION,
         "config": model.cfg.to_dict(),
         "dtype": str(model.dtype),
         "source": source,
+        "fingerprint": checkpoint_fingerprint(source) if source else None,
     }
     with open(os.path.join(out_dir, META), "w") as f:
         json.dump(meta, f, indent=2)
@@ -85,6 +88,10 @@ def _read_meta(path: str) -> dict:
             "convert the checkpoint again"
         )
     return meta
+
+
+def read_fingerprint(path: str) -> str | None:
+    return _read_meta(path).get("fingerprint")
 
 
 def read_config(path: str) -> ModelConfig:

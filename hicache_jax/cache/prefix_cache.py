@@ -1,33 +1,45 @@
-"""The device (L1) prefix cache: pools, radix tree and eviction, behind a request-free API.
+"""The prefix cache over device (L1) and, optionally, host (L2) memory, behind a
+request-free API.
 
-Three pools may be short independently; each has its own eviction:
+Each pool may be short independently and has its own eviction, least recently used
+first, never touching locked data:
 
-- full-attention pages: evict whole unlocked leaves, least recently used first;
-- sliding-window pages: tombstone SWA pages outside every running request's window
-  (``swa_lock == 0``), LRU, anywhere in the tree;
-- Mamba state slots: drop unlocked nodes' snapshots (LRU).
+- device full-attention pages: a node keeps its host copy; a node without one goes only
+  as a whole leaf (its subtree would be unmatchable);
+- device sliding-window pages: tombstoned outside every running request's window
+  (``swa_lock == 0``), anywhere in the tree;
+- device Mamba snapshots: dropped from unlocked nodes;
+- host pages: copies of data still on the device go first-come; host-only full pages go
+  as whole leaves.
 
-Evicting zero pages is always safe; locked nodes are never touched. A node left holding
-nothing is pruned once it is a leaf.
+Write policies decide when device data is copied to the host: ``write_through`` when a
+node enters the tree, ``write_through_selective`` once it has been hit twice,
+``write_back`` only when the device evicts it. Every completed copy is reported to
+``on_backup`` (which queues the L3 write). Evicting zero pages is always safe.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
+
+from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
-from hicache_jax.cache.radix import Node, RadixTree
+from hicache_jax.cache.radix import Node, RadixTree, path_to
 
 KINDS = ("full", "swa", "mamba")
 
 
 @dataclasses.dataclass
 class Match:
-    nodes: list[Node]  # the path whose pages are reused, root excluded
+    nodes: list[Node]  # the reused path, root excluded
     end: int  # tokens: len(nodes) * page_size
+    loads: list[tuple[str, Node]] = dataclasses.field(default_factory=list)  # host -> device
+    tiers: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
 
     @property
     def last(self) -> Node | None:
@@ -38,137 +50,309 @@ class PrefixCache:
     def __init__(
         self,
         rules: PrefixRules,
-        pools: dict[str, IndexPool],  # subset of KINDS the model uses
+        pools: dict[str, IndexPool],
         *,
         enabled: bool = True,
+        host: dict[str, HostPool] | None = None,
+        transfer=None,  # .read(kind, device_idx) -> arrays, .write(kind, device_idx, arrays)
+        write_policy: str = "write_through",
     ):
         self.rules = rules
         self.pools = pools
         self.enabled = enabled
-        self.tree = RadixTree(rules.page_size)
+        self.host = host or {}
+        self.transfer = transfer
+        self.write_policy = write_policy
+        self.trees: dict[str | None, RadixTree] = {}
+        self.pending_backup: dict[int, Node] = {}  # id -> node, in insertion order
+        self.on_backup: Callable[[Node, tuple[str, ...]], None] | None = None
+        self.counters = {"host_loads": 0, "host_backups": 0, "backup_skipped": 0}
+
+    # ---- trees (one per cache_salt: tenants never share pages) ----------------------------
+    def tree(self, salt: str | None = None) -> RadixTree:
+        if salt not in self.trees:
+            self.trees[salt] = RadixTree(self.rules.page_size, salt)
+        return self.trees[salt]
+
+    def nodes(self) -> Iterator[Node]:
+        for t in list(self.trees.values()):
+            yield from t.nodes()
 
     # ---- lookup -------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], input_len: int, logprob_start_len: int = -1) -> Match:
+    def availability(self, path: Sequence[Node]) -> tuple[list[bool], list[bool], list[bool]]:
+        return (
+            [n.has("full") for n in path],
+            [n.has("swa") for n in path],
+            [n.has("mamba") for n in path],
+        )
+
+    def match(
+        self, tokens: Sequence[int], input_len: int, logprob_start_len: int = -1, salt: str | None = None
+    ) -> Match:
+        """The longest usable prefix in any tier (``usable_prefix_end``), and the host ->
+        device loads it needs."""
         if not self.enabled:
             return Match([], 0)
         P = self.rules.page_size
-        path = self.tree.walk(tokens, self.rules.max_end(input_len, logprob_start_len) // P)
-        end = usable_prefix_end(
-            self.rules,
-            input_len,
-            logprob_start_len,
-            [n.full is not None for n in path],
-            [n.swa is not None for n in path],
-            [n.mamba is not None for n in path],
-        )
+        path = self.tree(salt).walk(tokens, self.rules.max_end(input_len, logprob_start_len) // P)
+        end = usable_prefix_end(self.rules, input_len, logprob_start_len, *self.availability(path))
         nodes = path[: end // P]
-        self.tree.touch(nodes)
-        return Match(nodes, end)
+        RadixTree.touch(nodes)
+        match = Match(nodes, end)
+        window = set(self.rules.swa_pages_needed(end)) if "swa" in self.pools else set()
+        page_tier = []
+        for j, node in enumerate(nodes):
+            need = [k for k in ("full",) if k in self.pools]
+            need += ["swa"] if j in window else []
+            need += ["mamba"] if "mamba" in self.pools and j == len(nodes) - 1 else []
+            missing = [k for k in need if getattr(node, k) is None]
+            match.loads += [(k, node) for k in missing]
+            tier = (
+                None if not need else "device" if not missing else "storage" if node.from_storage else "host"
+            )
+            page_tier.append(tier)
+            node.hit_count += 1
+            if self.write_policy == "write_through_selective" and node.hit_count >= 2:
+                self._want_backup(node)
+        # Pages that need no data (before a sliding window) count with the hit's deepest tier.
+        fallback = next((t for t in ("storage", "host") if t in page_tier), "device")
+        for tier in page_tier:
+            match.tiers[tier or fallback] += P
+        return match
 
-    # ---- allocation with eviction --------------------------------------------------------
+    def load(self, match: Match) -> bool:
+        """Bring the match's host-only data to the device (all or nothing). The caller has
+        locked the path (and the window) so allocation cannot evict it."""
+        by_kind: dict[str, list[Node]] = {}
+        for kind, node in match.loads:
+            by_kind.setdefault(kind, []).append(node)
+        got: dict[str, list[int]] = {}
+        for kind, nodes in by_kind.items():
+            idx = self.alloc(kind, len(nodes))
+            if idx is None:
+                for k, i in got.items():
+                    self.pools[k].free(i)
+                return False
+            got[kind] = idx
+        for kind, nodes in by_kind.items():
+            rows = [getattr(n, "host_" + kind) for n in nodes]
+            self.transfer.write(kind, got[kind], self.host[kind].read(rows))
+            for n, i in zip(nodes, got[kind]):
+                setattr(n, kind, i)
+            self.counters["host_loads"] += len(nodes)
+        for n in match.nodes:
+            n.from_storage = False
+        match.loads = []
+        return True
+
+    # ---- device allocation with eviction ---------------------------------------------------
     def alloc(self, kind: str, n: int) -> list[int] | None:
         pool = self.pools[kind]
         if pool.num_free < n:
             self.evict(kind, n - pool.num_free)
         return pool.alloc(n)
 
-    def available(self, kind: str) -> int:
-        """Free now plus what eviction could free (an upper bound for admission)."""
-        pool = self.pools.get(kind)
-        if pool is None:
-            return 1 << 30
-        return pool.num_free + sum(1 for node in self.tree.nodes() if self._evictable(node, kind))
-
-    @staticmethod
-    def _evictable(node: Node, kind: str) -> bool:
+    def _evictable(self, node: Node, kind: str) -> bool:
         if getattr(node, kind) is None:
             return False
-        return node.swa_lock == 0 if kind == "swa" else node.lock_ref == 0
+        if kind == "swa":
+            return node.swa_lock == 0
+        if node.lock_ref:
+            return False
+        if kind == "full" and node.host_full is None and node.children:
+            return self.write_policy == "write_back" and "full" in self.host
+        return True
 
     def evict(self, kind: str, n: int) -> int:
-        """Free at least ``n`` indices of ``kind`` if unlocked nodes allow; returns how many."""
+        """Free at least ``n`` device indices of ``kind`` if unlocked nodes allow."""
         if n <= 0:
             return 0
-        if kind == "full":
-            return self._evict_leaves(n)
-        freed = 0
-        heap = [(x.last_access, id(x), x) for x in self.tree.nodes() if self._evictable(x, kind)]
+        heap = [(x.last_access, id(x), x) for x in self.nodes() if self._evictable(x, kind)]
         heapq.heapify(heap)
+        freed = 0
         while heap and freed < n:
             _, _, node = heapq.heappop(heap)
-            self.pools[kind].free([getattr(node, kind)])
-            setattr(node, kind, None)
+            if not self._evictable(node, kind):
+                continue
+            if self.write_policy == "write_back" and getattr(node, "host_" + kind) is None:
+                self._backup([node])
+            parent = node.parent
+            if kind == "full" and node.host_full is None:
+                if node.children:
+                    continue
+                self._remove(node)
+            else:
+                self.pools[kind].free([getattr(node, kind)])
+                setattr(node, kind, None)
+                self._prune(node)
             freed += 1
-            self._prune(node)
-        return freed
-
-    def _evict_leaves(self, n: int) -> int:
-        freed = 0
-        heap = [
-            (x.last_access, id(x), x)
-            for x in self.tree.nodes()
-            if not x.children and x.lock_ref == 0 and x.swa_lock == 0
-        ]
-        heapq.heapify(heap)
-        while heap and freed < n:
-            _, _, node = heapq.heappop(heap)
-            freed += node.full is not None
-            parent = self._drop_node(node)
-            if not parent.is_root and not parent.children and parent.lock_ref == 0 and parent.swa_lock == 0:
+            if kind == "full" and not parent.is_root and self._evictable(parent, kind):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
-    def _drop_node(self, node: Node) -> Node:
+    def evict_host(self, kind: str, n: int, keep: Node | None = None) -> int:
+        pool = self.host[kind].index
+        cands = []
+        for x in self.nodes():
+            if getattr(x, "host_" + kind) is None or x is keep:
+                continue
+            if getattr(x, kind) is None and kind == "full" and (x.children or x.lock_ref):
+                continue  # the only copy of a page others hang below
+            cands.append((getattr(x, kind) is None, x.last_access, id(x), x))  # copies go first
+        heapq.heapify(cands)
+        freed = 0
+        while cands and freed < n:
+            _, _, _, node = heapq.heappop(cands)
+            parent = node.parent
+            if kind == "full" and node.full is None:
+                if node.children or node.lock_ref:
+                    continue
+                self._remove(node)
+            else:
+                pool.free([getattr(node, "host_" + kind)])
+                setattr(node, "host_" + kind, None)
+                self._prune(node)
+            freed += 1
+            if kind == "full" and not parent.is_root and parent.host_full is not None and parent.full is None:
+                if not parent.children and not parent.lock_ref:
+                    heapq.heappush(cands, (True, parent.last_access, id(parent), parent))
+        return freed
+
+    def host_alloc(self, kind: str, n: int, keep: Node | None = None) -> list[int] | None:
+        pool = self.host[kind].index
+        if pool.num_free < n:
+            self.evict_host(kind, n - pool.num_free, keep)
+        return pool.alloc(n)
+
+    def _remove(self, node: Node) -> None:
+        """Drop a leaf with everything it holds."""
         for kind in KINDS:
             idx = getattr(node, kind)
             if idx is not None:
                 self.pools[kind].free([idx])
                 setattr(node, kind, None)
-        self.tree.remove_leaf(node)
-        return node.parent
+            hidx = getattr(node, "host_" + kind)
+            if hidx is not None:
+                self.host[kind].index.free([hidx])
+                setattr(node, "host_" + kind, None)
+        self.pending_backup.pop(id(node), None)
+        node.tree_remove()
 
     def _prune(self, node: Node) -> None:
         while (
             not node.is_root and node.empty and not node.children and not node.lock_ref and not node.swa_lock
         ):
             parent = node.parent
-            self.tree.remove_leaf(node)
+            self.pending_backup.pop(id(node), None)
+            node.tree_remove()
             node = parent
 
-    # ---- insertion ------------------------------------------------------------------------
+    # ---- host backups ------------------------------------------------------------------------
+    def _want_backup(self, node: Node) -> None:
+        if self.host and any(
+            getattr(node, k) is not None and getattr(node, "host_" + k) is None for k in self.host
+        ):
+            self.pending_backup[id(node)] = node
+
+    def backup_pending(self) -> int:
+        """Copy queued nodes' device data to the host (batched per kind)."""
+        nodes = [n for n in self.pending_backup.values() if n.parent is not None]
+        self.pending_backup.clear()
+        return self._backup(sorted(nodes, key=lambda n: n.depth))
+
+    def _backup(self, nodes: list[Node]) -> int:
+        done: dict[int, list[str]] = {}
+        for kind in self.host:
+            todo = [n for n in nodes if getattr(n, kind) is not None and getattr(n, "host_" + kind) is None]
+            rows = []
+            for n in todo:
+                got = self.host_alloc(kind, 1, keep=n)
+                if got is None:
+                    self.counters["backup_skipped"] += 1
+                    break
+                rows.append(got[0])
+            todo = todo[: len(rows)]
+            if not todo:
+                continue
+            data = self.transfer.read(kind, [getattr(n, kind) for n in todo])
+            self.host[kind].write(rows, data)
+            for n, r in zip(todo, rows):
+                setattr(n, "host_" + kind, r)
+                done.setdefault(id(n), []).append(kind)
+            self.counters["host_backups"] += len(todo)
+        if self.on_backup:
+            for n in nodes:
+                if id(n) in done:
+                    self.on_backup(n, tuple(done[id(n)]))
+        return sum(len(v) for v in done.values())
+
+    # ---- insertion ------------------------------------------------------------------------------
     def insert(
         self,
         tokens: Sequence[int],
         start: Node | None,
         num_pages: int,
         pages: dict[str, list[int | None]],
+        salt: str | None = None,
     ) -> tuple[Node, dict[str, set[int]]]:
         """Add pages ``start.depth .. num_pages-1`` of ``tokens`` below ``start`` (default the
-        root). ``pages[kind][j]`` is the caller's index for page ``j`` (None: not held).
-        Returns the last node and, per kind, the page numbers whose index the tree took:
-        those now belong to the tree; the caller keeps (and later frees) the rest."""
-        node = start or self.tree.root
+        salt's root). ``pages[kind][j]`` is the caller's device index for page ``j`` (None:
+        not held). Returns the last node and, per kind, the page numbers whose index the
+        tree took: those now belong to the tree; the caller keeps (and frees) the rest."""
+        tree = self.tree(salt)
+        node = start or tree.root
         taken: dict[str, set[int]] = {k: set() for k in pages}
         for j in range(node.depth, num_pages):
-            key = self.tree.page_key(tokens, j)
-            child = node.children.get(key)
-            if child is None:
-                child = self.tree.add_child(node, key)
+            key = tree.page_key(tokens, j)
+            child = node.children.get(key) or tree.add_child(node, key)
             for kind, idx in pages.items():
                 if idx[j] is not None and getattr(child, kind) is None:
                     setattr(child, kind, idx[j])
                     taken[kind].add(j)
+                    if self.write_policy == "write_through":
+                        self._want_backup(child)
             node = child
-        self.tree.touch(self.tree.path_to(node)[start.depth if start else 0 :])
+        RadixTree.touch(path_to(node)[start.depth if start else 0 :])
         return node, taken
+
+    def insert_host(
+        self,
+        tokens: Sequence[int],
+        salt: str | None,
+        data: dict[int, dict[str, dict[str, np.ndarray]]],
+        hashes: Sequence[bytes],
+        num_pages: int,
+    ) -> int:
+        """Put pages fetched from L3 into the host tier: ``data[j][kind]`` is page ``j``'s
+        arrays. Returns the number of pages stored (stops when the host is full)."""
+        tree = self.tree(salt)
+        node = tree.root
+        stored = 0
+        for j in range(num_pages):
+            key = tree.page_key(tokens, j)
+            node = node.children.get(key) or tree.add_child(node, key)
+            node.hash = hashes[j]
+            for kind, arrays in data.get(j, {}).items():
+                if kind not in self.host or node.has(kind):
+                    continue
+                row = self.host_alloc(kind, 1, keep=node)
+                if row is None:
+                    self._prune(node)
+                    return stored
+                self.host[kind].write(row, {k: v[None] for k, v in arrays.items()})
+                setattr(node, "host_" + kind, row[0])
+                node.from_storage = True
+                stored += 1
+        RadixTree.touch(path_to(node))
+        return stored
 
     def lock(self, node: Node | None) -> None:
         if node is not None:
-            self.tree.lock(node)
+            RadixTree.lock(node)
 
     def unlock(self, node: Node | None) -> None:
         if node is not None:
-            self.tree.unlock(node)
+            RadixTree.unlock(node)
             self._prune(node)
 
     def swa_lock(self, nodes) -> None:
@@ -183,30 +367,43 @@ class PrefixCache:
 
     # ---- maintenance ------------------------------------------------------------------------
     def flush(self) -> None:
-        """Drop every unlocked node (all of them when no request runs)."""
-        self._evict_leaves(1 << 62)
-        for kind in self.pools:
-            if kind != "full":
-                self.evict(kind, 1 << 62)
+        """Drop every unlocked node, device and host (everything when no request runs)."""
+        changed = True
+        while changed:
+            changed = False
+            for node in list(self.nodes()):
+                if not node.children and not node.lock_ref and not node.swa_lock:
+                    self._remove(node)
+                    changed = True
+        self.pending_backup.clear()
 
-    def tree_indices(self) -> dict[str, list[int]]:
+    def indices(self) -> dict[str, list[int]]:
+        """Every device and host index the trees hold, by pool."""
         out: dict[str, list[int]] = {k: [] for k in self.pools}
-        for node in self.tree.nodes():
+        out.update({"host_" + k: [] for k in self.host})
+        for node in self.nodes():
             for kind in self.pools:
-                idx = getattr(node, kind)
-                if idx is not None:
-                    out[kind].append(idx)
+                if getattr(node, kind) is not None:
+                    out[kind].append(getattr(node, kind))
+            for kind in self.host:
+                if getattr(node, "host_" + kind) is not None:
+                    out["host_" + kind].append(getattr(node, "host_" + kind))
         return out
 
+    def tree_indices(self) -> dict[str, list[int]]:
+        return {k: v for k, v in self.indices().items() if k in self.pools}
+
     def check_integrity(self, held_outside: dict[str, list[int]] | None = None) -> None:
-        """Pools consistent, tree consistent, and every used index owned exactly once: by
-        the tree or by ``held_outside`` (the running requests)."""
-        self.tree.check_integrity()
+        """Pools consistent, trees consistent, and every used index owned exactly once: by
+        a tree or by ``held_outside`` (the running requests)."""
+        for t in self.trees.values():
+            t.check_integrity()
         held_outside = held_outside or {}
-        tree = self.tree_indices()
-        for kind, pool in self.pools.items():
+        owned = self.indices()
+        all_pools = dict(self.pools) | {"host_" + k: h.index for k, h in self.host.items()}
+        for kind, pool in all_pools.items():
             pool.check_integrity()
-            owners = tree[kind] + list(held_outside.get(kind, []))
+            owners = owned[kind] + list(held_outside.get(kind, []))
             if len(owners) != len(set(owners)):
                 dup = sorted({i for i in owners if owners.count(i) > 1})[:8]
                 raise AssertionError(f"{pool.name}: indices owned twice: {dup}")

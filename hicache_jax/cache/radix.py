@@ -9,6 +9,10 @@ its page (device indices; ``None`` = not held):
   *tombstone*: a match may pass through it but never end right after it);
 - ``mamba``: a recurrent-state snapshot taken at the end of the page.
 
+With a host tier (L2) each kind may also have a host copy (``host_full`` ...). A node
+whose device data was evicted but whose host copy remains stays in the tree; a match may
+use it, and the engine loads it back to the device.
+
 ``lock_ref`` counts running requests whose prefix ends at or below the node; a locked node
 is never evicted and keeps its full KV and snapshot. ``swa_lock`` counts running requests
 whose sliding window covers the node: only those pin its SWA page, so a long prompt's
@@ -32,10 +36,16 @@ class Node:
         "full",
         "swa",
         "mamba",
+        "host_full",
+        "host_swa",
+        "host_mamba",
         "lock_ref",
         "swa_lock",
         "last_access",
         "depth",
+        "hit_count",
+        "hash",
+        "from_storage",
     )
 
     def __init__(self, key: tuple[int, ...], parent: Node | None):
@@ -45,6 +55,12 @@ class Node:
         self.full: int | None = None
         self.swa: int | None = None
         self.mamba: int | None = None
+        self.host_full: int | None = None
+        self.host_swa: int | None = None
+        self.host_mamba: int | None = None
+        self.hit_count = 0
+        self.hash: bytes | None = None  # chained page hash (L3 key), computed on demand
+        self.from_storage = False  # its host data came from L3 and was not used yet
         self.lock_ref = 0
         self.swa_lock = 0
         self.last_access = next(_clock)
@@ -52,22 +68,52 @@ class Node:
 
     @property
     def is_root(self) -> bool:
-        return self.parent is None
+        return self.depth == 0
 
     @property
     def empty(self) -> bool:
+        return self.device_empty and self.host_empty
+
+    @property
+    def device_empty(self) -> bool:
         return self.full is None and self.swa is None and self.mamba is None
 
+    @property
+    def host_empty(self) -> bool:
+        return self.host_full is None and self.host_swa is None and self.host_mamba is None
+
+    def tree_remove(self) -> None:
+        """Unlink an unlocked leaf from its parent."""
+        if self.children or self.parent is None or self.lock_ref or self.swa_lock:
+            raise RuntimeError(f"cannot remove {self}: not an unlocked leaf")
+        del self.parent.children[self.key]
+        self.parent = None
+
+    def has(self, kind: str) -> bool:
+        """The kind's data is in some tier."""
+        return getattr(self, kind) is not None or getattr(self, "host_" + kind) is not None
+
     def __repr__(self) -> str:
+        host = f", host=({self.host_full}, {self.host_swa}, {self.host_mamba})" if not self.host_empty else ""
         return (
-            f"Node(depth={self.depth}, full={self.full}, swa={self.swa}, mamba={self.mamba}, "
+            f"Node(depth={self.depth}, full={self.full}, swa={self.swa}, mamba={self.mamba}{host}, "
             f"lock={self.lock_ref}, swa_lock={self.swa_lock})"
         )
 
 
+def path_to(node: Node) -> list[Node]:
+    """Nodes from the root (excluded) down to ``node``."""
+    path = []
+    while not node.is_root:
+        path.append(node)
+        node = node.parent
+    return path[::-1]
+
+
 class RadixTree:
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, salt: str | None = None):
         self.page_size = page_size
+        self.salt = salt  # the tenant (cache_salt) whose prefixes this tree holds
         self.root = Node((), None)
 
     def page_key(self, tokens: Sequence[int], page: int) -> tuple[int, ...]:
@@ -86,24 +132,12 @@ class RadixTree:
             path.append(node)
         return path
 
-    def path_to(self, node: Node) -> list[Node]:
-        path = []
-        while not node.is_root:
-            path.append(node)
-            node = node.parent
-        return path[::-1]
-
     def add_child(self, parent: Node, key: tuple[int, ...]) -> Node:
         if len(key) != self.page_size:
             raise ValueError(f"a node key must be one full page ({self.page_size} tokens), got {len(key)}")
         node = Node(key, parent)
         parent.children[key] = node
         return node
-
-    def remove_leaf(self, node: Node) -> None:
-        if node.children or node.is_root or node.lock_ref or node.swa_lock:
-            raise RuntimeError(f"cannot remove {node}: not an unlocked leaf")
-        del node.parent.children[node.key]
 
     @staticmethod
     def touch(nodes: Sequence[Node]) -> None:

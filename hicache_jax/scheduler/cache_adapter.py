@@ -17,6 +17,7 @@ and pins (``swa_lock``) only the tree nodes inside its current window.
 from __future__ import annotations
 
 from hicache_jax.cache.prefix_cache import Match, PrefixCache
+from hicache_jax.cache.radix import path_to
 from hicache_jax.request import Req
 
 
@@ -31,26 +32,35 @@ class CacheAdapter:
     # ---- admission ---------------------------------------------------------------------
     def match(self, req: Req) -> Match:
         lsl = req.logprob_start_len if req.return_logprob else -1
-        return self.cache.match(req.fill_ids, len(req.fill_ids), lsl)
+        return self.cache.match(req.fill_ids, len(req.fill_ids), lsl, salt=req.cache_salt)
 
     def admit(self, req: Req, match: Match, first_end: int) -> bool:
-        """Take the matched prefix and the resources for tokens up to ``first_end``;
-        all or nothing."""
+        """Take the matched prefix (loading host-only parts to the device) and the
+        resources for tokens up to ``first_end``; all or nothing."""
+        slot = None
         if self.has_mamba:
             slot = self.cache.alloc("mamba", 1)
             if slot is None:
                 return False
-        n = len(match.nodes)
         self.cache.lock(match.last)
+        req.last_node = match.last
+        req.num_computed = match.end
+        self._relock_window(req, match.nodes)  # pin the window before loads allocate
+        if match.loads and not self.cache.load(match):
+            if slot:
+                self.cache.pools["mamba"].free(slot)
+            self.release(req)
+            return False
+        n = len(match.nodes)
         req.full_pages = [x.full for x in match.nodes]
         req.swa_pages = [x.swa for x in match.nodes]
         req.own_full = [False] * n
         req.own_swa = [False] * n
-        req.num_computed = req.cached_tokens = match.end
-        req.cached_details = {"device": match.end, "host": 0, "storage": 0}
+        if "swa" in self.cache.pools:
+            self._drop_swa_before(req, self._window_start(req))
+        req.cached_tokens = match.end
+        req.cached_details = dict(match.tiers)
         req.num_inserted_pages = n
-        req.last_node = match.last
-        self._relock_window(req, match.nodes)
         if self.has_mamba:
             req.state_slot = slot[0]
             req.restore_from = match.last.mamba if n else None
@@ -110,7 +120,7 @@ class CacheAdapter:
         pages = {k: v for k, v in pages.items() if k in self.cache.pools}
         if self.has_mamba:
             pages["mamba"] = [req.snapshots.get(j + 1) for j in range(num_pages)]
-        node, taken = self.cache.insert(req.fill_ids, req.last_node, num_pages, pages)
+        node, taken = self.cache.insert(req.fill_ids, req.last_node, num_pages, pages, salt=req.cache_salt)
         for j in taken.get("full", ()):
             req.own_full[j] = False
         for j in taken.get("swa", ()):
@@ -123,7 +133,7 @@ class CacheAdapter:
         self.cache.unlock(req.last_node)
         req.last_node = node
         req.num_inserted_pages = num_pages
-        self._relock_window(req, self.cache.tree.path_to(node))
+        self._relock_window(req, path_to(node))
 
     def _relock_window(self, req: Req, path: list) -> None:
         """Pin the tree nodes inside the request's current window, and only those."""

@@ -17,9 +17,10 @@ from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, adapter: CacheAdapter):
+    def __init__(self, cfg: EngineConfig, adapter: CacheAdapter, storage=None):
         self.cfg = cfg
         self.adapter = adapter
+        self.storage = storage  # L3 tier: its prefetch policy gates admission
         self.P = cfg.page_size
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
@@ -68,13 +69,18 @@ class Scheduler:
                 if self.adapter.ensure_pages(req, end):
                     self._add(plan, req, end)
                     budget -= end - req.num_computed
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
-            req = self.waiting[0]
+        if self.storage is not None:
+            self.storage.poll()
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
+                break
+            if self.storage is not None and not self.storage.ready(req.rid):
+                continue  # still prefetching from L3: later requests may go first
             match = self.adapter.match(req)
             end = self.chunk_end(req, match.end, budget)
             if not self.adapter.admit(req, match, end):
-                break  # FCFS: the head waits for memory, nobody overtakes it
-            self.waiting.popleft()
+                break  # out of memory: FCFS, the rest wait behind it
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
             self._add(plan, req, end)

@@ -1,7 +1,7 @@
 """Kernel backends behind one small registry.
 
-``xla`` is plain JAX (the references, and the CPU default); ``pallas`` is the Pallas kernels
-(TPU Mosaic, GPU Triton, interpret mode on CPU). Backends import lazily, so a CPU machine
+``xla`` is plain JAX (the references; the default off TPU); ``pallas`` is the Pallas
+kernels, written for TPU (Mosaic) and run in interpret mode on CPU by the tests. Backends import lazily, so a CPU machine
 never imports TPU-only code.
 """
 
@@ -17,7 +17,8 @@ BACKENDS = ("xla", "pallas")
 
 
 def default_backend() -> str:
-    return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+    """``pallas`` on TPU (the kernels are written for Mosaic); ``xla`` elsewhere."""
+    return "pallas" if jax.default_backend() == "tpu" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ def test_swa_tombstones_block_ends_but_not_passage():
     seq = list(range(24))
     put(c, seq, 6)
     assert c.match(seq, 24).end == 20
-    path = c.tree.walk(seq, 6)
+    path = c.tree().walk(seq, 6)
 
     def tombstone(j):  # page j holds tokens 4j..4j+3
         c.pools["swa"].free([path[j].swa])

@@ -57,6 +57,28 @@ def _query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens: int, q_block: int):
     return seq, start.astype(jnp.int32), rows.astype(jnp.int32), pos0.astype(jnp.int32)
 
 
+def _head_tiles(buf, C: int):
+    """Yield each KV head's ``[C, D]`` tile of a ``[C * Hkv, D]`` buffer (rows token-major).
+
+    Heads are interleaved in a page, so head h's rows are every Hkv-th row: a strided load.
+    Mosaic packs two bf16 rows into each 32-bit sublane, so a row stride over bf16 would pick
+    half-words; instead one 32-bit strided load fetches the head pair (2m, 2m + 1), row 2m in
+    the low half, and a bf16 moved to the high half of a 32-bit word is that value as f32.
+    """
+    Hkv = buf.shape[0] // C
+    if Hkv == 1:
+        yield buf[pl.ds(0, C), :]
+    elif buf.dtype == jnp.bfloat16 and Hkv % 2 == 0:
+        words = buf.bitcast(jnp.uint32)  # [C * Hkv / 2, D]
+        for pair in range(Hkv // 2):
+            w = words[pl.ds(pair, C, stride=Hkv // 2), :]  # [C, D] u32
+            yield pltpu.bitcast(w << 16, jnp.float32).astype(buf.dtype)
+            yield pltpu.bitcast(w & jnp.uint32(0xFFFF0000), jnp.float32).astype(buf.dtype)
+    else:
+        for h in range(Hkv):
+            yield buf[pl.ds(h, C, stride=Hkv), :]
+
+
 def _attention_kernel(
     # Scalar prefetch (SMEM).
     page_tables_ref,  # [S * max_pages] int32, flattened
@@ -115,23 +137,27 @@ def _attention_kernel(
             )
 
         def for_needed_pages(kv_blk, slot, action):
-            # A KV block's tail pages past p_hi are skipped (their buffer rows stay stale and
-            # are masked below); the start and the wait use the same condition.
-            for j in range(kbp):
+            # A KV block's tail pages from p_hi on are skipped (their buffer rows stay stale
+            # and are masked below); starts and waits walk the same pages.
+            first = p_lo + kv_blk * kbp
+            n = jnp.minimum(kbp, p_hi - first)
 
-                @pl.when(p_lo + kv_blk * kbp + j < p_hi)
-                def _():
-                    for copy in page_copies(kv_blk, slot, j):
-                        action(copy)
+            def each(j, carry):
+                for copy in page_copies(kv_blk, slot, j):
+                    action(copy)
+                return carry
+
+            lax.fori_loop(0, n, each, 0)
 
         for_needed_pages(0, 0, lambda c: c.start())
         m_ref[...] = jnp.full_like(m_ref, NEG_INF)
         l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-        # Row r of a head's [R, D] query tile is query row r // G of the block.
-        row = lax.broadcasted_iota(jnp.int32, (R, C), 0) // group  # [R, C]
-        q_pos = pos0 + row  # [R, C]
+        # Row r of a head's [R, D] query tile is query row i = r // G of the block, at
+        # position pos0 + i. With d = k_pos - pos0 the masks compare d * G with r, which
+        # avoids a vector division: i >= d <=> r >= d * G, and i < d <=> r < d * G.
+        r = lax.broadcasted_iota(jnp.int32, (R, C), 0)  # [R, C]
         col = lax.broadcasted_iota(jnp.int32, (R, C), 1)  # [R, C]
         col_v = lax.broadcasted_iota(jnp.int32, (C, 1), 0)  # [C, 1]
 
@@ -145,20 +171,17 @@ def _attention_kernel(
             for_needed_pages(kv_blk, slot, lambda c: c.wait())
 
             base = (p_lo + kv_blk * kbp) * page_size  # KV position of column 0
-            k_pos = base + col  # [R, C]
-            mask = (row < n_rows) & (k_pos <= q_pos)
+            d = base - pos0 + col  # [R, C] key position relative to the block's first row
+            mask = (r < n_rows * group) & (d * group <= r)  # a real row, causal
             if sliding_window:
-                mask &= k_pos > q_pos - sliding_window
+                mask &= r < (d + sliding_window) * group  # key > q_pos - window
             # Values outside [lo, hi) may be NaN (or stale buffer rows): zero them, since
             # 0 * NaN would survive a zero probability.
             v_pos = base + col_v  # [C, 1]
             v_ok = (v_pos >= lo) & (v_pos < hi)  # [C, 1]
 
-            for h in range(Hkv):
-                # Heads are interleaved in a page: head h's keys are every Hkv-th row.
-                kv_rows = pl.ds(h, C, stride=Hkv) if Hkv > 1 else pl.ds(0, C)
-                k = k_buf[slot, kv_rows, :]  # [C, D]
-                v = v_buf[slot, kv_rows, :]  # [C, D]
+            heads = zip(_head_tiles(k_buf.at[slot], C), _head_tiles(v_buf.at[slot], C), strict=True)
+            for h, (k, v) in enumerate(heads):  # k, v: [C, D]
                 v = jnp.where(v_ok, v, jnp.zeros_like(v))
                 q = q_ref[0, h]  # [R, D]
                 precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -343,9 +366,7 @@ def write_kv(
     page_size = k_pages.shape[1]
     tokens_per_step = 256  # bounds the copies in flight at once
     any_space = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(
-        _write_kv_kernel, page_size=page_size, tokens_per_step=tokens_per_step
-    )
+    kernel = functools.partial(_write_kv_kernel, page_size=page_size, tokens_per_step=tokens_per_step)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

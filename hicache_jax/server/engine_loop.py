@@ -1,0 +1,300 @@
+"""The engine thread: the only code that touches the ``Engine``.
+
+The engine is not thread-safe, and a step blocks for milliseconds to seconds, so it runs in
+one thread of its own. The HTTP layer (asyncio) talks to it only through the typed messages
+below, put on a queue; answers come back through ``Reply`` futures and per-request
+``Sink`` queues, both resolved with ``loop.call_soon_threadsafe``.
+
+    HTTP handler --Generate/Abort/Flush/...--> queue --> engine thread
+         ^                                                    |
+         +------ Reply (accepted / flushed / metrics) --------+
+         +------ Sink  (Update per step, final output) -------+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from hicache_jax.sampling_params import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+THROUGHPUT_WINDOW_S = 10.0
+
+
+# ---- plumbing back to asyncio ----------------------------------------------------------------
+class Reply:
+    """A one-shot answer from the engine thread to a waiting coroutine."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._future: asyncio.Future = self._loop.create_future()
+
+    def set(self, value: Any) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._resolve, value)
+
+    def _resolve(self, value: Any) -> None:
+        if not self._future.done():  # the waiter may have been cancelled
+            self._future.set_result(value)
+
+    def __await__(self):
+        return self._future.__await__()
+
+
+@dataclasses.dataclass
+class Update:
+    """One request's output so far (``engine.output`` dict); ``finished`` on the last one."""
+
+    out: dict
+    finished: bool
+
+
+@dataclasses.dataclass
+class Failure:
+    """The engine failed while running this request."""
+
+    message: str
+
+
+class Sink:
+    """Per-request queue of ``Update``/``Failure`` events, fed from the engine thread."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self._loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Update | Failure] = asyncio.Queue()
+        self.done = False  # set by the consumer once it saw the final event
+
+    def put(self, event: Update | Failure) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+# ---- messages --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Generate:
+    """Queue one or more requests, all or none. ``reply`` gets None, or the message of the
+    ``InvalidRequest`` that refused one of them (then none is queued)."""
+
+    requests: list[dict]  # Engine.add_request keyword arguments, each with its rid
+    sinks: list[Sink]
+    reply: Reply
+
+
+@dataclasses.dataclass
+class Abort:
+    rid: str
+
+
+@dataclasses.dataclass
+class Flush:
+    """Wait until no request is running or waiting, then ``engine.flush_cache()``. Requests
+    that arrive meanwhile are held back until the flush is done, so it cannot starve."""
+
+    reply: Reply
+
+
+@dataclasses.dataclass
+class ClearStorage:
+    reply: Reply  # gets (ok, message)
+
+
+@dataclasses.dataclass
+class GetMetrics:
+    reply: Reply  # gets a dict of plain numbers
+
+
+Message = Generate | Abort | Flush | ClearStorage | GetMetrics
+
+
+# ---- the loop --------------------------------------------------------------------------------
+class EngineLoop:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._queue: queue.Queue[Message] = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._flushes: list[Flush] = []
+        self._held: list[Generate] = []  # arrived while a flush waits
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self.started = time.time()
+        self.stats = {"aborted_requests": 0, "engine_errors": 0}
+        self.healthy = True
+
+    # -- called from asyncio -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def submit(self, msg: Message) -> None:
+        self._queue.put(msg)
+
+    async def generate(self, requests: list[dict]) -> list[Sink]:
+        """Queue requests (each dict has a ``rid``); raises InvalidRequest if any is refused."""
+        sinks = [Sink(r["rid"]) for r in requests]
+        reply = Reply()
+        self.submit(Generate(requests, sinks, reply))
+        error = await reply
+        if error is not None:
+            raise InvalidRequest(error)
+        return sinks
+
+    def abort(self, rid: str) -> None:
+        self.submit(Abort(rid))
+
+    async def flush(self) -> bool:
+        reply = Reply()
+        self.submit(Flush(reply))
+        return await reply
+
+    async def clear_storage(self) -> tuple[bool, str]:
+        reply = Reply()
+        self.submit(ClearStorage(reply))
+        return await reply
+
+    async def metrics(self) -> dict:
+        reply = Reply()
+        self.submit(GetMetrics(reply))
+        return await reply
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        log.info("engine loop started")
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._step()
+            if self._flushes and not self.engine.has_unfinished():
+                self._flush()
+        log.info("engine loop stopped")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            # Idle: sleep on the queue (the timeout only lets stop() be noticed).
+            msg = self._queue.get(timeout=0.1) if block else self._queue.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: Message) -> None:
+        match msg:
+            case Generate() if self._flushes:
+                self._held.append(msg)
+            case Generate():
+                self._add(msg)
+            case Abort(rid):
+                self._abort(rid)
+            case Flush():
+                self._flushes.append(msg)
+            case ClearStorage(reply):
+                reply.set(self._clear_storage())
+            case GetMetrics(reply):
+                reply.set(self._metrics())
+
+    def _add(self, msg: Generate) -> None:
+        added: list[str] = []
+        try:
+            for kwargs in msg.requests:
+                added.append(self.engine.add_request(**kwargs))
+        except Exception as e:  # any refusal must reach the client, not kill the loop
+            for rid in added:  # all or none
+                if self.engine.abort(rid):
+                    self.engine.pop_output(rid)
+            if not isinstance(e, InvalidRequest):
+                log.exception("add_request failed")
+            where = f"request {len(added)}: " if len(msg.requests) > 1 else ""
+            msg.reply.set(f"{where}{e}")
+            return
+        for sink in msg.sinks:
+            self._sinks[sink.rid] = sink
+        msg.reply.set(None)
+
+    def _abort(self, rid: str) -> None:
+        sink = self._sinks.pop(rid, None)
+        if self.engine.abort(rid):  # frees its pages; False if it already finished
+            self.stats["aborted_requests"] += 1
+            out = self.engine.pop_output(rid)
+            if sink is not None:
+                sink.put(Update(out, finished=True))
+
+    def _step(self) -> None:
+        try:
+            touched = self.engine.step()
+        except Exception as e:  # fail the batch, keep serving
+            log.exception("engine step failed; aborting every request in flight")
+            self.stats["engine_errors"] += 1
+            self._fail_all(f"engine error: {type(e).__name__}: {e}")
+            return
+        now = time.monotonic()
+        self._tokens.append((now, self.engine.stats["generated_tokens"]))
+        while self._tokens and now - self._tokens[0][0] > THROUGHPUT_WINDOW_S:
+            self._tokens.popleft()
+        for req in touched:
+            sink = self._sinks.get(req.rid)
+            if sink is not None and req.stream and not req.finished and len(req.output_ids) > req.streamed:
+                req.streamed = len(req.output_ids)
+                sink.put(Update(self.engine.output(req.rid), finished=False))
+        # Every finished request is popped here, touched this step or not.
+        for rid in [r for r in self._sinks if self.engine.requests[r].finished]:
+            self._sinks.pop(rid).put(Update(self.engine.pop_output(rid), finished=True))
+
+    def _fail_all(self, message: str) -> None:
+        for rid, sink in list(self._sinks.items()):
+            try:
+                if self.engine.abort(rid) or self.engine.requests[rid].finished:
+                    self.engine.pop_output(rid)
+            except Exception:
+                log.exception("could not abort %s; marking the server unhealthy", rid)
+                self.healthy = False
+            sink.put(Failure(message))
+        self._sinks.clear()
+
+    def _flush(self) -> None:
+        t0 = time.perf_counter()
+        ok = bool(self.engine.flush_cache())
+        log.info("flush_cache: %s in %.2fs", "done" if ok else "refused", time.perf_counter() - t0)
+        for f in self._flushes:
+            f.reply.set(ok)
+        self._flushes.clear()
+        held, self._held = self._held, []
+        for msg in held:
+            self._add(msg)
+
+    def _clear_storage(self) -> tuple[bool, str]:
+        clear = getattr(self.engine, "clear_storage", None)
+        if clear is None or not self.engine.cfg.hicache_storage_backend:
+            return False, "no L3 storage configured (--hicache_storage_backend)"
+        try:
+            result = clear()
+        except Exception as e:
+            log.exception("clear_storage failed")
+            return False, f"clear_storage failed: {e}"
+        return result is not False, "L3 storage cleared" if result is not False else "clear_storage refused"
+
+    def _metrics(self) -> dict:
+        out = {k: v for k, v in self.engine.metrics().items() if isinstance(v, (int, float))}
+        out.update(self.stats)
+        if len(self._tokens) >= 2:
+            (t0, n0), (t1, n1) = self._tokens[0], self._tokens[-1]
+            out["gen_throughput"] = (n1 - n0) / max(t1 - t0, 1e-6)
+        else:
+            out["gen_throughput"] = 0.0
+        if self._tokens and time.monotonic() - self._tokens[-1][0] > THROUGHPUT_WINDOW_S:
+            out["gen_throughput"] = 0.0
+        out["uptime_s"] = time.time() - self.started
+        return out

@@ -1,0 +1,100 @@
+"""``POST /generate``: SGLang's request fields, checked before anything reaches the engine.
+
+Types are strict (``"5"`` is not an integer) and unknown fields are refused, so a typo like
+``max_new_token`` is an error instead of a silently ignored setting. What needs the model
+(vocabulary, context length) is checked by ``Engine.add_request``; sampling settings by
+``SamplingParams``: the server never duplicates those rules.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from hicache_jax.sampling_params import InvalidRequest, SamplingParams
+
+MAX_BATCH = 1024  # prompts per /generate call
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class GenerateRequest(StrictModel):
+    text: str | list[str] | None = None
+    input_ids: Any = None  # list[int] | list[list[int]]: checked in to_engine_requests for a clear message
+    sampling_params: Any = None  # dict | list[dict]: SamplingParams checks the fields
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    rid: str | list[str] | None = None
+    cache_salt: str | None = None
+
+    def prompts(self) -> tuple[list[dict], bool]:
+        """[{text} | {input_ids}] and whether the request was a batch."""
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequest("give exactly one of text or input_ids")
+        if self.text is not None:
+            batched = isinstance(self.text, list)
+            texts = self.text if batched else [self.text]
+            for i, t in enumerate(texts):
+                if not t:
+                    raise InvalidRequest(f"text{f'[{i}]' if batched else ''} is empty")
+            return [{"text": t} for t in texts], batched
+        ids = self.input_ids
+        if not isinstance(ids, list) or not ids:
+            raise InvalidRequest("input_ids must be a non-empty list of token ids (or a list of such lists)")
+        batched = isinstance(ids[0], list)
+        seqs = ids if batched else [ids]
+        for i, seq in enumerate(seqs):
+            where = f"input_ids[{i}]" if batched else "input_ids"
+            if not isinstance(seq, list) or any(not _is_int(t) for t in seq):
+                raise InvalidRequest(f"{where} must be a list of integers")
+            if not seq:
+                raise InvalidRequest(f"{where} is empty")
+        return [{"input_ids": s} for s in seqs], batched
+
+    def to_engine_requests(self) -> tuple[list[dict], bool]:
+        """``Engine.add_request`` keyword arguments per prompt (each with a rid), and whether
+        the response is a list."""
+        items, batched = self.prompts()
+        n = len(items)
+        if n > MAX_BATCH:
+            raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {n}")
+        if self.stream and batched:
+            raise InvalidRequest("stream=true takes a single prompt; send one request per prompt")
+        params = self.sampling_params
+        if isinstance(params, list):
+            if len(params) != n:
+                raise InvalidRequest(f"{len(params)} sampling_params for {n} prompts")
+        else:
+            params = [params] * n
+        for p in params:
+            SamplingParams.from_dict(p)  # fail fast, before the engine thread
+        rids = self.rid
+        if rids is None:
+            rids = [uuid.uuid4().hex for _ in range(n)]
+        elif isinstance(rids, str):
+            if batched:
+                raise InvalidRequest("rid must be a list with one id per prompt for a batch")
+            rids = [rids]
+        elif len(rids) != n or not batched:
+            raise InvalidRequest(f"rid: {len(rids)} ids for {n} prompt(s)")
+        if len(set(rids)) != len(rids):
+            raise InvalidRequest("rid: ids must be distinct")
+        common = dict(
+            return_logprob=self.return_logprob,
+            logprob_start_len=self.logprob_start_len,
+            top_logprobs_num=self.top_logprobs_num,
+            cache_salt=self.cache_salt,
+            stream=self.stream,
+        )
+        reqs = [dict(item, sampling_params=p, rid=r, **common) for item, p, r in zip(items, params, rids)]
+        return reqs, batched
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,249 @@
+"""Ragged paged attention: the Pallas kernel (interpret mode) against the plain-JAX reference,
+and the reference against a naive numpy oracle.
+
+Every batch is poisoned: pool pages no sequence owns, slots past ``kv_len`` and slots before
+the earliest window start of a sequence hold NaN; page-table entries outside the needed range
+point at NaN pages or are out-of-range ids; padding query rows are NaN. Any NaN in the output
+fails, and padding rows must come out zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from hicache_jax.models.kernels.ragged_paged_attention import kernel, reference
+
+# (q_len, kv_len) per sequence; all kinds share one set of shapes so each config compiles once.
+BATCHES = {
+    "prefill": [(40, 40), (64, 64), (7, 7)],
+    "decode": [(1, 50), (1, 17), (1, 150), (1, 1), (1, 64)],
+    "mixed": [(1, 70), (30, 30), (20, 150), (1, 33)],  # (20, 150): a chunk resuming at 130
+}
+SEQ_SLOTS = 6  # more than any batch has: the spare slots carry garbage
+NUM_TOKENS = 120  # more than any batch has: the tail rows are padding
+MAX_KV = 150
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    page_size: int
+    window: int | None
+    group: int  # query heads per KV head
+    dtype: str
+    soft_cap: float | None = None
+    q_block: int = 8
+    kv_block_pages: int | None = None
+
+    def __str__(self):
+        parts = [f"ps{self.page_size}", f"w{self.window}", f"g{self.group}", self.dtype]
+        if self.soft_cap:
+            parts.append(f"cap{self.soft_cap}")
+        if self.q_block != 8 or self.kv_block_pages:
+            parts.append(f"qb{self.q_block}kb{self.kv_block_pages}")
+        return "-".join(parts)
+
+
+# Every window with both page sizes; GQA ratio, dtype, soft cap and tiling hints rotate
+# through them rather than multiply (a full product would compile ~10x more kernels).
+CONFIGS = [
+    Config(16, None, 1, "float32"),
+    Config(16, 1, 4, "float32"),
+    Config(16, 17, 1, "bfloat16"),
+    Config(16, 64, 4, "float32", q_block=4, kv_block_pages=3),
+    Config(16, 100, 4, "bfloat16"),
+    Config(64, None, 4, "bfloat16"),
+    Config(64, 1, 1, "float32"),
+    Config(64, 17, 4, "float32", soft_cap=1.0),
+    Config(64, 64, 1, "bfloat16"),
+    Config(64, 100, 1, "float32", q_block=16, kv_block_pages=1),
+]
+
+
+def make_case(cfg: Config, kind: str, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    ps, W, Hkv = cfg.page_size, cfg.window, NUM_KV_HEADS
+    Hq, D = Hkv * cfg.group, HEAD_DIM
+    dtype = ml_dtypes.bfloat16 if cfg.dtype == "bfloat16" else np.float32
+    seqs = BATCHES[kind]
+    max_pages = -(-MAX_KV // ps) + 2  # trailing entries no sequence reaches
+    num_pages = SEQ_SLOTS * max_pages + 4
+    physical = iter(rng.permutation(num_pages))
+
+    k_pages = np.full((num_pages, ps, Hkv, D), np.nan, np.float32)
+    v_pages = np.full_like(k_pages, np.nan)
+    page_tables = rng.integers(num_pages, 10 * num_pages, (SEQ_SLOTS, max_pages))
+    kv_lens = np.full(SEQ_SLOTS, 10**4)  # garbage for the spare slots
+    cu_q_lens = np.zeros(SEQ_SLOTS + 1, np.int64)
+    for s, (q_len, kv_len) in enumerate(seqs):
+        kv_lens[s] = kv_len
+        cu_q_lens[s + 1] = cu_q_lens[s] + q_len
+        lo = max(0, kv_len - q_len - W + 1) if W else 0  # earliest key any query sees
+        for lp in range(max_pages):
+            needed = lo // ps <= lp < -(-kv_len // ps)
+            if needed or lp % 2 == 0:  # else: leave an out-of-range id
+                page_tables[s, lp] = next(physical)
+            if needed:
+                pos = lp * ps + np.arange(ps)
+                live = (pos >= lo) & (pos < kv_len)  # the rest of the page stays NaN
+                page = page_tables[s, lp]
+                k_pages[page, live] = rng.standard_normal((live.sum(), Hkv, D))
+                v_pages[page, live] = rng.standard_normal((live.sum(), Hkv, D))
+    cu_q_lens[len(seqs) + 1 :] = cu_q_lens[len(seqs)]
+    q = np.full((NUM_TOKENS, Hq, D), np.nan, np.float32)
+    n = cu_q_lens[len(seqs)]
+    q[:n] = rng.standard_normal((n, Hq, D))
+    return dict(
+        q=q.astype(dtype),
+        k_pages=k_pages.astype(dtype),
+        v_pages=v_pages.astype(dtype),
+        kv_lens=kv_lens.astype(np.int32),
+        page_tables=page_tables.astype(np.int32),
+        cu_q_lens=cu_q_lens.astype(np.int32),
+        num_seqs=np.int32(len(seqs)),
+    )
+
+
+def static_args(cfg: Config) -> dict:
+    return dict(
+        sm_scale=HEAD_DIM**-0.5,
+        sliding_window=cfg.window,
+        soft_cap=cfg.soft_cap,
+        q_block=cfg.q_block,
+        kv_block_pages=cfg.kv_block_pages,
+    )
+
+
+def naive_attention(case: dict, cfg: Config) -> np.ndarray:
+    """Per sequence: gather its pages, then a dense masked softmax per query, in float64."""
+    f64 = {k: np.asarray(v, np.float64) for k, v in case.items() if k in ("q", "k_pages", "v_pages")}
+    q, kp, vp = f64["q"], f64["k_pages"], f64["v_pages"]
+    G = q.shape[1] // kp.shape[2]
+    out = np.zeros_like(q)
+    cu, kv_lens, ps = case["cu_q_lens"], case["kv_lens"], cfg.page_size
+    for s in range(int(case["num_seqs"])):
+        kv_len, q_len = kv_lens[s], cu[s + 1] - cu[s]
+        n_pages = -(-kv_len // ps)
+        # Entries before the window may be out-of-range ids; no query reads what they give.
+        ids = case["page_tables"][s, :n_pages]
+        k = np.take(kp, ids, axis=0, mode="clip").reshape(-1, *kp.shape[2:])[:kv_len]
+        v = np.take(vp, ids, axis=0, mode="clip").reshape(-1, *vp.shape[2:])[:kv_len]
+        for row in range(q_len):
+            p = kv_len - q_len + row
+            lo = max(0, p - cfg.window + 1) if cfg.window else 0
+            kk = np.repeat(k[lo : p + 1], G, axis=1)  # [keys, Hq, D]
+            vv = np.repeat(v[lo : p + 1], G, axis=1)
+            scores = np.einsum("hd,khd->hk", q[cu[s] + row], kk) * HEAD_DIM**-0.5
+            if cfg.soft_cap:
+                scores = cfg.soft_cap * np.tanh(scores / cfg.soft_cap)
+            w = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            out[cu[s] + row] = np.einsum("hk,khd->hd", w / w.sum(-1, keepdims=True), vv)
+    return out
+
+
+def check(out, expected, case: dict, cfg: Config):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    assert not np.isnan(out).any(), "NaN leaked into the output"
+    n = case["cu_q_lens"][case["num_seqs"]]
+    assert not out[n:].any(), "padding rows must be zero"
+    np.testing.assert_allclose(out, np.asarray(expected, np.float32), atol=TOL[cfg.dtype], rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(BATCHES))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_reference_matches_naive(cfg: Config, kind: str):
+    case = make_case(cfg, kind)
+    out = reference.ragged_paged_attention(**case, **static_args(cfg))
+    check(out, naive_attention(case, cfg), case, cfg)
+
+
+@pytest.mark.parametrize("kind", list(BATCHES))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_kernel_matches_reference(cfg: Config, kind: str):
+    case = make_case(cfg, kind, seed=1)
+    expected = reference.ragged_paged_attention(**case, **static_args(cfg))
+    out = kernel.ragged_paged_attention(**case, **static_args(cfg), interpret=True)
+    check(out, expected, case, cfg)
+
+
+def test_empty_sequences_and_single_row_blocks():
+    """A sequence with no new rows in the middle of a batch, q_block=1, and an empty batch."""
+    cfg = Config(16, 17, 4, "float32", q_block=1)
+    case = make_case(cfg, "mixed", seed=5)
+    cu = case["cu_q_lens"]
+    cu[2:] -= cu[2] - cu[1]  # sequence 1 keeps its KV but brings no queries this step
+    expected = reference.ragged_paged_attention(**case, **static_args(cfg))
+    check(kernel.ragged_paged_attention(**case, **static_args(cfg), interpret=True), expected, case, cfg)
+    check(expected, naive_attention(case, cfg), case, cfg)
+    case["num_seqs"] = np.int32(0)
+    out = kernel.ragged_paged_attention(**case, **static_args(cfg), interpret=True)
+    assert not np.asarray(out).any()
+
+
+def test_kernel_reads_only_needed_pages_and_waits_for_copies():
+    """TPU interpret mode raises on an out-of-bounds page id, runs each copy only when it is
+    waited on, and watches for reads that race a copy: skipped page-table entries (many hold
+    ids past the pool) are never read, and double buffering is sound."""
+    cfg = Config(16, 17, 4, "float32", kv_block_pages=2)
+    case = make_case(cfg, "mixed", seed=2)
+    expected = reference.ragged_paged_attention(**case, **static_args(cfg))
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise")
+    try:
+        out = kernel.ragged_paged_attention(**case, **static_args(cfg), interpret=params)
+        check(out, expected, case, cfg)
+    finally:
+        races = kernel_races()
+        pltpu.reset_tpu_interpret_mode_state()
+    assert not races
+
+
+def kernel_races() -> bool:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # no public accessor
+
+    state = interpret_pallas_call.races
+    return bool(state and state.races_found)
+
+
+@pytest.mark.parametrize("page_dtype", ["float32", "bfloat16"])
+def test_write_kv_matches_reference(page_dtype: str):
+    rng = np.random.default_rng(3)
+    num_pages, ps, Hkv, D, T = 24, 16, 2, 8, 300  # T > one kernel step of 256 tokens
+    dtype = ml_dtypes.bfloat16 if page_dtype == "bfloat16" else np.float32
+    k_pages = np.full((num_pages, ps, Hkv, D), np.nan, np.float32).astype(dtype)
+    v_pages = rng.standard_normal((num_pages, ps, Hkv, D)).astype(dtype)
+    k = rng.standard_normal((T, Hkv, D)).astype(np.float32)  # cast to the page dtype
+    v = rng.standard_normal((T, Hkv, D)).astype(np.float32)
+    slots = rng.permutation(num_pages * ps)[:T].astype(np.int32)
+    slots[rng.random(T) < 0.2] = -1  # padding tokens write nothing
+    args = [jnp.asarray(x) for x in (k_pages, v_pages, k, v, slots)]
+    expected = reference.write_kv(*args)  # not jitted: wants jax arrays
+    got = kernel.write_kv(*args, interpret=True)
+    for e, g in zip(expected, got, strict=True):
+        assert g.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+
+
+def test_write_kv_tpu_interpret():
+    """The in-place write under TPU interpret mode (aliasing, semaphores, bounds)."""
+    rng = np.random.default_rng(4)
+    k_pages = rng.standard_normal((4, 16, 1, 8)).astype(np.float32)
+    v_pages = rng.standard_normal((4, 16, 1, 8)).astype(np.float32)
+    k = rng.standard_normal((5, 1, 8)).astype(np.float32)
+    v = rng.standard_normal((5, 1, 8)).astype(np.float32)
+    slots = np.array([0, 17, -1, 63, 40], np.int32)
+    args = [jnp.asarray(x) for x in (k_pages, v_pages, k, v, slots)]
+    expected = reference.write_kv(*args)
+    try:
+        got = kernel.write_kv(*args, interpret=pltpu.InterpretParams())
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
