@@ -75,7 +75,8 @@ def bench(preset: str, batch: int, context: int, steps: int, bandwidth: float) -
             # Long enough that nobody finishes (and shrinks the batch) while we time.
             sampling_params={"max_new_tokens": 2 * steps + batch + 16, "ignore_eos": True, "temperature": 0},
         )
-    while any(r.remaining > 1 or not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+    sched = engine.scheduler
+    while sched.waiting or any(r.remaining > 1 or not r.output_ids for r in sched.running):
         engine.step()
     compiled = engine.runner.num_compiled()
     for _ in range(3):
@@ -115,7 +116,8 @@ def main():
     args = p.parse_args()
     bw = memcpy_bandwidth()
     print(f"device: {jax.devices()[0].device_kind}; memcpy {bw / 1e9:.2f} GB/s (bytes copied / s)")
-    print(f"{'preset':>8} {'B':>3} {'tok/s':>9} {'engine ms':>10} {'runner ms':>10} {'floor ms':>9} {'ratio':>7}")
+    cols = ("preset", "B", "tok/s", "engine ms", "runner ms", "floor ms", "ratio")
+    print(" ".join(f"{c:>{w}}" for c, w in zip(cols, (8, 3, 9, 10, 10, 9, 7))))
     for preset in args.presets.split(","):
         for b in (int(x) for x in args.batches.split(",")):
             r = bench(preset, b, args.context, args.steps, bw)

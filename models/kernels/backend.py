@@ -1,8 +1,8 @@
 """Kernel backends behind one small registry.
 
 ``xla`` is plain JAX (the references; the default off TPU); ``pallas`` is the Pallas
-kernels, written for TPU (Mosaic) and run in interpret mode on CPU by the tests. Backends import lazily, so a CPU machine
-never imports TPU-only code.
+kernels, written for TPU (Mosaic) and run in interpret mode on CPU by the tests. Backends
+import lazily, so a CPU machine never imports TPU-only code.
 """
 
 from __future__ import annotations
