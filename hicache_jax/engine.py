@@ -355,7 +355,9 @@ class Engine:
         if self.scheduler.has_work():
             return False
         if self.prefix_cache.host:
-            self.prefix_cache.backup_pending()
+            # write_back keeps data only on the device until eviction: a flush writes it back.
+            everything = self.cfg.hicache_write_policy == "write_back"
+            self.prefix_cache.backup_pending(everything=everything)
         if self.storage is not None:
             self.storage.drain()
         self.prefix_cache.flush()

@@ -9,6 +9,8 @@ Keyword arguments are EngineConfig fields: the same names as the server's flags.
 
 from __future__ import annotations
 
+import time
+
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
 from hicache_jax.sampling_params import SamplingParams
@@ -58,6 +60,8 @@ class LLM:
         ]
         while self.engine.has_unfinished():
             self.engine.step()
+            if not self.engine.scheduler.running:
+                time.sleep(0.001)  # only requests waiting on L3 prefetches: don't spin
         return [self.engine.pop_output(r) for r in rids]
 
     def flush_cache(self) -> bool:

@@ -254,9 +254,12 @@ class PrefixCache:
         ):
             self.pending_backup[id(node)] = node
 
-    def backup_pending(self) -> int:
-        """Copy queued nodes' device data to the host (batched per kind)."""
+    def backup_pending(self, everything: bool = False) -> int:
+        """Copy queued nodes' device data to the host (batched per kind); ``everything``:
+        every node with device data the host lacks (a write-back flush)."""
         nodes = [n for n in self.pending_backup.values() if n.parent is not None]
+        if everything:
+            nodes = [n for n in self.nodes() if any(getattr(n, k) is not None for k in self.host)]
         self.pending_backup.clear()
         return self._backup(sorted(nodes, key=lambda n: n.depth))
 

@@ -147,9 +147,11 @@ class StorageTier:
         if self.prefetched_rows() >= self.host_rate_limit * sum(h.size for h in self.cache.host.values()):
             self.counters["prefetch_refused_host_full"] += 1
             return
+        # The task sees every full page of the prompt; only usable_prefix_end keeps the
+        # reads short of the end (see tests/cache/test_storage_tier.py).
         task = PrefetchTask(
             key,
-            list(tokens[:max_end]),
+            list(tokens[: input_len // P * P]),
             input_len,
             logprob_start_len,
             salt,

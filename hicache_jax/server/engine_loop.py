@@ -170,18 +170,27 @@ class EngineLoop:
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         log.info("engine loop started")
+        progressed = True
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished())
+            # Idle: sleep on the queue (the timeout only lets stop() be noticed). Requests
+            # that only wait for L3 prefetches make steps that do nothing: nap, don't spin.
+            if not self.engine.has_unfinished():
+                self._drain(timeout=0.1)
+            else:
+                self._drain(timeout=None if progressed else 0.001)
             if self.engine.has_unfinished():
-                self._step()
+                progressed = self._step()
             if self._flushes and not self.engine.has_unfinished():
                 self._flush()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()  # the engine thread owns the engine: it also shuts it down
         log.info("engine loop stopped")
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, timeout: float | None) -> None:
+        """Handle every queued message; wait up to ``timeout`` s for the first (None: don't)."""
         try:
-            # Idle: sleep on the queue (the timeout only lets stop() be noticed).
-            msg = self._queue.get(timeout=0.1) if block else self._queue.get_nowait()
+            msg = self._queue.get_nowait() if timeout is None else self._queue.get(timeout=timeout)
         except queue.Empty:
             return
         while True:
@@ -232,14 +241,15 @@ class EngineLoop:
             if sink is not None:
                 sink.put(Update(out, finished=True))
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step and its outputs delivered; False if it produced nothing."""
         try:
             touched = self.engine.step()
         except Exception as e:  # fail the batch, keep serving
             log.exception("engine step failed; aborting every request in flight")
             self.stats["engine_errors"] += 1
             self._fail_all(f"engine error: {type(e).__name__}: {e}")
-            return
+            return True
         now = time.monotonic()
         self._tokens.append((now, self.engine.stats["generated_tokens"]))
         while self._tokens and now - self._tokens[0][0] > THROUGHPUT_WINDOW_S:
@@ -252,6 +262,7 @@ class EngineLoop:
         # Every finished request is popped here, touched this step or not.
         for rid in [r for r in self._sinks if self.engine.requests[r].finished]:
             self._sinks.pop(rid).put(Update(self.engine.pop_output(rid), finished=True))
+        return bool(touched)
 
     def _fail_all(self, message: str) -> None:
         for rid, sink in list(self._sinks.items()):

@@ -47,10 +47,10 @@ def describe_validation_errors(errors) -> str:
             parts.append(f"malformed JSON body: {reason}")
         elif kind == "extra_forbidden":
             parts.append(f"unknown field {where!r}")
-        elif kind == "missing" and not where:
+        elif kind in ("model_type", "model_attributes_type") and not where:
             parts.append("the body must be a JSON object")
-        elif kind == "model_attributes_type":
-            parts.append("the body must be a JSON object")
+        elif kind == "missing":
+            parts.append(f"missing field {where!r}")
         else:
             parts.append(f"{where}: {e.get('msg', kind)}" if where else e.get("msg", kind))
     return "; ".join(dict.fromkeys(parts))

@@ -9,17 +9,32 @@ Types are strict (``"5"`` is not an integer) and unknown fields are refused, so 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hicache_jax.sampling_params import InvalidRequest, SamplingParams
+from hicache_jax.server.errors import describe_validation_errors
 
 MAX_BATCH = 1024  # prompts per /generate call
+M = TypeVar("M", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as ``model``, whatever the Content-Type (``curl -d`` sends form-encoded);
+    InvalidRequest with a readable message otherwise."""
+    raw = await request.body()
+    if not raw.strip():
+        raise InvalidRequest("the body must be a JSON object")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise InvalidRequest(describe_validation_errors(e.errors())) from None
 
 
 class GenerateRequest(StrictModel):

@@ -1,0 +1,70 @@
+"""The server binary.
+
+    python -m hicache_jax.serve --flagfile=configs/cpu.flags [--port=30000] [--api_key=KEY]
+    hicache-jax-serve --flagfile=configs/tpu.flags --flagfile=configs/gemma3.flags
+
+Parses flags (``hicache_jax/flags.py``), builds the engine (loading weights, compiling if
+``--warmup``), then serves HTTP until interrupted. A bad flag or an unloadable model stops
+it here with one line naming the problem and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+from hicache_jax import flags as server_flags
+
+FLAGS = flags.FLAGS
+log = logging.getLogger("hicache_jax.serve")
+
+
+def _die(message: str, code: int) -> None:
+    print(f"hicache-jax-serve: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        _die(f"unexpected arguments {argv[1:]} (flags are --name=value)", 2)
+    try:
+        engine_cfg, server_cfg = server_flags.configs_from_flags(FLAGS)
+    except server_flags.FlagError as e:
+        _die(str(e), 2)
+    level = server_cfg.log_level.upper()
+    absl_logging.set_verbosity(level.lower())
+    logging.getLogger().setLevel(level)
+    if server_cfg.platform != "auto":
+        os.environ["JAX_PLATFORMS"] = server_cfg.platform  # before JAX starts a backend
+
+    t0 = time.perf_counter()
+    what = engine_cfg.model_path or f"preset {engine_cfg.preset!r}"
+    log.info("loading %s (dtype %s)%s", what, engine_cfg.dtype, "; warm-up on" if engine_cfg.warmup else "")
+    try:
+        import jax
+
+        from hicache_jax.engine import Engine
+
+        log.info("JAX %s on %s", jax.__version__, ", ".join(str(d) for d in jax.devices()))
+        engine = Engine(engine_cfg)
+    except (ValueError, OSError, RuntimeError) as e:  # config, checkpoint, storage and backend errors
+        _die(f"cannot start the engine: {e}", 1)
+    log.info("engine ready in %.1fs", time.perf_counter() - t0)
+
+    from hicache_jax.server.launch import run_server
+
+    run_server(engine, server_cfg)
+
+
+def run() -> None:
+    server_flags.define_flags(FLAGS)
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,131 @@
+"""The HTTP app: SGLang's native routes here, OpenAI's in ``openai_api``.
+
+    POST /generate          text | input_ids (single or batched), sampling_params, stream, ...
+    GET|POST /flush_cache   wait for idle, clear L1 + L2 (L3 stays)
+    POST /clear_storage     clear L3
+    GET  /health  /get_model_info  /get_server_info  /metrics (Prometheus)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hmac
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+import hicache_jax
+from hicache_jax.server import errors, metrics
+from hicache_jax.server.errors import ApiError, error_response
+from hicache_jax.server.openai_api import router as openai_router
+from hicache_jax.server.protocol import GenerateRequest, parse_body
+from hicache_jax.server.state import ServerState
+from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, Watch, sse
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancer probes)
+
+
+class ApiKeyAuth:
+    """Pure ASGI middleware (a BaseHTTPMiddleware would wrap ``receive`` and hide client
+    disconnects from streaming handlers): every path but /health needs the bearer key."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time
+                msg = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                resp = error_response(401, msg, headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start()
+        yield
+        state.loop.stop()
+
+    app = FastAPI(title="hicache-jax", version=hicache_jax.__version__, lifespan=lifespan)
+    app.state.server = state
+    errors.install(app)
+    if state.server_cfg.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=state.server_cfg.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.loop.healthy:
+            return error_response(503, "the engine failed; restart the server")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict:
+        return state.model_info
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        server = dataclasses.asdict(state.server_cfg)
+        server["api_key"] = "<set>" if server["api_key"] else None  # never echo the secret
+        return {
+            "version": hicache_jax.__version__,
+            "engine_config": dataclasses.asdict(state.engine_cfg),
+            "server_config": server,
+            "devices": state.devices,
+            "model_info": state.model_info,
+            "metrics": await state.loop.metrics(),
+        }
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(await state.loop.metrics()), media_type="text/plain; version=0.0.4")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> dict:
+        if not await state.loop.flush():
+            raise ApiError(400, "flush_cache refused: requests are still in flight")
+        return {"success": True, "message": "device and host caches flushed (L3 kept)"}
+
+    @app.post("/clear_storage")
+    async def clear_storage() -> dict:
+        ok, message = await state.loop.clear_storage()
+        if not ok:
+            raise ApiError(400, message)
+        return {"success": True, "message": message}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await parse_body(request, GenerateRequest)
+        reqs, batched = body.to_engine_requests()
+        watch = Watch(state.loop, await state.loop.generate(reqs), request)
+        if body.stream:
+            return StreamingResponse(_stream(watch), media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            outs = await watch.finals()
+        except ClientGone:
+            return error_response(499, "client closed the request")
+        finally:
+            watch.close()
+        return JSONResponse(outs if batched else outs[0])
+
+    app.include_router(openai_router)
+    return app
+
+
+async def _stream(watch: Watch) -> AsyncIterator[bytes]:
+    """SGLang's stream: each event carries the text and ids so far, then ``[DONE]``."""
+    try:
+        async for upd in watch.updates(watch.sinks[0]):
+            yield sse(upd.out)
+    except ApiError as e:  # headers already sent: report in-band
+        yield sse({"error": {"message": e.message, "type": "server_error", "code": e.status}})
+    except ClientGone:
+        return
+    finally:
+        watch.close()
+    yield DONE

@@ -1,0 +1,70 @@
+"""Chat messages -> prompt token ids.
+
+With a ``chat_template`` in ``tokenizer_config.json`` the template is rendered with jinja2 in
+a sandbox, as ``transformers`` does; templates write their own special tokens (``{{
+bos_token }}``), so the result is tokenized without adding any. Without one (the tiny preset)
+a documented fallback is used, tokenized with the tokenizer's usual special tokens:
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from hicache_jax.sampling_params import InvalidRequest
+
+FALLBACK = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _token_text(tok) -> str:
+    """tokenizer_config.json writes special tokens as strings or {"content": ...}."""
+    if isinstance(tok, dict):
+        return tok.get("content", "")
+    return tok or ""
+
+
+def _raise(message: str):
+    raise InvalidRequest(f"chat template: {message}")
+
+
+class ChatTemplate:
+    def __init__(self, tokenizer):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.tokenizer = tokenizer
+        cfg = tokenizer.config or {}
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default") or next(iter(named.values()), None)
+        self.from_model = bool(source)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        self._template = env.from_string(source or FALLBACK)
+        self._specials = {
+            "bos_token": _token_text(cfg.get("bos_token")),
+            "eos_token": _token_text(cfg.get("eos_token")),
+        }
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials, **kwargs
+            )
+        except InvalidRequest:
+            raise
+        except TemplateError as e:
+            raise InvalidRequest(f"chat template failed: {e}") from e
+
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        if not self.tokenizer.has_text:
+            raise InvalidRequest("this model has no tokenizer.json: chat needs text; use /generate with input_ids")
+        text = self.render(messages, add_generation_prompt, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=not self.from_model)

@@ -1,0 +1,254 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Both generation routes turn the body into engine requests, queue them through the engine
+loop, and answer either once (JSON) or as Server-Sent Events in OpenAI's chunk format,
+ending with ``data: [DONE]``. Cached prompt tokens are reported in
+``usage.prompt_tokens_details.cached_tokens`` (per tier in ``cached_tokens_details``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hicache_jax.server.errors import ApiError, error_response
+from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from hicache_jax.server.protocol import parse_body
+from hicache_jax.server.state import ServerState
+from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, TextDelta, Watch, sse
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.served_model_name:
+        raise ApiError(404, f"model {model!r} not found; this server serves {state.served_model_name!r}")
+
+
+# ---- response pieces -----------------------------------------------------------------------------
+def finish_reason(out: dict) -> str | None:
+    reason = out["meta_info"].get("finish_reason")
+    return None if reason is None else reason.get("type")
+
+
+def usage(outs: list[dict]) -> dict:
+    metas = [o["meta_info"] for o in outs]
+    prompt = sum(m["prompt_tokens"] for m in metas)
+    completion = sum(m["completion_tokens"] for m in metas)
+    details = {t: sum(m["cached_tokens_details"].get(t, 0) for m in metas) for t in ("device", "host", "storage")}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(m["cached_tokens"] for m in metas),
+            "cached_tokens_details": details,
+        },
+    }
+
+
+def _token(triple) -> str:
+    return triple[2] if triple[2] is not None else f"<{triple[1]}>"
+
+
+def completion_logprobs(out: dict, start: int, offset: int) -> dict:
+    """Legacy completions format for output tokens [start:], text offsets from ``offset``."""
+    meta = out["meta_info"]
+    triples = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [None] * (start + len(triples)))[start:]
+    tokens = [_token(t) for t in triples]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [t[0] for t in triples],
+        "top_logprobs": [{_token(x): x[0] for x in top} if top else None for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(out: dict, start: int) -> dict:
+    meta = out["meta_info"]
+    triples = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [None] * (start + len(triples)))[start:]
+
+    def entry(t):
+        tok = _token(t)
+        return {"token": tok, "logprob": t[0], "bytes": list(tok.encode())}
+
+    return {
+        "content": [
+            dict(entry(t), top_logprobs=[entry(x) for x in (top or [])]) for t, top in zip(triples, tops)
+        ]
+    }
+
+
+# ---- routes ------------------------------------------------------------------------------------
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    s = _state(request)
+    card = {
+        "id": s.served_model_name,
+        "object": "model",
+        "created": s.created,
+        "owned_by": "hicache-jax",
+        "root": s.served_model_name,
+        "max_model_len": s.context_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    s = _state(request)
+    _check_model(s, body.model)
+    body.check_supported()
+    prompts = body.prompts()
+    if body.stream and len(prompts) > 1:
+        raise ApiError(400, "stream=true takes a single prompt; send one request per prompt")
+    want_lp = body.logprobs is not None
+    reqs = [
+        dict(
+            p,
+            rid=f"cmpl-{uuid.uuid4().hex}",
+            sampling_params=body.sampling_params(body.max_tokens if body.max_tokens is not None else 16),
+            return_logprob=want_lp,
+            top_logprobs_num=body.logprobs or 0,
+            cache_salt=body.cache_salt,
+            stream=body.stream,
+        )
+        for p in prompts
+    ]
+    created = int(time.time())
+
+    def choice(i: int, out: dict, text: str, start: int, offset: int) -> dict:
+        return {
+            "index": i,
+            "text": text,
+            "logprobs": completion_logprobs(out, start, offset) if want_lp else None,
+            "finish_reason": finish_reason(out),
+        }
+
+    def frame(rid: str, choices: list, **extra) -> dict:
+        return dict(id=rid, object="text_completion", created=created, model=s.served_model_name, choices=choices, **extra)
+
+    async def chunks(watch: Watch) -> AsyncIterator[bytes]:
+        sink, delta, n_tok = watch.sinks[0], TextDelta(body.stop_strings()), 0
+        async for upd in watch.updates(sink):
+            offset = len(delta.sent)
+            text = delta.update(upd.out["text"], upd.finished)
+            n = len(upd.out["output_ids"])
+            if text or upd.finished or (want_lp and n > n_tok):
+                c = choice(0, upd.out, text, n_tok, offset)
+                c["finish_reason"] = finish_reason(upd.out) if upd.finished else None
+                yield sse(frame(sink.rid, [c]))
+                n_tok = n
+            if upd.finished and body.include_usage:
+                yield sse(frame(sink.rid, [], usage=usage([upd.out])))
+
+    async def whole(outs: list[dict]) -> dict:
+        choices = [choice(i, o, o["text"] or "", 0, 0) for i, o in enumerate(outs)]
+        return frame(reqs[0]["rid"], choices, usage=usage(outs))
+
+    return await _respond(s, request, reqs, body.stream, chunks, whole)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    s = _state(request)
+    _check_model(s, body.model)
+    body.check_supported()
+    messages = [m.as_template_input() for m in body.messages]
+    ids = await asyncio.to_thread(s.chat.encode, messages, True, **(body.chat_template_kwargs or {}))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    req = dict(
+        input_ids=ids,
+        rid=rid,
+        sampling_params=body.sampling_params(body.max_new_tokens(len(ids), s.max_request_tokens)),
+        return_logprob=body.logprobs,
+        top_logprobs_num=body.top_logprobs or 0,
+        cache_salt=body.cache_salt,
+        stream=body.stream,
+    )
+    created = int(time.time())
+
+    def frame(choices: list, obj: str, **extra) -> dict:
+        return dict(id=rid, object=obj, created=created, model=s.served_model_name, choices=choices, **extra)
+
+    async def chunks(watch: Watch) -> AsyncIterator[bytes]:
+        sink, delta, n_tok = watch.sinks[0], TextDelta(body.stop_strings()), 0
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield sse(frame([first], "chat.completion.chunk"))
+        async for upd in watch.updates(sink):
+            text = delta.update(upd.out["text"], upd.finished)
+            n = len(upd.out["output_ids"])
+            if text or upd.finished or (body.logprobs and n > n_tok):
+                c = {
+                    "index": 0,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": chat_logprobs(upd.out, n_tok) if body.logprobs else None,
+                    "finish_reason": finish_reason(upd.out) if upd.finished else None,
+                }
+                yield sse(frame([c], "chat.completion.chunk"))
+                n_tok = n
+            if upd.finished and body.include_usage:
+                yield sse(frame([], "chat.completion.chunk", usage=usage([upd.out])))
+
+    async def whole(outs: list[dict]) -> dict:
+        out = outs[0]
+        c = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out["text"] or ""},
+            "logprobs": chat_logprobs(out, 0) if body.logprobs else None,
+            "finish_reason": finish_reason(out),
+        }
+        return frame([c], "chat.completion", usage=usage(outs))
+
+    return await _respond(s, request, [req], body.stream, chunks, whole)
+
+
+async def _respond(
+    s: ServerState,
+    request: Request,
+    reqs: list[dict],
+    stream: bool,
+    chunks: Callable[[Watch], AsyncIterator[bytes]],
+    whole: Callable[[list[dict]], object],
+) -> Response:
+    """Queue the requests; stream SSE chunks, or wait for every output and answer once."""
+    watch = Watch(s.loop, await s.loop.generate(reqs), request)
+    if stream:
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks(watch):
+                    yield chunk
+            except ApiError as e:  # headers are sent: report in-band, as OpenAI does
+                yield sse({"error": {"message": e.message, "type": "server_error", "code": e.status}})
+            except ClientGone:
+                return
+            finally:
+                watch.close()
+            yield DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        outs = await watch.finals()
+    except ClientGone:
+        return error_response(499, "client closed the request")
+    finally:
+        watch.close()
+    return JSONResponse(await whole(outs))

@@ -1,0 +1,164 @@
+"""OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) and their mapping to
+engine sampling settings. Unknown fields are refused; accepted-but-unsupported settings
+(penalties, ``logit_bias``, ``n > 1``, ``echo``) are refused with a message saying so rather
+than silently ignored. ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens`` and ``cache_salt`` are accepted as extensions, as in SGLang and vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest
+from hicache_jax.server.protocol import StrictModel
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(StrictModel):
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    cache_salt: str | None = None
+
+    def check_supported(self) -> None:
+        for name in ("max_tokens", "max_completion_tokens"):
+            limit = getattr(self, name, None)
+            if limit is not None and limit < 0:
+                raise InvalidRequest(f"{name} must be >= 0, got {limit}")
+        if self.n != 1:
+            raise InvalidRequest(f"n: only n=1 is supported (got {self.n}); send the prompt several times")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name}: penalties are not supported (use 0 or leave it out)")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def sampling_params(self, max_new_tokens: int) -> dict:
+        """SGLang sampling_params; unset fields keep the engine's (= OpenAI's) defaults."""
+        sp: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "skip_special_tokens"):
+            if getattr(self, name) is not None:
+                sp[name] = getattr(self, name)
+        if self.stop is not None:
+            sp["stop"] = list(self.stop_strings())
+        if self.stop_token_ids:
+            sp["stop_token_ids"] = self.stop_token_ids
+        return sp
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of: only 1 is supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+    def prompts(self) -> list[dict]:
+        """[{text} | {input_ids}] per prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            p = [p]
+        if not isinstance(p, list) or not p:
+            raise InvalidRequest("prompt must be a string, a list of strings or a list of token ids")
+        if all(isinstance(x, str) for x in p):
+            if not all(p):
+                raise InvalidRequest("prompt is empty")
+            return [{"text": x} for x in p]
+        if all(_is_int(x) for x in p):
+            return [{"input_ids": p}]
+        if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+            return [{"input_ids": x} for x in p]
+        raise InvalidRequest("prompt must be a string, a list of strings or a list of token ids")
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out = {"role": self.role, "content": content or ""}
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise InvalidRequest("messages is empty")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs=true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+    def max_new_tokens(self, prompt_len: int, context_len: int) -> int:
+        """Explicit limit, else whatever the context leaves (OpenAI's chat default)."""
+        for limit in (self.max_completion_tokens, self.max_tokens):
+            if limit is not None:
+                return limit
+        return max(context_len - prompt_len, 0)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,64 @@
+"""What the HTTP handlers share: the engine loop and facts fixed at start-up.
+
+Handlers read only these; nothing here is the engine itself, except the tokenizer, which
+chat uses to tokenize rendered templates (encoding is read-only and thread-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from hicache_jax.config import EngineConfig
+from hicache_jax.server.chat_template import ChatTemplate
+from hicache_jax.server.config import ServerConfig
+from hicache_jax.server.engine_loop import EngineLoop
+
+
+@dataclasses.dataclass
+class ServerState:
+    loop: EngineLoop
+    engine_cfg: EngineConfig
+    server_cfg: ServerConfig
+    model_info: dict  # GET /get_model_info
+    chat: ChatTemplate
+    served_model_name: str
+    context_len: int
+    max_request_tokens: int  # prompt + completion: min(context, device KV pool)
+    devices: list[str]
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def from_engine(cls, engine, loop: EngineLoop, server_cfg: ServerConfig) -> ServerState:
+        import jax
+
+        cfg: EngineConfig = engine.cfg
+        mc = engine.model.cfg
+        name = server_cfg.served_model_name or cfg.model_path or cfg.preset
+        info = {
+            "model_path": cfg.model_path,
+            "preset": None if cfg.model_path else cfg.preset,
+            "served_model_name": name,
+            "architecture": mc.architecture,
+            "is_generation": True,
+            "vocab_size": mc.vocab_size,
+            "context_length": engine.context_len,
+            "layer_kinds": list(mc.layer_kinds),
+            "sliding_window": mc.sliding_window,
+            "page_size": cfg.page_size,
+            "has_tokenizer": engine.tokenizer.has_text,
+            "eos_token_ids": list(mc.eos_token_ids),
+        }
+        chat = ChatTemplate(engine.tokenizer)
+        info["has_chat_template"] = chat.from_model
+        return cls(
+            loop=loop,
+            engine_cfg=cfg,
+            server_cfg=server_cfg,
+            model_info=info,
+            chat=chat,
+            served_model_name=name,
+            context_len=engine.context_len,
+            max_request_tokens=min(engine.context_len, cfg.max_total_tokens),
+            devices=[str(d) for d in jax.devices()],
+        )
