@@ -18,7 +18,7 @@ from hicache_jax.config import PREFETCH_POLICIES, WRITE_POLICIES, ConfigError, E
 from hicache_jax.server.config import LOG_LEVELS, PLATFORMS, ServerConfig, ServerConfigError
 
 ENGINE_HELP = {
-    "model_path": "Hugging Face or orbax (hicache_jax.convert) model directory; unset: the built-in --preset.",
+    "model_path": "HF or orbax (hicache_jax.convert) model directory; unset: the built-in --preset.",
     "preset": "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, 100m.",
     "dtype": "Weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16.",
     "page_size": "Tokens per KV page (a power of two); also the L3 page.",
@@ -26,7 +26,7 @@ ENGINE_HELP = {
     "max_running_requests": "Most requests in the running batch.",
     "max_total_tokens": "Device KV capacity in tokens (the full-attention page pool).",
     "swa_full_tokens_ratio": "Sliding-window page pool size relative to the full pool, in (0, 1].",
-    "mamba_cache_slots": "Mamba state slots (working states + snapshots); default 4 x --max_running_requests.",
+    "mamba_cache_slots": "Mamba state slots (working + snapshots); default 4 x --max_running_requests.",
     "context_length": "Longest prompt + completion; default: the model's max_position_embeddings.",
     "disable_radix_cache": "Turn off prefix caching.",
     "attention_backend": "xla (reference; CPU default) or pallas (TPU/GPU default).",
@@ -35,13 +35,13 @@ ENGINE_HELP = {
     "random_seed": "Seed for preset weights and for requests without a sampling seed.",
     "tp_size": "Tensor-parallel degree.",
     "warmup": "Compile every step shape bucket before serving, so no request waits for a compile.",
-    "enable_hierarchical_cache": "Back device KV pages up to host memory (L2) and, with a backend, storage (L3).",
+    "enable_hierarchical_cache": "Copy device pages to host memory (L2) and, with a backend, storage (L3).",
     "hicache_ratio": "Host pool size as a multiple of the device pool.",
     "hicache_size_gb": "Host pool size in GB (overrides --hicache_ratio when > 0).",
     "hicache_write_policy": f"When pages are copied to host: {', '.join(WRITE_POLICIES)}.",
     "hicache_storage_backend": "L3 backend: tensorstore (unset: no L3).",
-    "hicache_storage_spec": "L3 location: a directory, a kvstore URL (gs://bucket/prefix) or a JSON kvstore spec.",
-    "hicache_storage_prefetch_policy": f"When to stop waiting for L3 prefetches: {', '.join(PREFETCH_POLICIES)}.",
+    "hicache_storage_spec": "L3 location: a directory, a kvstore URL (gs://bucket/dir) or a JSON spec.",
+    "hicache_storage_prefetch_policy": f"When to stop waiting for L3: {', '.join(PREFETCH_POLICIES)}.",
     "hicache_prefetch_threshold": "Shortest L3 hit (tokens) worth a prefetch.",
     "hicache_host_rate_limit": "Largest share of the host pool that in-flight prefetches may hold.",
 }
@@ -72,8 +72,14 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     server = {
         "host": (flags.DEFINE_string, "Interface to bind; 127.0.0.1 unless you mean to serve others."),
         "port": (flags.DEFINE_integer, "TCP port."),
-        "api_key": (flags.DEFINE_string, "If set, every route but /health needs 'Authorization: Bearer <key>'."),
-        "served_model_name": (flags.DEFINE_string, "Model name in the OpenAI API; default: --model_path or --preset."),
+        "api_key": (
+            flags.DEFINE_string,
+            "If set, every route but /health needs 'Authorization: Bearer <key>'.",
+        ),
+        "served_model_name": (
+            flags.DEFINE_string,
+            "Model name in the OpenAI API; default: --model_path or --preset.",
+        ),
     }
     defaults = ServerConfig()
     for name, (fn, help_) in server.items():

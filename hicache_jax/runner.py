@@ -7,8 +7,6 @@ jit, so logits never leave the device and Mamba state copies need no extra dispa
 from __future__ import annotations
 
 import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,9 +59,7 @@ class ModelRunner:
         self.cache = model.allocate_cache(
             num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots
         )
-        self._step = jax.jit(
-            functools.partial(_step, self.graphdef), static_argnames=("top_logprobs",), donate_argnums=(1,)
-        )
+        self._compiled_before = _step_jit._cache_size()
 
     def step(
         self,
@@ -72,14 +68,22 @@ class ModelRunner:
         copies: StateCopies,
         top_logprobs: int,
     ) -> SamplingOutputs:
-        self.cache, out = self._step(
-            self.params, self.cache, batch, sampling, copies, top_logprobs=top_logprobs
+        self.cache, out = _step_jit(
+            self.params,
+            self.cache,
+            batch,
+            sampling,
+            copies,
+            graphdef=self.graphdef,
+            top_logprobs=top_logprobs,
         )
         return jax.tree_util.tree_map(np.asarray, out)
 
     def num_compiled(self) -> int:
-        """How many step programs have been compiled (the JIT-hygiene tests watch it)."""
-        return self._step._cache_size()
+        """Step programs compiled since this runner was made (the JIT-hygiene test watches
+        it). The jit is shared by every runner of the process, so engines of the same model
+        structure and shapes reuse each other's programs."""
+        return _step_jit._cache_size() - self._compiled_before
 
     def kv_bytes_per_token(self) -> int:
         b = 0
@@ -89,8 +93,11 @@ class ModelRunner:
         return b
 
 
-def _step(graphdef, params, cache, batch, sampling, copies, *, top_logprobs):
+def _step(params, cache, batch, sampling, copies, *, graphdef, top_logprobs):
     cache = copy_states(cache, copies.before_src, copies.before_dst)
     cache, logits = nnx.merge(graphdef, params)(cache, batch)
     cache = copy_states(cache, copies.after_src, copies.after_dst)
     return cache, sample(logits, sampling, top_logprobs)
+
+
+_step_jit = jax.jit(_step, static_argnames=("graphdef", "top_logprobs"), donate_argnums=(1,))

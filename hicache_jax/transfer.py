@@ -6,8 +6,6 @@ serve every transfer; padding reads page 0 and writes nowhere.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,13 +26,6 @@ class PageTransfer:
             "swa": [i for i, k in enumerate(kinds) if k == "sliding"],
             "mamba": [i for i, k in enumerate(kinds) if k == "mamba"],
         }
-        self._gather = {
-            k: jax.jit(functools.partial(_gather, tuple(v), k == "mamba")) for k, v in self.layers.items()
-        }
-        self._scatter = {
-            k: jax.jit(functools.partial(_scatter, tuple(v), k == "mamba"), donate_argnums=(0,))
-            for k, v in self.layers.items()
-        }
 
     def layout(self, kind: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Shapes of one host row of ``kind`` (see host_pool.py)."""
@@ -51,7 +42,7 @@ class PageTransfer:
         n = len(idx)
         padded = np.zeros(_bucket(n), np.int32)
         padded[:n] = idx
-        out = self._gather[kind](self.runner.cache, padded)
+        out = _gather_jit(self.runner.cache, padded, layers=tuple(self.layers[kind]), mamba=kind == "mamba")
         return {k: np.asarray(v)[:n] for k, v in out.items()}
 
     def write(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
@@ -59,10 +50,12 @@ class PageTransfer:
         padded = np.full(b, np.iinfo(np.int32).max, np.int32)  # out of range: dropped
         padded[:n] = idx
         full = {k: np.concatenate([v, np.zeros((b - n,) + v.shape[1:], v.dtype)]) for k, v in data.items()}
-        self.runner.cache = self._scatter[kind](self.runner.cache, padded, full)
+        self.runner.cache = _scatter_jit(
+            self.runner.cache, padded, full, layers=tuple(self.layers[kind]), mamba=kind == "mamba"
+        )
 
 
-def _gather(layers, mamba, cache, idx):
+def _gather(cache, idx, *, layers, mamba):
     if mamba:
         return {
             "conv": jnp.stack([cache[i].conv[idx] for i in layers], axis=1),
@@ -71,7 +64,7 @@ def _gather(layers, mamba, cache, idx):
     return {"kv": jnp.stack([jnp.stack([cache[i].k[idx], cache[i].v[idx]], axis=1) for i in layers], axis=1)}
 
 
-def _scatter(layers, mamba, cache, idx, data):
+def _scatter(cache, idx, data, *, layers, mamba):
     cache = list(cache)
     for j, i in enumerate(layers):
         e = cache[i]
@@ -87,3 +80,8 @@ def _scatter(layers, mamba, cache, idx, data):
                 e.v.at[idx].set(kv[:, 1].astype(e.v.dtype), mode="drop"),
             )
     return tuple(cache)
+
+
+# Module-level jits: engines in one process share compiled transfers.
+_gather_jit = jax.jit(_gather, static_argnames=("layers", "mamba"))
+_scatter_jit = jax.jit(_scatter, static_argnames=("layers", "mamba"), donate_argnums=(0,))

@@ -1,9 +1,9 @@
 """The HTTP app: SGLang's native routes here, OpenAI's in ``openai_api``.
 
-    POST /generate          text | input_ids (single or batched), sampling_params, stream, ...
-    GET|POST /flush_cache   wait for idle, clear L1 + L2 (L3 stays)
-    POST /clear_storage     clear L3
-    GET  /health  /get_model_info  /get_server_info  /metrics (Prometheus)
+POST /generate          text | input_ids (single or batched), sampling_params, stream, ...
+GET|POST /flush_cache   wait for idle, clear L1 + L2 (L3 stays)
+POST /clear_storage     clear L3
+GET  /health  /get_model_info  /get_server_info  /metrics (Prometheus)
 """
 
 from __future__ import annotations

@@ -65,6 +65,8 @@ class ChatTemplate:
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         if not self.tokenizer.has_text:
-            raise InvalidRequest("this model has no tokenizer.json: chat needs text; use /generate with input_ids")
+            raise InvalidRequest(
+                "this model has no tokenizer.json: chat needs text; use /generate with input_ids"
+            )
         text = self.render(messages, add_generation_prompt, **kwargs)
         return self.tokenizer.encode(text, add_special_tokens=not self.from_model)

@@ -44,7 +44,9 @@ def usage(outs: list[dict]) -> dict:
     metas = [o["meta_info"] for o in outs]
     prompt = sum(m["prompt_tokens"] for m in metas)
     completion = sum(m["completion_tokens"] for m in metas)
-    details = {t: sum(m["cached_tokens_details"].get(t, 0) for m in metas) for t in ("device", "host", "storage")}
+    details = {
+        t: sum(m["cached_tokens_details"].get(t, 0) for m in metas) for t in ("device", "host", "storage")
+    }
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -142,7 +144,14 @@ async def completions(request: Request) -> Response:
         }
 
     def frame(rid: str, choices: list, **extra) -> dict:
-        return dict(id=rid, object="text_completion", created=created, model=s.served_model_name, choices=choices, **extra)
+        return dict(
+            id=rid,
+            object="text_completion",
+            created=created,
+            model=s.served_model_name,
+            choices=choices,
+            **extra,
+        )
 
     async def chunks(watch: Watch) -> AsyncIterator[bytes]:
         sink, delta, n_tok = watch.sinks[0], TextDelta(body.stop_strings()), 0
@@ -190,7 +199,12 @@ async def chat_completions(request: Request) -> Response:
 
     async def chunks(watch: Watch) -> AsyncIterator[bytes]:
         sink, delta, n_tok = watch.sinks[0], TextDelta(body.stop_strings()), 0
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        first = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         yield sse(frame([first], "chat.completion.chunk"))
         async for upd in watch.updates(sink):
             text = delta.update(upd.out["text"], upd.finished)

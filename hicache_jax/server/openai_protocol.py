@@ -150,7 +150,9 @@ class ChatCompletionRequest(_Common):
             if not self.logprobs:
                 raise InvalidRequest("top_logprobs needs logprobs=true")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+                raise InvalidRequest(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                )
 
     def max_new_tokens(self, prompt_len: int, context_len: int) -> int:
         """Explicit limit, else whatever the context leaves (OpenAI's chat default)."""

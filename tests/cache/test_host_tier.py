@@ -42,7 +42,9 @@ def test_tiny_l2_evicts_and_l3_still_serves(tmp_path):
 
 @pytest.mark.parametrize("policy", ["wait_complete", "timeout", "best_effort"])
 def test_two_pass_under_each_prefetch_policy(tmp_path, policy):
-    llm = hicache_llm(tmp_path / "l3", preset="tiny", hicache_storage_prefetch_policy=policy, max_running_requests=1)
+    llm = hicache_llm(
+        tmp_path / "l3", preset="tiny", hicache_storage_prefetch_policy=policy, max_running_requests=1
+    )
     ids = prompt(4)
     first = run(llm, ids)
     assert llm.flush_cache()
@@ -51,7 +53,11 @@ def test_two_pass_under_each_prefetch_policy(tmp_path, policy):
         # request (one slot) so its prefetch has the time a busy server would give it.
         engine = llm.engine
         blocker = engine.add_request(input_ids=prompt(9, pages=2), sampling_params={"max_new_tokens": 40})
-        rid = engine.add_request(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, return_logprob=True)
+        rid = engine.add_request(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            return_logprob=True,
+        )
         while engine.has_unfinished():
             engine.step()
         engine.pop_output(blocker)

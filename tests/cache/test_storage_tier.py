@@ -61,7 +61,9 @@ def test_two_processes_share_one_l3(tmp_path):
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     theirs = eval(done.stdout.strip().splitlines()[-1])
     llm = hicache_llm(spec, preset="tiny")
