@@ -7,6 +7,7 @@ jit, so logits never leave the device and Mamba state copies need no extra dispa
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
