@@ -6,7 +6,8 @@ For each preset and batch size: B requests with a ``--context``-token prompt are
 then decode steps are timed through the engine (scheduling included) and through the
 runner alone. The floor of a decode step is the bytes it must read (weights, plus each
 sequence's KV: the whole context for full-attention layers, the window for sliding ones,
-plus Mamba states read and written) over the memcpy bandwidth measured in the same run.
+plus Mamba states read and written) over the copy bandwidth (bytes moved per second)
+measured in the same run (benchmarks/bandwidth.py).
 """
 
 from __future__ import annotations
@@ -15,32 +16,12 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from bandwidth import copy_bandwidth  # benchmarks/ is the script's directory
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
 from hicache_jax.models.cache import MambaState
-
-
-def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """memcpy rate in bytes/s (bytes copied / time), the best of a device copy and, on
-    CPU, numpy's copy (the faster, multi-threaded-free baseline)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a + 0)  # a new buffer: every byte read once, written once
-    copy(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        copy(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    if jax.default_backend() == "cpu":
-        src, dst = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            np.copyto(dst, src)
-            best = min(best, time.perf_counter() - t0)
-    return nbytes / best
 
 
 def step_bytes(engine: Engine, batch: int, context: int) -> int:
@@ -114,8 +95,8 @@ def main():
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=16)
     args = p.parse_args()
-    bw = memcpy_bandwidth()
-    print(f"device: {jax.devices()[0].device_kind}; memcpy {bw / 1e9:.2f} GB/s (bytes copied / s)")
+    bw = copy_bandwidth()
+    print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.2f} GB/s (read + write)")
     cols = ("preset", "B", "tok/s", "engine ms", "runner ms", "floor ms", "ratio")
     print(" ".join(f"{c:>{w}}" for c, w in zip(cols, (8, 3, 9, 10, 10, 9, 7))))
     for preset in args.presets.split(","):

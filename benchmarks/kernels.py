@@ -18,6 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/ is the script dir)
 
 from hicache_jax.models.kernels.ragged_paged_attention import kernel, reference
 
@@ -93,12 +94,6 @@ def _median_seconds(fn, *args, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a device copy (read + write counted), the yardstick for the floor."""
-    a = jnp.ones((nbytes // 4,), jnp.float32)
-    return 2 * nbytes / _median_seconds(jax.jit(lambda x: -x), a)
-
-
 def _static(case: Case) -> dict:
     return dict(sm_scale=case.head_dim**-0.5, sliding_window=case.window)
 
@@ -138,7 +133,15 @@ def bench_attention() -> None:
 
 
 def main() -> None:
+    """Every kernel: ragged paged attention here, the Mamba2 SSD scan in kernel_ssd.py."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_ssd import bench_ssd
+
     bench_attention()
+    bench_ssd()
 
 
 if __name__ == "__main__":

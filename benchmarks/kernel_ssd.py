@@ -5,7 +5,7 @@ and written once) divided by the copy bandwidth measured in the same run, so the
 says how far the kernel is from memory-bound. On CPU the kernels only run in interpret mode:
 this checks correctness at a small size and says that timings need an accelerator.
 
-    python benchmarks/kernels_ssd.py
+    python benchmarks/kernel_ssd.py
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/ is the script dir)
 
 from hicache_jax.models.kernels.mamba2_ssd import chunked, kernel
 
@@ -31,13 +32,6 @@ def _timeit(step, carry, reps: int = 20) -> float:
         carry = jax.block_until_ready(step(carry))
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a device copy (read + write counted), the yardstick for the floor."""
-    a = jnp.ones((nbytes // 4,), F32)
-    neg = jax.jit(lambda v: -v, donate_argnums=0)
-    return 2 * nbytes / _timeit(neg, a)
 
 
 def make_inputs(key, *, T, S, H, P, G, N, dtype, num_slots):
