@@ -60,7 +60,7 @@ class ChatTemplate:
             )
         except InvalidRequest:
             raise
-        except TemplateError as e:
+        except (TemplateError, TypeError, ValueError, KeyError) as e:  # the template's or the messages' fault
             raise InvalidRequest(f"chat template failed: {e}") from e
 
     def encode(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:

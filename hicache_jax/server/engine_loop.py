@@ -2,7 +2,7 @@
 
 The engine is not thread-safe, and a step blocks for milliseconds to seconds, so it runs in
 one thread of its own. The HTTP layer (asyncio) talks to it only through the typed messages
-below, put on a queue; answers come back through ``Reply`` futures and per-request
+of ``messages.py``, put on a queue; answers come back through ``Reply`` futures and per-request
 ``Sink`` queues, both resolved with ``loop.call_soon_threadsafe``.
 
     HTTP handler --Generate/Abort/Flush/...--> queue --> engine thread
@@ -13,104 +13,29 @@ below, put on a queue; answers come back through ``Reply`` futures and per-reque
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import dataclasses
 import logging
 import queue
 import threading
 import time
-from typing import Any
 
 from hicache_jax.sampling_params import InvalidRequest
+from hicache_jax.server.messages import (
+    Abort,
+    ClearStorage,
+    Failure,
+    Flush,
+    Generate,
+    GetMetrics,
+    Message,
+    Reply,
+    Sink,
+    Update,
+)
 
 log = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 10.0
-
-
-# ---- plumbing back to asyncio ----------------------------------------------------------------
-class Reply:
-    """A one-shot answer from the engine thread to a waiting coroutine."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._future: asyncio.Future = self._loop.create_future()
-
-    def set(self, value: Any) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._resolve, value)
-
-    def _resolve(self, value: Any) -> None:
-        if not self._future.done():  # the waiter may have been cancelled
-            self._future.set_result(value)
-
-    def __await__(self):
-        return self._future.__await__()
-
-
-@dataclasses.dataclass
-class Update:
-    """One request's output so far (``engine.output`` dict); ``finished`` on the last one."""
-
-    out: dict
-    finished: bool
-
-
-@dataclasses.dataclass
-class Failure:
-    """The engine failed while running this request."""
-
-    message: str
-
-
-class Sink:
-    """Per-request queue of ``Update``/``Failure`` events, fed from the engine thread."""
-
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self._loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Update | Failure] = asyncio.Queue()
-        self.done = False  # set by the consumer once it saw the final event
-
-    def put(self, event: Update | Failure) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-
-# ---- messages --------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Generate:
-    """Queue one or more requests, all or none. ``reply`` gets None, or the message of the
-    ``InvalidRequest`` that refused one of them (then none is queued)."""
-
-    requests: list[dict]  # Engine.add_request keyword arguments, each with its rid
-    sinks: list[Sink]
-    reply: Reply
-
-
-@dataclasses.dataclass
-class Abort:
-    rid: str
-
-
-@dataclasses.dataclass
-class Flush:
-    """Wait until no request is running or waiting, then ``engine.flush_cache()``. Requests
-    that arrive meanwhile are held back until the flush is done, so it cannot starve."""
-
-    reply: Reply
-
-
-@dataclasses.dataclass
-class ClearStorage:
-    reply: Reply  # gets (ok, message)
-
-
-@dataclasses.dataclass
-class GetMetrics:
-    reply: Reply  # gets a dict of plain numbers
-
-
-Message = Generate | Abort | Flush | ClearStorage | GetMetrics
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -170,6 +95,20 @@ class EngineLoop:
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         log.info("engine loop started")
+        try:
+            self._serve()
+        except BaseException:
+            log.exception("engine loop died; the server is unhealthy")
+            self.healthy = False
+            self._fail_all("the engine loop died")
+            raise
+        finally:
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()  # the engine thread owns the engine: it also shuts it down
+            log.info("engine loop stopped")
+
+    def _serve(self) -> None:
         progressed = True
         while not self._stop.is_set():
             # Idle: sleep on the queue (the timeout only lets stop() be noticed). Requests
@@ -182,10 +121,6 @@ class EngineLoop:
                 progressed = self._step()
             if self._flushes and not self.engine.has_unfinished():
                 self._flush()
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()  # the engine thread owns the engine: it also shuts it down
-        log.info("engine loop stopped")
 
     def _drain(self, timeout: float | None) -> None:
         """Handle every queued message; wait up to ``timeout`` s for the first (None: don't)."""
@@ -194,7 +129,11 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            self._handle(msg)
+            try:
+                self._handle(msg)
+            except Exception as e:  # one bad message must not stop the loop
+                log.exception("engine loop: %s failed", type(msg).__name__)
+                self._answer_failure(msg, f"{type(e).__name__}: {e}")
             try:
                 msg = self._queue.get_nowait()
             except queue.Empty:
@@ -214,6 +153,14 @@ class EngineLoop:
                 reply.set(self._clear_storage())
             case GetMetrics(reply):
                 reply.set(self._metrics())
+
+    def _answer_failure(self, msg: Message, why: str) -> None:
+        """Unblock whoever waits on a message whose handling raised."""
+        match msg:
+            case ClearStorage(reply):
+                reply.set((False, f"clear_storage failed: {why}"))
+            case GetMetrics(reply):
+                reply.set({"engine_errors": self.stats["engine_errors"]})
 
     def _add(self, msg: Generate) -> None:
         added: list[str] = []
@@ -277,7 +224,11 @@ class EngineLoop:
 
     def _flush(self) -> None:
         t0 = time.perf_counter()
-        ok = bool(self.engine.flush_cache())
+        try:
+            ok = bool(self.engine.flush_cache())
+        except Exception:
+            log.exception("flush_cache failed")
+            ok = False
         log.info("flush_cache: %s in %.2fs", "done" if ok else "refused", time.perf_counter() - t0)
         for f in self._flushes:
             f.reply.set(ok)

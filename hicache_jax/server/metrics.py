@@ -2,8 +2,8 @@
 
 Every numeric key of ``Engine.metrics()`` (plus the engine loop's own) is exported as
 ``hicache_<key>``, so counters the engine grows later (L3 bytes, prefetch outcomes, ...)
-appear without a server change. Keys known to only grow, and any ending in ``_total``, are
-counters; the rest are gauges. Hit rates per tier are derived here.
+appear without a server change. Keys known to only grow, any ending in ``_total`` and the L3 and
+prefetch event counts are counters; the rest are gauges. Hit rates per tier are derived here.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ COUNTERS = {
     "num_retractions",
     "aborted_requests",
     "engine_errors",
+    "host_loads",
+    "host_backups",
+    "backup_skipped",
 }
 HELP = {
     "gen_throughput": "generated tokens per second over the last 10 s",
@@ -41,8 +44,14 @@ def _name(key: str) -> str:
     return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", key)
 
 
+GAUGE_WORDS = ("pending", "used", "size", "in_flight", "inflight", "rate", "throughput")
+
+
 def is_counter(key: str) -> bool:
-    return key in COUNTERS or key.endswith("_total")
+    """Known counters, ``*_total``, and L3/prefetch event counts (not their gauges)."""
+    if key in COUNTERS or key.endswith("_total"):
+        return True
+    return key.startswith(("l3_", "prefetch_")) and not any(w in key for w in GAUGE_WORDS)
 
 
 class _Snapshot:

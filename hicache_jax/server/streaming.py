@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from hicache_jax.server.engine_loop import EngineLoop, Failure, Sink, Update
+from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.errors import ApiError
+from hicache_jax.server.messages import Failure, Sink, Update
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
