@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 from hicache_jax.models.hf.weights import abstract_state, load_params
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -66,14 +65,6 @@ def load_model(path: str, *, dtype=None, kernels: KernelConfig | None = None) ->
     if orbax_io.is_orbax_checkpoint(path):
         return orbax_io.restore(path, dtype=dtype, kernels=kernels)
     return load_hf(path, dtype=dtype, kernels=kernels)
-
-
-def model_config(path: str) -> ModelConfig:
-    from hicache_jax.models import orbax_io
-
-    if orbax_io.is_orbax_checkpoint(path):
-        return orbax_io.read_config(path)
-    return config_from_hf(read_hf_config(path), os.path.join(path, "config.json"))
 
 
 def model_fingerprint(path: str) -> str | None:

@@ -166,9 +166,6 @@ class RadixTree:
             yield n
             stack.extend(n.children.values())
 
-    def num_nodes(self) -> int:
-        return sum(1 for _ in self.nodes())
-
     def check_integrity(self) -> None:
         for n in self.nodes():
             if n.lock_ref < 0 or n.swa_lock < 0:

@@ -146,6 +146,10 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if not self.messages:
             raise InvalidRequest("messages is empty")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+        clash = sorted(reserved & set(self.chat_template_kwargs or {}))
+        if clash:
+            raise InvalidRequest(f"chat_template_kwargs may not set {clash}")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequest("top_logprobs needs logprobs=true")

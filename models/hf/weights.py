@@ -128,21 +128,6 @@ def expected_hf_shape(transform, shape) -> tuple:
     return tuple(shape)
 
 
-def export_params(state, names: HFNames, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The inverse mapping: our parameters as HF-named numpy arrays (for tests and tools)."""
-    out = {}
-    for kp, leaf in jax.tree_util.tree_leaves_with_path(state):
-        path = tuple(_key(k) for k in kp)
-        name, transform = hf_tensor(names, cfg, path)
-        a = np.asarray(leaf)
-        if transform is _t:
-            a = a.T
-        elif transform is _conv:
-            a = a.T[:, None, :]
-        out[name] = a
-    return out
-
-
 def abstract_state(model_fn) -> tuple:
     """(graphdef, abstract param state) without materialising random weights."""
     abstract = nnx.eval_shape(model_fn)
