@@ -1,0 +1,101 @@
+"""The typed messages between the HTTP layer (asyncio) and the engine thread, and the
+thread-safe plumbing that carries answers back: ``Reply`` (one answer) and ``Sink`` (a
+request's stream of ``Update``/``Failure`` events). Both resolve on the asyncio loop through
+``call_soon_threadsafe``, the one asyncio call that is safe from another thread."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+
+# ---- plumbing back to asyncio ----------------------------------------------------------------
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed (shutting down): nobody is waiting
+        pass
+
+
+class Reply:
+    """A one-shot answer from the engine thread to a waiting coroutine."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._future: asyncio.Future = self._loop.create_future()
+
+    def set(self, value: Any) -> None:  # engine thread
+        _call_soon(self._loop, self._resolve, value)
+
+    def _resolve(self, value: Any) -> None:
+        if not self._future.done():  # the waiter may have been cancelled
+            self._future.set_result(value)
+
+    def __await__(self):
+        return self._future.__await__()
+
+
+@dataclasses.dataclass
+class Update:
+    """One request's output so far (``engine.output`` dict); ``finished`` on the last one."""
+
+    out: dict
+    finished: bool
+
+
+@dataclasses.dataclass
+class Failure:
+    """The engine failed while running this request."""
+
+    message: str
+
+
+class Sink:
+    """Per-request queue of ``Update``/``Failure`` events, fed from the engine thread."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self._loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Update | Failure] = asyncio.Queue()
+        self.done = False  # set by the consumer once it saw the final event
+
+    def put(self, event: Update | Failure) -> None:  # engine thread
+        _call_soon(self._loop, self.queue.put_nowait, event)
+
+
+# ---- messages --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Generate:
+    """Queue one or more requests, all or none. ``reply`` gets None, or the message of the
+    ``InvalidRequest`` that refused one of them (then none is queued)."""
+
+    requests: list[dict]  # Engine.add_request keyword arguments, each with its rid
+    sinks: list[Sink]
+    reply: Reply
+
+
+@dataclasses.dataclass
+class Abort:
+    rid: str
+
+
+@dataclasses.dataclass
+class Flush:
+    """Wait until no request is running or waiting, then ``engine.flush_cache()``. Requests
+    that arrive meanwhile are held back until the flush is done, so it cannot starve."""
+
+    reply: Reply
+
+
+@dataclasses.dataclass
+class ClearStorage:
+    reply: Reply  # gets (ok, message)
+
+
+@dataclasses.dataclass
+class GetMetrics:
+    reply: Reply  # gets a dict of plain numbers
+
+
+Message = Generate | Abort | Flush | ClearStorage | GetMetrics

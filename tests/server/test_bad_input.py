@@ -1,0 +1,177 @@
+"""Every kind of bad input gets a 4xx whose message says what is wrong, and the server
+keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import CONTEXT
+
+OK = {"max_new_tokens": 2, "temperature": 0}
+TOO_LONG = [5] * (CONTEXT + 10)
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "hi"}]
+
+CASES = [
+    # (id, path, raw body or JSON object, status, words the message must contain)
+    ("malformed-json", "/generate", '{"text": "a"', 400, "malformed JSON"),
+    ("not-an-object", "/generate", "[1, 2]", 400, "JSON object"),
+    ("empty-body", "/generate", "", 400, "JSON object"),
+    ("unknown-field", "/generate", {"text": "a", "max_new_tokens": 3}, 400, "unknown field 'max_new_tokens'"),
+    ("mistyped-field", "/generate", {"text": "a", "return_logprob": "yes"}, 400, "return_logprob"),
+    ("mistyped-rid", "/generate", {"text": "a", "rid": 5}, 400, "rid"),
+    (
+        "mistyped-sampling",
+        "/generate",
+        {"text": "a", "sampling_params": {"max_new_tokens": "4"}},
+        400,
+        "max_new_tokens",
+    ),
+    (
+        "unknown-sampling",
+        "/generate",
+        {"text": "a", "sampling_params": {"max_new_token": 4}},
+        400,
+        "max_new_token",
+    ),
+    ("sampling-not-object", "/generate", {"text": "a", "sampling_params": 3}, 400, "sampling_params"),
+    ("id-over-vocab", "/generate", {"input_ids": [1, 512], "sampling_params": OK}, 400, "vocabulary"),
+    ("negative-id", "/generate", {"input_ids": [1, -1], "sampling_params": OK}, 400, "vocabulary"),
+    ("float-id", "/generate", {"input_ids": [1, 2.5], "sampling_params": OK}, 400, "integers"),
+    ("empty-text", "/generate", {"text": ""}, 400, "empty"),
+    ("empty-ids", "/generate", {"input_ids": []}, 400, "input_ids"),
+    ("empty-in-batch", "/generate", {"input_ids": [[1, 2], []]}, 400, "input_ids[1] is empty"),
+    ("too-long", "/generate", {"input_ids": TOO_LONG, "sampling_params": OK}, 400, "context length"),
+    (
+        "negative-max-new",
+        "/generate",
+        {"text": "a", "sampling_params": {"max_new_tokens": -1}},
+        400,
+        "max_new_tokens",
+    ),
+    (
+        "huge-max-new",
+        "/generate",
+        {"text": "a", "sampling_params": {"max_new_tokens": 10**9}},
+        400,
+        "max_new_tokens",
+    ),
+    (
+        "negative-temperature",
+        "/generate",
+        {"text": "a", "sampling_params": {"temperature": -0.5}},
+        400,
+        "temperature",
+    ),
+    (
+        "nan-temperature",
+        "/generate",
+        '{"text": "a", "sampling_params": {"temperature": NaN}}',
+        400,
+        "temperature",
+    ),
+    ("top-p-zero", "/generate", {"text": "a", "sampling_params": {"top_p": 0}}, 400, "top_p"),
+    ("top-p-over-one", "/generate", {"text": "a", "sampling_params": {"top_p": 1.5}}, 400, "top_p"),
+    ("top-k-zero", "/generate", {"text": "a", "sampling_params": {"top_k": 0}}, 400, "top_k"),
+    (
+        "text-and-ids",
+        "/generate",
+        {"text": "a", "input_ids": [1, 2]},
+        400,
+        "exactly one of text or input_ids",
+    ),
+    ("neither", "/generate", {"sampling_params": OK}, 400, "exactly one of text or input_ids"),
+    (
+        "params-count",
+        "/generate",
+        {"text": ["a", "b"], "sampling_params": [OK]},
+        400,
+        "1 sampling_params for 2",
+    ),
+    (
+        "bad-logprob-start",
+        "/generate",
+        {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 9},
+        400,
+        "logprob_start_len",
+    ),
+    ("duplicate-rid", "/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, 400, "distinct"),
+    ("stream-batch", "/generate", {"text": ["a", "b"], "stream": True}, 400, "single prompt"),
+    # OpenAI routes.
+    ("oai-unknown-model", "/v1/completions", {"model": "gpt-9", "prompt": "a"}, 404, "gpt-9"),
+    ("oai-missing-prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    (
+        "oai-unknown-field",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "max_new_tokens": 2},
+        400,
+        "unknown field",
+    ),
+    (
+        "oai-negative-max",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "max_tokens": -1},
+        400,
+        "max_tokens",
+    ),
+    ("oai-n", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n=1"),
+    (
+        "oai-penalty",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "presence_penalty": 1.0},
+        400,
+        "presence_penalty",
+    ),
+    (
+        "oai-too-long",
+        "/v1/completions",
+        {"model": MODEL, "prompt": TOO_LONG, "max_tokens": 1},
+        400,
+        "context length",
+    ),
+    ("chat-empty", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    (
+        "chat-bad-role",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "role",
+    ),
+    (
+        "chat-bad-temp",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "temperature": -1},
+        400,
+        "temperature",
+    ),
+    (
+        "chat-top-logprobs",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "top_logprobs": 2},
+        400,
+        "logprobs",
+    ),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_4xx_with_a_reason(server, path, body, status, words):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    r = server.client.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    assert words in message, message
+
+
+def test_wrong_method_and_path(server):
+    assert server.client.get("/generate").status_code == 405
+    assert server.client.post("/nope").status_code == 404
+
+
+def test_server_still_serves_after_bad_input(server):
+    assert server.healthy()
+    out = server.generate(text="still here", sampling_params=OK)
+    assert len(out["output_ids"]) == 2
+    assert server.metrics()["hicache_num_running_reqs"] == 0  # no half-admitted request left behind

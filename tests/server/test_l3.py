@@ -1,0 +1,29 @@
+"""The acceptance test over HTTP: a 16-page random prompt, flush, and the same prompt again
+is served from L3 (storage); /clear_storage then empties L3."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.server.conftest import PAGE_SIZE
+
+GEN4 = {"max_new_tokens": 4, "temperature": 0}
+
+
+def test_two_pass_l3_then_clear_storage(server):
+    ids = np.random.default_rng(1234).integers(3, 500, size=16 * PAGE_SIZE).tolist()
+    first = server.generate(input_ids=ids, sampling_params=GEN4)
+    assert server.client.post("/flush_cache").json()["success"] is True
+    second = server.generate(input_ids=ids, sampling_params=GEN4)
+    meta = second["meta_info"]
+    assert meta["cached_tokens"] >= len(ids) - PAGE_SIZE, meta
+    assert meta["cached_tokens_details"]["storage"] > 0, meta
+    assert second["output_ids"] == first["output_ids"]  # greedy, cached or not
+
+    r = server.client.post("/clear_storage")
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert server.client.post("/flush_cache").json()["success"] is True
+    third = server.generate(input_ids=ids, sampling_params=GEN4)
+    assert third["meta_info"]["cached_tokens"] == 0, third["meta_info"]
+    m = server.metrics()
+    assert m["hicache_cached_tokens_storage_total"] >= len(ids) - PAGE_SIZE
