@@ -66,3 +66,7 @@ class LLM:
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()
+
+    def close(self) -> None:
+        """Drain queued L3 writes and stop background threads."""
+        self.engine.close()
