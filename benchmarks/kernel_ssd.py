@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/ is the script dir)
 
-from hicache_jax.models.kernels.mamba2_ssd import chunked, kernel
+from hicache_jax.models.kernels.mamba2_ssd import chunked, decode_kernel, kernel
 
 F32 = jnp.float32
 
@@ -80,7 +80,7 @@ def check_interpret() -> None:
     dec = (head[0][:S], head[1][:S], head[2], head[3][:S], head[4][:S], head[5])
     dec = dec + (jnp.arange(S + 1, dtype=jnp.int32), jnp.int32(S))
     y_ref, st_ref = chunked.ssd_decode_slots(*dec, states, *tail)
-    y, st = kernel.ssd_decode(*dec, states, *tail, interpret=True)
+    y, st = decode_kernel.ssd_decode(*dec, states, *tail, interpret=True)
     err = max(float(jnp.abs(y - y_ref).max()), float(jnp.abs(st - st_ref).max()))
     print(f"ssd_decode (interpret) vs xla: max |diff| {err:.2e}")
     assert err <= 1e-5 * scale, "interpret-mode kernels disagree with the xla backend"
@@ -110,7 +110,7 @@ def bench_ssd(dtype=jnp.bfloat16, chunk: int = 128) -> None:
             chunk=chunk,
             precision=prec,
         )
-        bench_case(f"ssd_decode S=256 {tag}", kernel.ssd_decode, decode, bw, dtype, precision=prec)
+        bench_case(f"ssd_decode S=256 {tag}", decode_kernel.ssd_decode, decode, bw, dtype, precision=prec)
     bench_case("xla ssd_slots (reference point)", chunked.ssd_slots, prefill, bw, dtype)
 
 

@@ -61,6 +61,20 @@ def attention_fn(backend: str, interpret: bool = False) -> Callable:
 
 
 @functools.cache
+def kv_write_fn(backend: str, interpret: bool = False) -> Callable:
+    """``fn(k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)``."""
+    if backend == "xla":
+        from hicache_jax.models.kernels.ragged_paged_attention.reference import write_kv
+
+        return write_kv
+    if backend == "pallas":
+        from hicache_jax.models.kernels.ragged_paged_attention import kv_write
+
+        return functools.partial(kv_write.write_kv, interpret=interpret)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+@functools.cache
 def ssd_fn(backend: str, interpret: bool = False, decode: bool = False) -> Callable:
     """Slot-indexed SSD scan (``decode``: the one-token update of a decode-only batch):
     ``fn(x, dt, A, B, C, D, cu_seqlens, num_seqs, states, slots, has_initial_state)
@@ -70,8 +84,8 @@ def ssd_fn(backend: str, interpret: bool = False, decode: bool = False) -> Calla
 
         return chunked.ssd_decode_slots if decode else chunked.ssd_slots
     if backend == "pallas":
-        from hicache_jax.models.kernels.mamba2_ssd import kernel
+        from hicache_jax.models.kernels.mamba2_ssd import decode_kernel, kernel
 
-        fn = kernel.ssd_decode if decode else kernel.ssd_ragged
+        fn = decode_kernel.ssd_decode if decode else kernel.ssd_ragged
         return functools.partial(fn, interpret=interpret)
     raise ValueError(f"unknown ssd backend {backend!r}; choose one of {BACKENDS}")

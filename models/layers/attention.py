@@ -9,7 +9,6 @@ from hicache_jax.models.batch import ForwardBatch, page_group
 from hicache_jax.models.cache import KVPages
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend
-from hicache_jax.models.kernels.ragged_paged_attention.reference import write_kv
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import RMSNorm
 from hicache_jax.models.layers.rope import apply_rope
@@ -47,8 +46,10 @@ class Attention(nnx.Module):
         rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim, factor=self.rope_factor)
         q = apply_rope(q, batch.positions, **rope)
         k = apply_rope(k, batch.positions, **rope)
-        k_pages, v_pages = write_kv(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
-        attend = backend.attention_fn(self.kernels.attention_backend, self.kernels.interpret)
+        name, interpret = self.kernels.attention_backend, self.kernels.interpret
+        write = backend.kv_write_fn(name, interpret)
+        k_pages, v_pages = write(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
+        attend = backend.attention_fn(name, interpret)
         o = attend(
             q,
             k_pages,

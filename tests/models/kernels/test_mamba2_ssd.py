@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from hicache_jax.models.kernels.mamba2_ssd import chunked, kernel, reference
+from hicache_jax.models.kernels.mamba2_ssd import chunked, decode_kernel, kernel, reference
 
 H, P, N = 4, 8, 16  # heads, head dim, state size
 NUM_SLOTS = 8
@@ -179,7 +179,7 @@ def test_tpu_interpreter_no_races(which):
     else:
         seqs = [(1, 3, True), (1, 5, False), (1, -1, True), (1, 0, True)]
         case = make_case(8, seqs, groups=2, num_rows=6)
-        y, pool = kernel.ssd_decode(*case.args, head_block=2, interpret=params)
+        y, pool = decode_kernel.ssd_decode(*case.args, head_block=2, interpret=params)
     assert not interpret_pallas_call.races.races_found
     y_want, pool_want = expected(case)
     assert_close(y, y_want, "y")
@@ -220,7 +220,7 @@ def test_prefill_in_two_parts_equals_one_pass():
 def test_decode_matches_step_and_sequential(groups, head_block):
     seqs = [(1, 3, True), (1, 5, False), (1, -1, True), (1, 0, True), (1, 2, True)]
     case = make_case(3, seqs, groups=groups, num_rows=8)
-    y, pool = kernel.ssd_decode(*case.args, head_block=head_block, interpret=True)
+    y, pool = decode_kernel.ssd_decode(*case.args, head_block=head_block, interpret=True)
     y_want, pool_want = expected(case)  # sequential over one-token sequences
     assert_close(y, y_want, "y vs sequential")
     assert_close(pool, pool_want, "state pool")

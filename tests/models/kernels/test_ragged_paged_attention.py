@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from hicache_jax.models.kernels.ragged_paged_attention import kernel, reference
+from hicache_jax.models.kernels.ragged_paged_attention import kernel, kv_write, reference
 
 # (q_len, kv_len) per sequence; all kinds share one set of shapes so each config compiles once.
 BATCHES = {
@@ -225,7 +225,7 @@ def test_write_kv_matches_reference(page_dtype: str):
     slots[rng.random(T) < 0.2] = -1  # padding tokens write nothing
     args = [jnp.asarray(x) for x in (k_pages, v_pages, k, v, slots)]
     expected = reference.write_kv(*args)  # not jitted: wants jax arrays
-    got = kernel.write_kv(*args, interpret=True)
+    got = kv_write.write_kv(*args, interpret=True)
     for e, g in zip(expected, got, strict=True):
         assert g.dtype == e.dtype
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
@@ -242,7 +242,7 @@ def test_write_kv_tpu_interpret():
     args = [jnp.asarray(x) for x in (k_pages, v_pages, k, v, slots)]
     expected = reference.write_kv(*args)
     try:
-        got = kernel.write_kv(*args, interpret=pltpu.InterpretParams())
+        got = kv_write.write_kv(*args, interpret=pltpu.InterpretParams())
     finally:
         pltpu.reset_tpu_interpret_mode_state()
     for e, g in zip(expected, got, strict=True):

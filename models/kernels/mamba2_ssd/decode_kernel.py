@@ -1,0 +1,197 @@
+"""The Mamba2 one-token decode update as a Pallas TPU kernel (``ssd_decode``), slot-indexed
+like ``kernel.ssd_ragged``: grid (head block, sequence), each sequence's state read from its
+slot by a BlockSpec that follows the slot table and written back by a double-buffered DMA.
+Reference: ``reference.ssd_decode_step`` (and the sequential recurrence).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from hicache_jax.models.kernels.mamba2_ssd.kernel import (
+    F32,
+    HIGHEST,
+    _check,
+    _dot,
+    _group_blk,
+    _group_block,
+    _group_major,
+    _head_major,
+    pick_head_block,
+)
+
+
+def _decode_kernel(
+    # scalar prefetch (SMEM)
+    rows_ref,  # [S] the sequence's token row (-1: padding sequence)
+    slots_ref,  # [S] slot to write (-1: none, or padding)
+    init_ref,  # [S] 1: start from the slot's state
+    read_ref,  # [S] slot whose block the pipeline fetches (see ssd_decode)
+    # blocks: this head block's columns of the whole (small) decode batch stay resident
+    x_ref,  # [T, HB*P]
+    dt_ref,  # [T, HB]
+    a_ref,  # [1, HB]
+    b_ref,  # [GB, T, N]
+    c_ref,  # [GB, T, N]
+    d_ref,  # [1, HB]
+    state_ref,  # [HB, P, N] states[read[s], head block], double-buffered by Pallas
+    y_ref,  # [T, HB*P]
+    states_out,  # [num_slots, H, P, N] HBM, aliases the state pool
+    out_scr,  # [2, HB, P, N] f32: new states, written back while the next sequence runs
+    sems,  # [2] DMA semaphores
+    pending,  # [2] int32 SMEM: a write-back from out_scr[i] is in flight
+    *,
+    hpg: int,
+    precision,
+):
+    hb, s = pl.program_id(0), pl.program_id(1)
+    S = pl.num_programs(1)
+    HB, P, N = state_ref.shape
+    heads = pl.ds(hb * HB, HB)
+    buf = lax.rem(s, 2)  # (lax.rem/div, not % and //: indices are >= 0, no sign fix-up)
+
+    def copy(i, slot):
+        return pltpu.make_async_copy(out_scr.at[i], states_out.at[slot, heads], sems.at[i])
+
+    def drain(i):
+        @pl.when(pending[i] != 0)
+        def _():
+            copy(i, 0).wait()  # the wait only needs the byte count and the semaphore
+            pending[i] = 0
+
+    @pl.when(s == 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+        pending[0] = 0
+        pending[1] = 0
+
+    drain(buf)  # out_scr[buf] was last sent two sequences ago
+    row, slot = rows_ref[s], slots_ref[s]
+    r = pl.ds(jnp.maximum(row, 0), 1)
+    fresh = init_ref[s] == 0  # start from zeros; `where`, not `* 0`, so NaN never leaks
+    xr = x_ref[r, :].astype(F32)  # [1, HB*P]
+    dtr = dt_ref[r, :].astype(F32)  # [1, HB]
+    decay = jnp.exp(dtr * a_ref[...])  # [1, HB]
+    d_row = d_ref[...]  # [1, HB]
+    for h in range(HB):
+        g = h // hpg
+        xh = xr[:, h * P : (h + 1) * P]  # [1, P]
+        bg, cg = b_ref[g, r, :].astype(F32), c_ref[g, r, :].astype(F32)  # [1, N]
+        old = jnp.where(fresh, 0.0, state_ref[h].astype(F32))  # [P, N]
+        new = decay[:, h : h + 1] * old + _dot(xh * dtr[:, h : h + 1], bg, (0, 0), precision)
+        out_scr[buf, h] = new  # [P, N]
+        y = _dot(cg, new, (1, 1), precision) + d_row[:, h : h + 1] * xh  # [1, P]
+
+        @pl.when(row >= 0)  # padding sequences leave their (zeroed) rows alone
+        def _(y=y, h=h):
+            y_ref[r, pl.ds(h * P, P)] = y
+
+    @pl.when(slot >= 0)
+    def _():
+        copy(buf, slot).start()
+        pending[buf] = 1
+
+    @pl.when(s == S - 1)  # leave nothing in flight when the head block ends
+    def _():
+        drain(0)
+        drain(1)
+
+
+@functools.partial(jax.jit, static_argnames=("head_block", "precision", "interpret"))
+def ssd_decode(
+    x: jax.Array,  # [T, H, P]
+    dt: jax.Array,  # [T, H]
+    A: jax.Array,  # [H]
+    B: jax.Array,  # [T, G, N]
+    C: jax.Array,  # [T, G, N]
+    D: jax.Array,  # [H]
+    cu_seqlens: jax.Array,  # [S + 1]; sequence s's one token is row cu_seqlens[s]
+    num_seqs: jax.Array,  # []
+    states: jax.Array,  # [num_slots, H, P, N] float32
+    slots: jax.Array,  # [S] int32, -1: none
+    has_initial_state: jax.Array,  # [S] bool
+    *,
+    head_block: int | None = None,
+    precision: lax.Precision = HIGHEST,
+    interpret=False,
+) -> tuple[jax.Array, jax.Array]:  # y [T, H, P] float32, updated states
+    """One-token SSD update for a decode-only batch, slot-indexed like ``ssd_ragged``.
+
+    Grid = (head block, sequence). Decode is bound by the state pool's bytes, so the state
+    read goes through a BlockSpec whose index map follows the slots (Pallas prefetches the
+    next sequence's state while this one computes) and the write-back is an async DMA that
+    overlaps the next sequence."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    S = slots.shape[0]
+    _check(states)
+    HB = head_block or pick_head_block(H, G, P)
+    GB, hpg = _group_block(H, G, HB)
+
+    s_idx = jnp.arange(S, dtype=jnp.int32)
+    live = s_idx < num_seqs
+    rows = jnp.clip(cu_seqlens[:-1], 0, T - 1).astype(jnp.int32)  # [S]
+    write = jnp.where(live, slots, -1).astype(jnp.int32)  # [S]
+    init = (live & (slots >= 0) & has_initial_state).astype(jnp.int32)  # [S]
+    # A sequence that reads nothing re-uses the previous read's block index, so the pipeline
+    # issues no DMA for it; padding rows of y are never written, so they stay 0.
+    reader = lax.cummax(jnp.where(init > 0, s_idx, -1), axis=0)  # [S]
+    read = jnp.where(reader >= 0, write[jnp.maximum(reader, 0)], 0)  # [S]
+    rows = jnp.where(live, rows, -1)  # [S]; padding sequences write no y row
+
+    head_cols = pl.BlockSpec((T, HB * P), lambda hb, s, *_: (0, hb))
+    gblk = functools.partial(_group_blk, head_block=HB, hpg=hpg, groups_per_block=GB)
+    group_spec = pl.BlockSpec((GB, T, N), lambda hb, s, *_: (gblk(hb), 0, 0))
+    head_spec = pl.BlockSpec((None, 1, HB), lambda hb, s, *_: (hb, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(H // HB, S),
+        in_specs=[
+            head_cols,  # x
+            pl.BlockSpec((None, T, HB), lambda hb, s, *_: (hb, 0, 0)),  # dt
+            head_spec,  # A
+            group_spec,  # B
+            group_spec,  # C
+            head_spec,  # D
+            pl.BlockSpec((None, HB, P, N), lambda hb, s, rows, wr, init, rd: (rd[s], hb, 0, 0)),
+        ],
+        out_specs=[
+            head_cols,  # y
+            pl.BlockSpec(memory_space=pl.ANY),  # states
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((2, HB, P, N), F32),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((2,), jnp.int32),
+        ],
+    )
+    y, states = pl.pallas_call(
+        functools.partial(_decode_kernel, hpg=hpg, precision=precision),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((T, H * P), F32),
+            jax.ShapeDtypeStruct(states.shape, states.dtype),
+        ],
+        input_output_aliases={10: 1},  # 4 scalar-prefetch operands, then x dt A B C D states
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(
+        rows,
+        write,
+        init,
+        read.astype(jnp.int32),
+        x.reshape(T, H * P),
+        _head_major(dt.astype(F32), HB),
+        _head_major(A.astype(F32)[None], HB),
+        _group_major(B),
+        _group_major(C),
+        _head_major(D.astype(F32)[None], HB),
+        states,
+    )
+    return y.reshape(T, H, P), states
