@@ -3,61 +3,33 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 import uuid
 
-import numpy as np
-
-from hicache_jax.cache.host_pool import HostPool
-from hicache_jax.cache.pool import IndexPool
-from hicache_jax.cache.prefix import PrefixRules
+from hicache_jax.build import (
+    load_model_and_tokenizer,
+    make_device_pools,
+    make_host_pools,
+    make_storage_tier,
+    prefix_rules,
+)
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import EngineConfig
 from hicache_jax.models.batch import page_group
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.outputs import format_output, output_text
 from hicache_jax.request import Req, Status
 from hicache_jax.runner import ModelRunner
-from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
+from hicache_jax.sampling_params import InvalidRequest, SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
 from hicache_jax.scheduler.scheduler import Scheduler
 from hicache_jax.transfer import PageTransfer
+from hicache_jax.validation import validate_prompt
 
 log = logging.getLogger(__name__)
-
-
-def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
-    kernels = KernelConfig(
-        attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret
-    )
-    if cfg.model_path:
-        from hicache_jax.models.loader import load_model
-
-        return load_model(cfg.model_path, dtype=cfg.dtype, kernels=kernels), Tokenizer(cfg.model_path)
-    from hicache_jax.models.loader import resolve_dtype
-    from hicache_jax.models.presets import TOKENIZER, build_preset
-
-    dtype = resolve_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)
-    return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
-
-
-def make_host_pools(
-    cfg: EngineConfig, pools: dict[str, IndexPool], transfer: PageTransfer
-) -> dict[str, HostPool]:
-    """L2 sized as the device pools x ``hicache_ratio``, or to ``hicache_size_gb``."""
-    layouts = {k: transfer.layout(k) for k in pools}
-    sizes = {k: max(1, int(p.size * cfg.hicache_ratio)) for k, p in pools.items()}
-    if cfg.hicache_size_gb > 0:
-        page_kinds = [k for k in pools if k != "mamba"]
-        per_page = sum(HostPool(k, 0, layouts[k]).bytes_per_page for k in page_kinds)
-        for k in page_kinds:
-            sizes[k] = max(1, int(cfg.hicache_size_gb * 1e9 / per_page))
-    return {k: HostPool(k, sizes[k], layouts[k]) for k in pools}
 
 
 class Engine:
@@ -68,25 +40,11 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer or Tokenizer(None)
         mc = model.cfg
-        kinds = set(mc.layer_kinds)
         P = cfg.page_size
         self.context_len = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
-        full_pages = cfg.max_total_tokens // P
-        pools: dict[str, IndexPool] = {}
-        if "attention" in kinds:
-            pools["full"] = IndexPool(full_pages, "full-attention pages")
-        if "sliding" in kinds:
-            n = max(1, int(full_pages * cfg.swa_full_tokens_ratio)) if "attention" in kinds else full_pages
-            pools["swa"] = IndexPool(n, "sliding-window pages")
-        if "mamba" in kinds:
-            pools["mamba"] = IndexPool(cfg.num_state_slots, "mamba state slots")
-        self.rules = PrefixRules(
-            page_size=P,
-            has_full="attention" in kinds,
-            sliding_window=mc.sliding_window if "sliding" in kinds else None,
-            has_mamba="mamba" in kinds,
-        )
-        groups = tuple(sorted({page_group(k) for k in kinds if k != "mamba"}))
+        pools = make_device_pools(cfg, mc)
+        self.rules = prefix_rules(cfg, mc)
+        groups = tuple(sorted({page_group(k) for k in mc.layer_kinds if k != "mamba"}))
         self.runner = ModelRunner(
             model,
             num_pages={g: pools["full" if g == "full" else "swa"].size for g in groups},
@@ -105,7 +63,9 @@ class Engine:
             transfer=transfer,
             write_policy=cfg.hicache_write_policy,
         )
-        self.storage = self._make_storage() if cfg.hicache_storage_backend else None
+        self.storage = None
+        if cfg.hicache_storage_backend:
+            self.storage = make_storage_tier(cfg, model, self.runner.params, self.prefix_cache)
         self.adapter = CacheAdapter(self.prefix_cache)
         self.scheduler = Scheduler(cfg, self.adapter, self.storage)
         self.builder = BatchBuilder(
@@ -130,41 +90,6 @@ class Engine:
         if cfg.warmup:
             self.warmup()
 
-    def _make_storage(self):
-        import tempfile
-
-        from hicache_jax.cache.storage_tier import StorageTier
-        from hicache_jax.models.fingerprint import params_fingerprint
-        from hicache_jax.models.loader import model_fingerprint
-        from hicache_jax.storage.base import make_store
-        from hicache_jax.storage.client import StorageClient
-        from hicache_jax.storage.keys import Namespace
-
-        cfg = self.cfg
-        fp = model_fingerprint(cfg.model_path) if cfg.model_path else None
-        fp = fp or params_fingerprint(self.runner.params, label=self.model.cfg.architecture)
-        namespace = Namespace(
-            model_fingerprint=fp,
-            kv_dtype=str(self.model.dtype),
-            page_size=cfg.page_size,
-            layout_version=1,
-            tp_rank=0,
-            tp_size=cfg.tp_size,
-        )
-        spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
-        store = make_store(cfg.hicache_storage_backend, spec)
-        log.info(
-            "L3: %s store at %s (namespace %s)", cfg.hicache_storage_backend, spec, namespace.fingerprint
-        )
-        return StorageTier(
-            StorageClient(store, namespace),
-            namespace,
-            self.prefix_cache,
-            policy=cfg.hicache_storage_prefetch_policy,
-            threshold=cfg.hicache_prefetch_threshold,
-            host_rate_limit=cfg.hicache_host_rate_limit,
-        )
-
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
         self,
@@ -181,46 +106,21 @@ class Engine:
     ) -> str:
         """Validate and queue a request; raises InvalidRequest naming the bad field."""
         sp = SamplingParams.from_dict(sampling_params)
-        if (input_ids is None) == (text is None):
-            raise InvalidRequest("give exactly one of text or input_ids")
-        if text is not None:
-            if not isinstance(text, str):
-                raise InvalidRequest("text must be a string")
-            if not self.tokenizer.has_text:
-                raise InvalidRequest("this model has no tokenizer.json: send input_ids instead of text")
-            input_ids = self.tokenizer.encode(text)
-        if not isinstance(input_ids, (list, tuple)) or any(
-            not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in input_ids
-        ):
-            raise InvalidRequest("input_ids must be a list of integers")
-        input_ids = [int(t) for t in input_ids]
-        if not input_ids:
-            raise InvalidRequest("the prompt is empty")
-        V = self.model.cfg.vocab_size
-        bad = [t for t in input_ids if not 0 <= t < V]
-        if bad:
-            raise InvalidRequest(f"input_ids: token ids {bad[:5]} outside the vocabulary [0, {V})")
-        n = len(input_ids)
-        if n + sp.max_new_tokens > self.context_len:
-            raise InvalidRequest(
-                f"prompt ({n} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
-                f"the context length {self.context_len}"
-            )
-        capacity = (
-            min(p.size for k, p in self.prefix_cache.pools.items() if k != "mamba") * self.cfg.page_size
-        )
-        if "swa" in self.prefix_cache.pools and "full" not in self.prefix_cache.pools:
+        pools = self.prefix_cache.pools
+        capacity = min(p.size for k, p in pools.items() if k != "mamba") * self.cfg.page_size
+        if "full" not in pools and "mamba" not in pools:
             capacity = 1 << 62  # sliding-only models hold a window, not the sequence
-        if n + sp.max_new_tokens > capacity:
-            raise InvalidRequest(
-                f"prompt + max_new_tokens ({n + sp.max_new_tokens}) exceeds the KV cache ({capacity} tokens)"
-            )
-        if not isinstance(logprob_start_len, int) or logprob_start_len < -1 or logprob_start_len >= max(n, 1):
-            raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {n}), got {logprob_start_len!r}")
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
-            )
+        input_ids = validate_prompt(
+            input_ids,
+            text,
+            sp,
+            self.tokenizer,
+            vocab_size=self.model.cfg.vocab_size,
+            context_len=self.context_len,
+            capacity=capacity,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+        )
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
             raise InvalidRequest(f"rid {rid!r} is already in use")

@@ -1,0 +1,108 @@
+"""Building an engine's parts from its config: the model, the device pools, the host (L2)
+pools and the L3 tier."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+from hicache_jax.cache.host_pool import HostPool
+from hicache_jax.cache.pool import IndexPool
+from hicache_jax.cache.prefix import PrefixRules
+from hicache_jax.cache.prefix_cache import PrefixCache
+from hicache_jax.config import EngineConfig
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.kernels.backend import KernelConfig
+from hicache_jax.models.tokenizer import Tokenizer
+from hicache_jax.transfer import PageTransfer
+
+log = logging.getLogger(__name__)
+
+
+def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
+    kernels = KernelConfig(
+        attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret
+    )
+    if cfg.model_path:
+        from hicache_jax.models.loader import load_model
+
+        return load_model(cfg.model_path, dtype=cfg.dtype, kernels=kernels), Tokenizer(cfg.model_path)
+    from hicache_jax.models.loader import resolve_dtype
+    from hicache_jax.models.presets import TOKENIZER, build_preset
+
+    dtype = resolve_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)
+    return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
+
+
+def make_host_pools(
+    cfg: EngineConfig, pools: dict[str, IndexPool], transfer: PageTransfer
+) -> dict[str, HostPool]:
+    """L2 sized as the device pools x ``hicache_ratio``, or to ``hicache_size_gb``."""
+    layouts = {k: transfer.layout(k) for k in pools}
+    sizes = {k: max(1, int(p.size * cfg.hicache_ratio)) for k, p in pools.items()}
+    if cfg.hicache_size_gb > 0:
+        page_kinds = [k for k in pools if k != "mamba"]
+        per_page = sum(HostPool(k, 0, layouts[k]).bytes_per_page for k in page_kinds)
+        for k in page_kinds:
+            sizes[k] = max(1, int(cfg.hicache_size_gb * 1e9 / per_page))
+    return {k: HostPool(k, sizes[k], layouts[k]) for k in pools}
+
+
+def make_device_pools(cfg: EngineConfig, mc: ModelConfig) -> dict[str, IndexPool]:
+    """L1: full-attention pages, sliding-window pages, Mamba state slots (what the model uses)."""
+    kinds = set(mc.layer_kinds)
+    full_pages = cfg.max_total_tokens // cfg.page_size
+    pools: dict[str, IndexPool] = {}
+    if "attention" in kinds:
+        pools["full"] = IndexPool(full_pages, "full-attention pages")
+    if "sliding" in kinds:
+        n = max(1, int(full_pages * cfg.swa_full_tokens_ratio)) if "attention" in kinds else full_pages
+        pools["swa"] = IndexPool(n, "sliding-window pages")
+    if "mamba" in kinds:
+        pools["mamba"] = IndexPool(cfg.num_state_slots, "mamba state slots")
+    return pools
+
+
+def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:
+    kinds = set(mc.layer_kinds)
+    return PrefixRules(
+        page_size=cfg.page_size,
+        has_full="attention" in kinds,
+        sliding_window=mc.sliding_window if "sliding" in kinds else None,
+        has_mamba="mamba" in kinds,
+    )
+
+
+def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: PrefixCache):
+    """L3: a TensorStore store under a namespace that pins the weights, KV dtype, page size,
+    layout and tensor-parallel shard."""
+    from hicache_jax.cache.storage_tier import StorageTier
+    from hicache_jax.models.fingerprint import params_fingerprint
+    from hicache_jax.models.loader import model_fingerprint
+    from hicache_jax.storage.base import make_store
+    from hicache_jax.storage.client import StorageClient
+    from hicache_jax.storage.keys import Namespace
+
+    fp = model_fingerprint(cfg.model_path) if cfg.model_path else None
+    fp = fp or params_fingerprint(params, label=model.cfg.architecture)
+    namespace = Namespace(
+        model_fingerprint=fp,
+        kv_dtype=str(model.dtype),
+        page_size=cfg.page_size,
+        layout_version=1,
+        tp_rank=0,
+        tp_size=cfg.tp_size,
+    )
+    spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
+    store = make_store(cfg.hicache_storage_backend, spec)
+    log.info("L3: %s store at %s (namespace %s)", cfg.hicache_storage_backend, spec, namespace.fingerprint)
+    return StorageTier(
+        StorageClient(store, namespace),
+        namespace,
+        prefix_cache,
+        policy=cfg.hicache_storage_prefetch_policy,
+        threshold=cfg.hicache_prefetch_threshold,
+        host_rate_limit=cfg.hicache_host_rate_limit,
+    )
