@@ -91,6 +91,8 @@ class EngineConfig:
             v = getattr(self, name)
             r(v in (None, "xla", "pallas"), name, "must be xla or pallas", v)
         r(self.tp_size >= 1, "tp_size", "must be >= 1", self.tp_size)
+        # Refuse rather than silently run unsharded: the tensor-parallel mesh is not built yet.
+        r(self.tp_size == 1, "tp_size", "tensor parallelism is not implemented yet; use 1", self.tp_size)
         r(self.hicache_ratio > 0, "hicache_ratio", "must be > 0", self.hicache_ratio)
         r(self.hicache_size_gb >= 0, "hicache_size_gb", "must be >= 0", self.hicache_size_gb)
         r(
