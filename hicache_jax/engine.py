@@ -157,6 +157,8 @@ class Engine:
         """Run one batch; returns requests that finished or produced tokens this step."""
         plan = self.scheduler.schedule()
         if plan is None:
+            if self.storage is not None:
+                self.storage.wait(0.01)  # only requests waiting on L3: sleep until one lands
             return []
         batch, sampling, copies, top, first_rows = self.builder.build(plan)
         out = self.runner.step(batch, sampling, copies, top)

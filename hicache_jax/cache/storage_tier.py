@@ -79,7 +79,7 @@ class StorageTier:
         self.threshold = threshold
         self.host_rate_limit = host_rate_limit
         self.tasks: dict[str, PrefetchTask] = {}
-        self._lock = threading.Lock()
+        self._progress = threading.Event()  # set whenever a prefetch finishes
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="l3-plan")
         self.counters = {
             "prefetch_issued": 0,
@@ -168,6 +168,14 @@ class StorageTier:
         except Exception:  # an I/O failure is a miss, never a crash
             log.exception("L3 prefetch %s failed", task.key)
             task.status = "failed"
+        self._progress.set()
+
+    def wait(self, timeout: float) -> None:
+        """Block until some prefetch finishes (or ``timeout``): an idle scheduler waits here
+        instead of spinning, which would also starve the reader threads of the GIL."""
+        if any(t.status == "pending" for t in self.tasks.values()):
+            self._progress.wait(timeout)
+        self._progress.clear()
 
     def _flags(self, task: PrefetchTask, have: dict[tuple[str, int], bool], n: int):
         tf = dict(zip(("full", "swa", "mamba"), task.tree_flags))
