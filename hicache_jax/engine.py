@@ -221,8 +221,14 @@ class Engine:
             self.adapter.release(req)  # nothing goes to the tree: its device pages are suspect
             self._finish(req, {"type": "abort", "message": message})
             failed.append(req.rid)
+        for req in self.scheduler.waiting:  # one may have failed half-admitted (an L2 load)
+            if req.num_computed or req.last_node is not None:
+                self.adapter.release(req)
         self.broken = cause
-        self.recover()
+        try:
+            self.recover()
+        except Exception:  # stays broken: the next step (or the server loop) tries again
+            log.exception("rebuilding device state failed")
         raise StepFailed(failed, message) from cause
 
     def recover(self) -> None:
