@@ -64,15 +64,29 @@ class PrefixCache:
         self.transfer = transfer
         self.write_policy = write_policy
         self.trees: dict[str | None, RadixTree] = {}
+        self._root_salt: dict[int, str | None] = {}  # id(tree.root) -> salt
         self.pending_backup: dict[int, Node] = {}  # id -> node, in insertion order
         self.on_backup: Callable[[Node, tuple[str, ...]], None] | None = None
         self.counters = {"host_loads": 0, "host_backups": 0, "backup_skipped": 0}
 
     # ---- trees (one per cache_salt: tenants never share pages) ----------------------------
     def tree(self, salt: str | None = None) -> RadixTree:
+        """The salt's tree, made on first insert. A tree that empties is dropped (see
+        ``_unlink``), so a stream of one-off salts never accumulates trees."""
         if salt not in self.trees:
             self.trees[salt] = RadixTree(self.rules.page_size, salt)
+            self._root_salt[id(self.trees[salt].root)] = salt
         return self.trees[salt]
+
+    def walk(self, tokens: Sequence[int], max_pages: int, salt: str | None = None) -> list[Node]:
+        """The cached path along ``tokens`` (lookups never create a tree)."""
+        tree = self.trees.get(salt)
+        return tree.walk(tokens, max_pages) if tree is not None else []
+
+    def salt_of(self, node: Node) -> str | None:
+        while not node.is_root:
+            node = node.parent
+        return self._root_salt[id(node)]
 
     def nodes(self) -> Iterator[Node]:
         for t in list(self.trees.values()):
@@ -94,7 +108,7 @@ class PrefixCache:
         if not self.enabled:
             return Match([], 0)
         P = self.rules.page_size
-        path = self.tree(salt).walk(tokens, self.rules.max_end(input_len, logprob_start_len) // P)
+        path = self.walk(tokens, self.rules.max_end(input_len, logprob_start_len) // P, salt)
         end = usable_prefix_end(self.rules, input_len, logprob_start_len, *self.availability(path))
         nodes = path[: end // P]
         RadixTree.touch(nodes)
@@ -240,8 +254,15 @@ class PrefixCache:
             if hidx is not None:
                 self.host[kind].index.free([hidx])
                 setattr(node, "host_" + kind, None)
+        self._unlink(node)
+
+    def _unlink(self, node: Node) -> None:
+        """Take an unlocked leaf out of its tree; drop the tree if that emptied it."""
         self.pending_backup.pop(id(node), None)
+        parent = node.parent
         node.tree_remove()
+        if parent.is_root and not parent.children:
+            del self.trees[self._root_salt.pop(id(parent))]
 
     def _remove_subtree(self, node: Node) -> None:
         """Drop an unlocked node with everything below it, in every tier."""
@@ -258,8 +279,7 @@ class PrefixCache:
             not node.is_root and node.empty and not node.children and not node.lock_ref and not node.swa_lock
         ):
             parent = node.parent
-            self.pending_backup.pop(id(node), None)
-            node.tree_remove()
+            self._unlink(node)
             node = parent
 
     # ---- host backups ------------------------------------------------------------------------
@@ -406,10 +426,10 @@ class PrefixCache:
         for pool in self.pools.values():
             pool.reset()
         self.pending_backup.clear()
-        for tree in self.trees.values():
+        for tree in list(self.trees.values()):
             for node in sorted(tree.nodes(), key=lambda n: -n.depth):  # leaves first
                 if node.empty and not node.children:
-                    node.tree_remove()
+                    self._unlink(node)
 
     def indices(self) -> dict[str, list[int]]:
         """Every device and host index the trees hold, by pool."""

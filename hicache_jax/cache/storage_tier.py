@@ -112,7 +112,7 @@ class StorageTier:
     # ---- writes ---------------------------------------------------------------------------
     def _on_backup(self, node: Node, kinds: tuple[str, ...]) -> None:
         """A node's device data reached the host: queue its L3 write (off this thread)."""
-        salt = self._salt_of(node)
+        salt = self.cache.salt_of(node)
         h = self.node_hash(node, salt)
         items = [(page_key(h, SUFFIX[k]), self.cache.host[k].page(getattr(node, "host_" + k))) for k in kinds]
         fut = self.client.write_async(items, self.ns(salt))
@@ -123,14 +123,6 @@ class StorageTier:
             self.counters["l3_write_errors"] += 1
             log.warning("L3 write failed: %s", fut.exception())
 
-    def _salt_of(self, node: Node) -> str | None:
-        while not node.is_root:
-            node = node.parent
-        for salt, tree in self.cache.trees.items():
-            if tree.root is node:
-                return salt
-        return None
-
     # ---- prefetch ---------------------------------------------------------------------------
     def start(
         self, key: str, tokens: list[int], input_len: int, logprob_start_len: int, salt: str | None
@@ -138,7 +130,7 @@ class StorageTier:
         """On enqueue: if L3 may extend the tree's match, look it up in the background."""
         P = self.rules.page_size
         max_end = self.rules.max_end(input_len, logprob_start_len)
-        path = self.cache.tree(salt).walk(tokens, max_end // P)
+        path = self.cache.walk(tokens, max_end // P, salt)
         tree_end = usable_prefix_end(self.rules, input_len, logprob_start_len, *self.cache.availability(path))
         # prefetch_threshold counts the prompt tokens the tree cannot serve (SGLang's rule);
         # what is then read still ends at usable_prefix_end.
