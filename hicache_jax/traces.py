@@ -136,3 +136,23 @@ def synth_conversations(
             t += rng.uniform(*gap_ms)
     events.sort(key=lambda e: e["timestamp"])
     yield from events
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m hicache_jax.traces --out FILE [--sessions N --turns T --seed S]``: write a
+    synthetic conversation trace in Mooncake's format."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    with open(args.out, "w") as f:
+        for event in synth_conversations(sessions=args.sessions, turns=args.turns, seed=args.seed):
+            f.write(json.dumps(event) + "\n")
+
+
+if __name__ == "__main__":
+    main()
