@@ -205,8 +205,11 @@ class PrefixCache:
                 setattr(node, kind, None)
                 self._prune(node)
             freed += 1
-            if kind == "full" and not parent.is_root and self._evictable(parent, kind):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            if kind == "full":  # the nearest device page above may be a leaf of L1 now
+                while not parent.is_root and parent.full is None:
+                    parent = parent.parent
+                if not parent.is_root and self._evictable(parent, kind):
+                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
     def evict_host(self, kind: str, n: int, keep: Node | None = None) -> int:

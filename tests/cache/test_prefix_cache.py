@@ -1,5 +1,6 @@
 """The L1 prefix cache: LRU eviction, locks, SWA tombstones, integrity checks."""
 
+import numpy as np
 import pytest
 
 from hicache_jax.cache.pool import IndexPool
@@ -88,3 +89,25 @@ def test_pool_refuses_double_free():
     with pytest.raises(RuntimeError, match="not allocated"):
         pool.free(got[:1])
     assert pool.alloc(5) is None and pool.num_free == 4
+
+
+def test_a_page_without_host_copy_goes_with_its_host_only_subtree():
+    """L1 can end in a prefix whose deeper pages live only in L2: A (device only) -> B (host
+    only) -> C (device and host). Evicting C must make A evictable in the same call, and A
+    goes with B (which nothing could match without A)."""
+    from hicache_jax.cache.host_pool import HostPool
+
+    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_mamba=False)
+    host = {"full": HostPool("full", 8, {"kv": ((1,), np.float32)})}
+    c = PrefixCache(rules, {"full": IndexPool(3, "full")}, host=host, write_policy="write_through")
+    seq = list(range(12))
+    pages = {"full": c.pools["full"].alloc(3)}
+    c.insert(seq, None, 3, pages)
+    a, b, cc = c.tree().walk(seq, 3)
+    for node in (b, cc):  # B and C have host copies; A has none (its backup was skipped)
+        (node.host_full,) = host["full"].index.alloc(1)
+    c.pools["full"].free([b.full])
+    b.full = None  # B lives on the host only
+    assert c.evict("full", 2) == 2  # C's device page, then A with B
+    assert c.pools["full"].num_free == 3 and c.tree().walk(seq, 3) == []
+    c.check_integrity()
