@@ -2,27 +2,42 @@
 
 It takes keys and numpy arrays and gives back numpy arrays: no request objects, no
 engine imports. Reads run on a small thread pool, writes on one writer thread; the
-caller never waits on I/O unless it asks to (`PrefetchHandle.result`, `flush`).
+caller never waits on I/O unless it asks to (`PrefetchHandle.result`, `drain`), and then
+never longer than a deadline.
 
-Invariant: a page that is missing, unreadable or fails its checksum is a miss. A
-prefetch hit is the longest run of good pages from the first key; nothing after the
-first miss is ever returned.
+Invariants:
+  * A page that is missing, unreadable, late or fails its checksum is a miss. A prefetch
+    hit is the longest run of good pages from the first key; nothing after the first miss
+    is ever returned.
+  * Every store call goes through a `StoreGuard`: it ends within `timeout_s`, and while
+    the store keeps failing it is not called at all (circuit breaker).
+  * The write queue holds at most `max_queue_bytes` of page data (queued + being
+    written); `write_async` never blocks: a page that does not fit, or arrives while
+    writes are refused, is skipped and counted.
+  * `_stored` (keys this client believes are in L3, so it need not write them again) only
+    holds keys L3 confirmed; a read or probe that finds a key gone removes it, so a cleared
+    or evicted L3 fills again on the next backup.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from hicache_jax.storage.base import L3Store
+from hicache_jax.storage.breaker import BreakerConfig
 from hicache_jax.storage.codec import CorruptPage, decode_page, encode_page
+from hicache_jax.storage.guard import GuardConfig, L3Unavailable, StoreGuard
 from hicache_jax.storage.keys import Namespace
 from hicache_jax.storage.prefetch import PrefetchHandle
+from hicache_jax.storage.ratelog import RateLimitedLog
 from hicache_jax.storage.stats import Counters
 
 log = logging.getLogger(__name__)
@@ -30,6 +45,49 @@ log = logging.getLogger(__name__)
 # Failures that say the stored bytes are damaged (rewriting the key repairs them). Other
 # reasons (version, namespace, key) may be another writer's valid page: leave it alone.
 _REPAIRABLE = ("truncated", "checksum", "bad_magic", "format")
+_REASONS = ("truncated", "checksum", "bad_magic", "format", "version", "namespace", "key")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    batch_size: int = 128  # pages per store call
+    prefetch_threads: int = 2
+    remember_stored: int = 1 << 16  # keys known to be stored (skipped by write_async)
+    timeout_s: float = 5.0  # deadline of one store call
+    max_queue_bytes: int = 256 << 20  # page bytes queued or being written
+    max_batch_bytes: int = 64 << 20  # page bytes per write call (so one deadline fits it)
+    max_stuck_calls: int = 4
+    breaker: BreakerConfig = BreakerConfig()
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "prefetch_threads", "remember_stored", "max_stuck_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClientConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("timeout_s", "max_queue_bytes", "max_batch_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainReport:
+    """What a bounded wait for the write queue did."""
+
+    written: int  # pages settled (stored, found stored, or failed) during the wait
+    pending: int  # pages still queued or being written when the wait ended
+    seconds: float
+
+    @property
+    def complete(self) -> bool:
+        return self.pending == 0
+
+
+@dataclasses.dataclass
+class _Item:
+    key: str
+    arrays: Mapping[str, np.ndarray]
+    fingerprint: str
+    nbytes: int
+    ticket: _Ticket
 
 
 class _Ticket:
@@ -42,7 +100,7 @@ class _Ticket:
         self.error: BaseException | None = None
 
     def settle(self, written: int, error: BaseException | None) -> None:
-        """Called by the writer thread only, once per item."""
+        """Called once per item, by the writer thread or under the client's lock."""
         self.remaining -= 1
         self.written += written
         self.error = self.error or error
@@ -57,44 +115,45 @@ class StorageClient:
     """Background L3 reads and writes of codec pages for one namespace.
 
     Owns `store` (closes it in `close`). `namespace` is the default for every call;
-    a per-call namespace serves requests with their own `cache_salt`.
+    a per-call namespace serves requests with their own `cache_salt`. `config` fields may
+    also be given as keyword arguments.
     """
 
-    def __init__(
-        self,
-        store: L3Store,
-        namespace: Namespace,
-        *,
-        batch_size: int = 128,
-        prefetch_threads: int = 2,
-        remember_stored: int = 1 << 16,
-    ):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    def __init__(self, store: L3Store, namespace: Namespace, config: ClientConfig | None = None, **overrides):
+        cfg = dataclasses.replace(config or ClientConfig(), **overrides)
+        self.cfg = cfg
         self.store = store
         self.namespace = namespace
-        self.batch_size = batch_size
-        self._pool = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="l3-prefetch")
-        self._io = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="l3-read")
+        self.batch_size = cfg.batch_size
+        self.ratelog = RateLimitedLog(log)
+        self.guard = StoreGuard(GuardConfig(cfg.timeout_s, cfg.max_stuck_calls, cfg.breaker), self.ratelog)
+        self._pool = ThreadPoolExecutor(cfg.prefetch_threads, thread_name_prefix="l3-prefetch")
+        self._io = ThreadPoolExecutor(cfg.prefetch_threads, thread_name_prefix="l3-read")
         self._stats = Counters(
             "reads",
             "read_misses",
             "bytes_read",
             "read_errors",
             "checksum_failures",
+            *(f"corrupt_{r}" for r in _REASONS),
             "writes",
             "bytes_written",
             "skipped_writes",
             "write_errors",
+            "writes_dropped_queue_full",
+            "writes_dropped_unavailable",
+            "writes_abandoned",
+            "stored_forgotten",
         )
         # Writer state, all guarded by _cond.
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, Mapping[str, np.ndarray], str, _Ticket]]
-        self._queue = collections.deque()
+        self._queue: collections.deque[_Item] = collections.deque()
         self._queued: set[str] = set()  # keys queued or being written
+        self._queued_bytes = 0  # bytes of those pages
         self._in_flight = 0
+        self._settled = 0  # items settled so far (for drain reports)
         self._stored: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._remember = remember_stored
+        self._reading: set[PrefetchHandle] = set()  # prefetches not finished yet
         self._closing = False
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="l3-writer", daemon=True)
@@ -107,7 +166,7 @@ class StorageClient:
         Keys are read in batches of `batch_size`, the reads of a batch issued together
         (the store bounds how many are in flight) and the next batch read while this one
         is decoded; reading stops at the first miss or corrupt page. Pages are read-only
-        numpy views of the stored bytes.
+        numpy views of the stored bytes. Each batch read ends within `timeout_s`.
         """
         if self._closing:
             raise RuntimeError("StorageClient is closed")
@@ -116,12 +175,27 @@ class StorageClient:
         if not handle.keys:
             handle.finish()
         else:
+            with self._cond:
+                self._reading.add(handle)
             self._pool.submit(self._read_pages, handle, fingerprint)
         return handle
 
+    def reads_available(self) -> bool:
+        """False while the read breaker is open: a prefetch now would only miss."""
+        return self.guard.available("read")
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """One bounded, batched existence probe; keys found missing are forgotten as stored.
+        Raises `L3Unavailable`, `L3Timeout` or the store's error."""
+        if not keys:
+            return []
+        present = self.guard.run("read", self.store.exists, list(keys), what="exists")
+        self._forget([k for k, p in zip(keys, present, strict=True) if not p])
+        return present
+
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are stored (one batched existence probe; no data read)."""
-        present = self.store.exists(keys) if keys else []
+        present = self.exists(keys)
         return next((i for i, p in enumerate(present) if not p), len(present))
 
     def _read_pages(self, handle: PrefetchHandle, fingerprint: str) -> None:
@@ -130,21 +204,31 @@ class StorageClient:
         # miss is read in vain.
         size = self.batch_size
         batches = [handle.keys[i : i + size] for i in range(0, len(handle.keys), size)]
-        ahead = self._io.submit(self.store.get, batches[0])
+        read = lambda batch: self.guard.run("read", self.store.get, batch, what="get")  # noqa: E731
+        ahead = self._io.submit(read, batches[0])
+        damaged: list[str] = []
         try:
             for i, batch in enumerate(batches):
                 values = ahead.result()
                 if handle.cancelled():
                     return
                 if i + 1 < len(batches):
-                    ahead = self._io.submit(self.store.get, batches[i + 1])
-                if not self._decode_batch(handle, batch, values, fingerprint):
+                    ahead = self._io.submit(read, batches[i + 1])
+                if not self._decode_batch(handle, batch, values, fingerprint, damaged):
                     return
-        except Exception:  # noqa: BLE001 - an L3 failure is a miss, never a crash
-            log.exception("L3 prefetch failed; treating the rest as a miss")
+        except L3Unavailable:
+            pass  # counted by the guard; a miss
+        except Exception as e:  # noqa: BLE001 - an L3 failure is a miss, never a crash
             self._stats.add(read_errors=1)
+            self.ratelog.warning(
+                "prefetch", "L3 prefetch failed, the rest is a miss: %s: %s", type(e).__name__, e
+            )
         finally:
             handle.finish()
+            with self._cond:
+                self._reading.discard(handle)
+            if damaged:  # after finish(): the waiting request does not pay for the repair
+                self._delete_damaged(damaged)
 
     def _decode_batch(
         self,
@@ -152,26 +236,33 @@ class StorageClient:
         batch: Sequence[str],
         values: Sequence[bytes | None],
         fingerprint: str,
+        damaged: list[str],
     ) -> bool:
         """Decode one batch into `handle`; False once a page misses."""
         for key, value in zip(batch, values, strict=True):
             if value is None:
                 self._stats.add(read_misses=1)
-                self._forget(key)
+                self._forget([key])
                 return False
             try:
                 page = decode_page(value, fingerprint, expected_key=key)
             except CorruptPage as e:
-                log.warning("L3 page %s unusable: %s", key, e)
-                self._stats.add(checksum_failures=1)
+                self.ratelog.warning("corrupt", "L3 page %s unusable: %s", key, e)
+                self._stats.add(checksum_failures=1, **{f"corrupt_{e.reason}": 1})
                 if e.reason in _REPAIRABLE:
-                    self._forget(key)
-                    self.store.delete([key])  # so that the next write repairs it
+                    self._forget([key])
+                    damaged.append(key)  # deleted so that the next write repairs it
                 return False
             self._stats.add(reads=1, bytes_read=len(value))
             self._remember_stored([key])
             handle.add_page(page)
         return True
+
+    def _delete_damaged(self, keys: list[str]) -> None:
+        try:
+            self.guard.run("write", self.store.delete, keys, what="delete")
+        except Exception as e:  # noqa: BLE001 - the next write overwrites it anyway
+            self.ratelog.warning("delete", "could not delete damaged L3 pages: %s: %s", type(e).__name__, e)
 
     # -- writes ------------------------------------------------------------------
     def write_async(
@@ -179,35 +270,68 @@ class StorageClient:
         items: Sequence[tuple[str, Mapping[str, np.ndarray]]],
         namespace: Namespace | None = None,
     ) -> Future[int]:
-        """Queue pages for L3 and return at once.
+        """Queue pages for L3 and return at once (never blocks on I/O).
 
-        Keys already stored (as far as this client knows) or already queued are dropped.
-        The caller must not modify the arrays it passed until the returned future is
-        done; the future resolves to the number of pages this call wrote.
+        Keys already stored (as far as this client knows) or already queued are dropped,
+        and so are pages that do not fit the queue's byte bound or arrive while the write
+        breaker is open (counted as ``writes_dropped_*``). The caller must not modify the
+        arrays it passed until the returned future is done; the future resolves to the
+        number of pages this call wrote.
         """
         fingerprint = (namespace or self.namespace).fingerprint
+        full = unavailable = dup = 0
         with self._cond:
             if self._closing:
                 raise RuntimeError("StorageClient is closed")
-            fresh = []
+            writable = self.guard.available("write")
+            fresh: list[tuple[str, Mapping[str, np.ndarray], int]] = []
             for key, arrays in items:
                 if key in self._queued or key in self._stored:
+                    dup += 1
+                    continue
+                if not writable:
+                    unavailable += 1
+                    continue
+                nbytes = sum(np.asarray(a).nbytes for a in arrays.values())
+                if self._queued_bytes + nbytes > self.cfg.max_queue_bytes:
+                    full += 1
                     continue
                 self._queued.add(key)
-                fresh.append((key, arrays))
+                self._queued_bytes += nbytes
+                fresh.append((key, arrays, nbytes))
             ticket = _Ticket(len(fresh))
-            for key, arrays in fresh:
-                self._queue.append((key, arrays, fingerprint, ticket))
+            for key, arrays, nbytes in fresh:
+                self._queue.append(_Item(key, arrays, fingerprint, nbytes, ticket))
             self._cond.notify_all()
-        self._stats.add(skipped_writes=len(items) - len(fresh))
+        self._stats.add(
+            skipped_writes=dup, writes_dropped_queue_full=full, writes_dropped_unavailable=unavailable
+        )
+        if full:
+            self.ratelog.warning(
+                "queue-full",
+                "L3 write queue full (%d bytes): skipped %d pages",
+                self.cfg.max_queue_bytes,
+                full,
+            )
         if not fresh:
             ticket.future.set_result(0)
         return ticket.future
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write is stored; False on timeout."""
+        """Wait until every queued write is settled; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout)
+
+    def drain(self, timeout: float) -> DrainReport:
+        """Wait up to `timeout` for the write queue to empty. Pages still pending stay
+        queued (they are copies: nothing the caller frees can change them)."""
+        t0 = time.monotonic()
+        with self._cond:
+            before = self._settled
+            self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout)
+            pending = len(self._queue) + self._in_flight
+            written = self._settled - before
+        return DrainReport(written, pending, time.monotonic() - t0)
 
     def _write_loop(self) -> None:
         while True:
@@ -215,47 +339,63 @@ class StorageClient:
                 self._cond.wait_for(lambda: self._queue or self._closing)
                 if not self._queue:
                     return
-                n = min(len(self._queue), self.batch_size)
-                batch = [self._queue.popleft() for _ in range(n)]
-                self._in_flight = n
+                batch = [self._queue.popleft()]
+                nbytes = batch[0].nbytes
+                while self._queue and len(batch) < self.batch_size:
+                    if nbytes + self._queue[0].nbytes > self.cfg.max_batch_bytes:
+                        break
+                    batch.append(self._queue.popleft())
+                    nbytes += batch[-1].nbytes
+                self._in_flight = len(batch)
             self._write_batch(batch)
             with self._cond:
                 self._in_flight = 0
-                self._queued.difference_update(key for key, *_ in batch)
+                self._queued_bytes -= sum(item.nbytes for item in batch)
+                self._queued.difference_update(item.key for item in batch)
+                self._settled += len(batch)
                 self._cond.notify_all()
 
-    def _write_batch(self, batch: list[tuple[str, Mapping[str, np.ndarray], str, _Ticket]]) -> None:
+    def _write_batch(self, batch: list[_Item]) -> None:
         encoded: list[tuple[str, bytes]] = []
         errors: dict[str, BaseException] = {}
-        for key, arrays, fingerprint, _ in batch:
+        for item in batch:
             try:
-                encoded.append((key, encode_page(arrays, fingerprint, key)))
+                encoded.append((item.key, encode_page(item.arrays, item.fingerprint, item.key)))
             except Exception as e:  # noqa: BLE001 - reported through the caller's future
-                errors[key] = e
+                errors[item.key] = e
         written: set[str] = set()
-        nbytes = skipped = 0
+        nbytes = skipped = dropped = 0
         if encoded:
             try:
-                # Probe here rather than inside put() so each page knows whether it was
-                # written; a page another writer adds in between is rewritten (harmless).
-                present = self.store.exists([k for k, _ in encoded])
-                todo = [item for item, p in zip(encoded, present, strict=True) if not p]
-                self.store.put(todo, force=True)
+                todo = self.guard.run("write", self._probe_and_put, encoded, what="put")
                 written = {k for k, _ in todo}
                 nbytes = sum(len(v) for _, v in todo)
                 skipped = len(encoded) - len(todo)
                 self._remember_stored([k for k, _ in encoded])
+            except L3Unavailable:
+                dropped = len(encoded)  # the breaker is open: a skipped backup, not an error
             except Exception as e:  # noqa: BLE001 - reported through the futures
-                log.exception("L3 write of %d pages failed", len(encoded))
+                self.ratelog.warning(
+                    "write", "L3 write of %d pages failed: %s: %s", len(encoded), type(e).__name__, e
+                )
                 errors.update((k, e) for k, _ in encoded)
         self._stats.add(
             writes=len(written),
             bytes_written=nbytes,
             skipped_writes=skipped,
             write_errors=len(errors),
+            writes_dropped_unavailable=dropped,
         )
-        for key, _, _, ticket in batch:
-            ticket.settle(int(key in written), errors.get(key))
+        for item in batch:
+            item.ticket.settle(int(item.key in written), errors.get(item.key))
+
+    def _probe_and_put(self, encoded: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        # Probe here rather than inside put() so each page knows whether it was written; a
+        # page another writer adds in between is rewritten (harmless). One deadline covers both.
+        present = self.store.exists([k for k, _ in encoded])
+        todo = [item for item, p in zip(encoded, present, strict=True) if not p]
+        self.store.put(todo, force=True)
+        return todo
 
     # -- bookkeeping -------------------------------------------------------------
     def _remember_stored(self, keys: Sequence[str]) -> None:
@@ -263,39 +403,80 @@ class StorageClient:
             for key in keys:
                 self._stored[key] = None
                 self._stored.move_to_end(key)
-            while len(self._stored) > self._remember:
+            while len(self._stored) > self.cfg.remember_stored:
                 self._stored.popitem(last=False)
 
-    def _forget(self, key: str) -> None:
+    def _forget(self, keys: Sequence[str]) -> None:
+        gone = 0
         with self._cond:
-            self._stored.pop(key, None)
+            for key in keys:
+                if key in self._stored:
+                    del self._stored[key]
+                    gone += 1
+        if gone:
+            self._stats.add(stored_forgotten=gone)
+
+    def is_known_stored(self, key: str) -> bool:
+        with self._cond:
+            return key in self._stored
 
     def clear(self) -> None:
-        """Flush, then delete every page of the store (all namespaces)."""
-        self.flush()
-        self.store.clear()
+        """Drain, then delete every page of the store (all namespaces); bounded by ten
+        call deadlines. Raises if the store could not be cleared."""
+        self.drain(self.cfg.timeout_s)
+        self.guard.run("write", self.store.clear, what="clear", timeout=10 * self.cfg.timeout_s)
         with self._cond:
             self._stored.clear()
 
     def stats(self) -> dict[str, int]:
-        """Counters plus the `pending_writes` gauge (queued or being written)."""
+        """Counters plus the gauges `pending_writes` and `pending_write_bytes` (queued or
+        being written), and the guard's counters."""
         out = self._stats.snapshot()
+        out.update(self.guard.counters.snapshot())
         with self._cond:
             out["pending_writes"] = len(self._queue) + self._in_flight
+            out["pending_write_bytes"] = self._queued_bytes
         return out
 
-    def close(self) -> None:
-        """Write everything queued, stop the threads, close the store. Idempotent."""
+    def health(self) -> dict[str, int]:
+        """Gauges: read/write breaker open (1/0), store calls stuck past their deadline."""
+        return self.guard.health()
+
+    def close(self, timeout: float | None = None) -> DrainReport:
+        """Write what is queued for up to `timeout` (default `timeout_s`), drop the rest,
+        stop the threads, close the store. Returns at most about `timeout` later (plus one
+        call deadline if a prefetch is mid-read). Idempotent."""
+        timeout = self.cfg.timeout_s if timeout is None else timeout
         with self._cond:
             if self._closed:
-                return
-            self._closing = True
+                return DrainReport(0, 0, 0.0)
+            self._closing = True  # no new writes or prefetches
+        report = self.drain(timeout)
+        with self._cond:
+            abandoned = list(self._queue)
+            self._queue.clear()
+            for item in abandoned:
+                self._queued.discard(item.key)
+                self._queued_bytes -= item.nbytes
+                item.ticket.settle(0, None)
+            self._settled += len(abandoned)
             self._cond.notify_all()
-        self._writer.join()
-        self._pool.shutdown(wait=True)
-        self._io.shutdown(wait=True)
+        if abandoned:
+            self._stats.add(writes_abandoned=len(abandoned))
+            log.warning("L3: closing with %d page writes abandoned after %.1fs", len(abandoned), timeout)
+        # The writer ends after its current call, which its own deadline bounds; the pools'
+        # threads only wait on guarded calls. Nobody waits for them here.
+        self._writer.join(timeout=0.1)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            reading, self._reading = list(self._reading), set()
+        for handle in reading:  # a cancelled read would never finish its handle
+            handle.cancel()
+            handle.finish()
         self.store.close()
         self._closed = True
+        return report
 
     def __enter__(self) -> StorageClient:
         return self
