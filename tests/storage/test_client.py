@@ -1,6 +1,7 @@
 """StorageClient: ordered prefetch with longest-good-prefix hits, write-behind, counters."""
 
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -35,6 +36,15 @@ def client(request, tmp_path):
     c = StorageClient(TensorStoreL3(spec), NS, batch_size=3)
     yield c
     c.close()
+
+
+def _eventually(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _ids(pages):
@@ -75,7 +85,8 @@ def test_corrupt_page_is_a_miss_and_is_repaired(client):
     client.store.put([(bad_key, bytes(blob))], force=True)
     assert _ids(client.prefetch([k for k, _ in items]).result(timeout=10)) == [0]
     assert client.stats()["checksum_failures"] == 1
-    assert client.store.exists([bad_key]) == [False]  # deleted so that a rewrite repairs it
+    # Deleted (after the prefetch answered) so that a rewrite repairs it.
+    assert _eventually(lambda: client.store.exists([bad_key]) == [False])
     client.write_async(items)
     client.flush()
     assert len(client.prefetch([k for k, _ in items]).result(timeout=10)) == 4
