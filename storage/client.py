@@ -42,10 +42,15 @@ from hicache_jax.storage.stats import Counters
 
 log = logging.getLogger(__name__)
 
-# Failures that say the stored bytes are damaged (rewriting the key repairs them). Other
-# reasons (version, namespace, key) may be another writer's valid page: leave it alone.
-_REPAIRABLE = ("truncated", "checksum", "bad_magic", "format")
-_REASONS = ("truncated", "checksum", "bad_magic", "format", "version", "namespace", "key")
+# Damaged bytes: the page is deleted (every reader would reject it) and rewritten by the
+# next backup of it.
+_DAMAGED = ("truncated", "checksum", "bad_magic", "format")
+# A whole, valid page of another namespace or key: misplaced or swapped, since keys hash the
+# namespace digest and the whole prefix -- or the reader asked with the wrong namespace. Not
+# deleted (that reader may be the one in error), but our next backup of the key overwrites it.
+_MISPLACED = ("namespace", "key")
+# A page of another codec version may be a newer server's valid page: left alone.
+_REASONS = (*_DAMAGED, *_MISPLACED, "version")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +158,7 @@ class StorageClient:
         self._in_flight = 0
         self._settled = 0  # items settled so far (for drain reports)
         self._stored: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._overwrite: collections.OrderedDict[str, None] = collections.OrderedDict()  # bad keys
         self._reading: set[PrefetchHandle] = set()  # prefetches not finished yet
         self._closing = False
         self._closed = False
@@ -249,9 +255,10 @@ class StorageClient:
             except CorruptPage as e:
                 self.ratelog.warning("corrupt", "L3 page %s unusable: %s", key, e)
                 self._stats.add(checksum_failures=1, **{f"corrupt_{e.reason}": 1})
-                if e.reason in _REPAIRABLE:
-                    self._forget([key])
-                    damaged.append(key)  # deleted so that the next write repairs it
+                if e.reason in _DAMAGED + _MISPLACED:
+                    self._forget([key], overwrite=True)
+                if e.reason in _DAMAGED:
+                    damaged.append(key)
                 return False
             self._stats.add(reads=1, bytes_read=len(value))
             self._remember_stored([key])
@@ -393,8 +400,13 @@ class StorageClient:
         # Probe here rather than inside put() so each page knows whether it was written; a
         # page another writer adds in between is rewritten (harmless). One deadline covers both.
         present = self.store.exists([k for k, _ in encoded])
-        todo = [item for item, p in zip(encoded, present, strict=True) if not p]
+        with self._cond:
+            bad = {k for k, _ in encoded if k in self._overwrite}
+        todo = [item for item, p in zip(encoded, present, strict=True) if not p or item[0] in bad]
         self.store.put(todo, force=True)
+        with self._cond:
+            for key in bad:
+                self._overwrite.pop(key, None)
         return todo
 
     # -- bookkeeping -------------------------------------------------------------
@@ -406,13 +418,19 @@ class StorageClient:
             while len(self._stored) > self.cfg.remember_stored:
                 self._stored.popitem(last=False)
 
-    def _forget(self, keys: Sequence[str]) -> None:
+    def _forget(self, keys: Sequence[str], overwrite: bool = False) -> None:
+        """`keys` are not (good) in L3; with `overwrite`, the next write of each replaces
+        whatever sits under it."""
         gone = 0
         with self._cond:
             for key in keys:
                 if key in self._stored:
                     del self._stored[key]
                     gone += 1
+                if overwrite:
+                    self._overwrite[key] = None
+                    while len(self._overwrite) > self.cfg.remember_stored:
+                        self._overwrite.popitem(last=False)
         if gone:
             self._stats.add(stored_forgotten=gone)
 

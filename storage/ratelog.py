@@ -33,7 +33,7 @@ class RateLimitedLog:
             self._last[topic] = now
             skipped = self._suppressed.pop(topic, 0)
         if skipped:
-            msg += f" (+{skipped} similar in the last {self.interval_s:g}s)"
+            msg += f" (+{skipped} more suppressed)"
         self.logger.log(level, msg, *args)
         return True
 

@@ -101,8 +101,12 @@ def test_page_of_another_namespace_or_key_is_a_miss(client):
     client.store.put([(items[1][0], encode_page(items[1][1], NS.fingerprint, items[0][0]))])
     assert client.prefetch([items[0][0]]).result(timeout=10) == []
     assert client.prefetch([items[1][0]]).result(timeout=10) == []
-    assert client.stats()["checksum_failures"] == 2
-    assert client.store.exists([items[0][0]]) == [True]  # not ours to delete
+    stats = client.stats()
+    assert stats["checksum_failures"] == 2 and stats["corrupt_namespace"] == stats["corrupt_key"] == 1
+    assert client.store.exists([k for k, _ in items]) == [True, True]  # a reader does not delete them
+    # ... but neither is a valid page for its key: this client's next backup overwrites both.
+    assert client.write_async(items).result(timeout=10) == 2
+    assert len(client.prefetch([k for k, _ in items]).result(timeout=10)) == 2
 
 
 def test_salted_namespace_per_call(client):
