@@ -61,11 +61,11 @@ class ClientConfig:
     timeout_s: float = 5.0  # deadline of one store call
     max_queue_bytes: int = 256 << 20  # page bytes queued or being written
     max_batch_bytes: int = 64 << 20  # page bytes per write call (so one deadline fits it)
-    max_stuck_calls: int = 4
+    max_store_calls: int = 8  # store calls alive at once, abandoned ones included
     breaker: BreakerConfig = BreakerConfig()
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "prefetch_threads", "remember_stored", "max_stuck_calls"):
+        for name in ("batch_size", "prefetch_threads", "remember_stored", "max_store_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ClientConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("timeout_s", "max_queue_bytes", "max_batch_bytes"):
@@ -131,7 +131,7 @@ class StorageClient:
         self.namespace = namespace
         self.batch_size = cfg.batch_size
         self.ratelog = RateLimitedLog(log)
-        self.guard = StoreGuard(GuardConfig(cfg.timeout_s, cfg.max_stuck_calls, cfg.breaker), self.ratelog)
+        self.guard = StoreGuard(GuardConfig(cfg.timeout_s, cfg.max_store_calls, cfg.breaker), self.ratelog)
         self._pool = ThreadPoolExecutor(cfg.prefetch_threads, thread_name_prefix="l3-prefetch")
         self._io = ThreadPoolExecutor(cfg.prefetch_threads, thread_name_prefix="l3-read")
         self._stats = Counters(
@@ -226,9 +226,10 @@ class StorageClient:
             pass  # counted by the guard; a miss
         except Exception as e:  # noqa: BLE001 - an L3 failure is a miss, never a crash
             self._stats.add(read_errors=1)
-            self.ratelog.warning(
-                "prefetch", "L3 prefetch failed, the rest is a miss: %s: %s", type(e).__name__, e
-            )
+            if not self._closing:
+                self.ratelog.warning(
+                    "prefetch", "L3 prefetch failed, the rest is a miss: %s: %s", type(e).__name__, e
+                )
         finally:
             handle.finish()
             with self._cond:
@@ -370,6 +371,7 @@ class StorageClient:
                 encoded.append((item.key, encode_page(item.arrays, item.fingerprint, item.key)))
             except Exception as e:  # noqa: BLE001 - reported through the caller's future
                 errors[item.key] = e
+                self.ratelog.warning("encode", "cannot encode L3 page %s: %s", item.key, e)
         written: set[str] = set()
         nbytes = skipped = dropped = 0
         if encoded:
@@ -381,10 +383,7 @@ class StorageClient:
                 self._remember_stored([k for k, _ in encoded])
             except L3Unavailable:
                 dropped = len(encoded)  # the breaker is open: a skipped backup, not an error
-            except Exception as e:  # noqa: BLE001 - reported through the futures
-                self.ratelog.warning(
-                    "write", "L3 write of %d pages failed: %s: %s", len(encoded), type(e).__name__, e
-                )
+            except Exception as e:  # noqa: BLE001 - reported through the futures (the guard logged it)
                 errors.update((k, e) for k, _ in encoded)
         self._stats.add(
             writes=len(written),
@@ -492,6 +491,7 @@ class StorageClient:
         for handle in reading:  # a cancelled read would never finish its handle
             handle.cancel()
             handle.finish()
+        self.guard.close()
         self.store.close()
         self._closed = True
         return report

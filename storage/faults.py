@@ -9,7 +9,8 @@ values, and functions that damage stored page bytes the way real faults do.
     store.vanish_after_probe(key)         # exists() says yes, then the page is deleted
     store.heal()                          # back to the inner store's behaviour
 
-For tests and drills; nothing in the serving path imports it.
+`inject(client)` puts one under a running `StorageClient`. For tests and drills; nothing
+in the serving path imports this module.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from hicache_jax.storage.base import L3Store
+from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.codec import decode_page, encode_page
 
 OPS = ("exists", "get", "put", "delete", "clear")
@@ -31,9 +33,13 @@ def truncate(value: bytes, keep: float = 0.5) -> bytes:
     return value[: int(len(value) * keep)]
 
 
-def flip_bit(value: bytes, bit: int = 8 * 100 + 3) -> bytes:
-    """`value` with one bit flipped (bit index taken modulo the value's size)."""
+def flip_bit(value: bytes, bit: int | None = None) -> bytes:
+    """`value` with one bit flipped (index taken modulo the value's size). By default a
+    high exponent bit of a float32 near the middle of the payload: served, it would change
+    the KV a lot, not by a rounding error."""
     out = bytearray(value)
+    if bit is None:
+        bit = 8 * (len(out) // 2 // 4 * 4 + 3) + 6
     bit %= 8 * len(out)
     out[bit // 8] ^= 1 << (bit % 8)
     return bytes(out)
@@ -163,6 +169,13 @@ class FaultyStore(L3Store):
 
     def stats(self) -> dict[str, int]:
         return self.inner.stats()
+
+
+def inject(client: StorageClient) -> FaultyStore:
+    """Wrap `client`'s store in a `FaultyStore` in place (idempotent); returns it."""
+    if not isinstance(client.store, FaultyStore):
+        client.store = FaultyStore(client.store)
+    return client.store
 
 
 def _ops(ops: Sequence[str]) -> tuple[str, ...]:

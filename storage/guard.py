@@ -3,9 +3,10 @@
 A store may hang in Python (a stuck network client, a blocked file system) where no
 future can be given a timeout, so each call runs on a daemon thread of its own and the
 caller waits on it for at most `timeout_s`. A call that overruns is abandoned: its thread
-finishes (or never does) on its own, and is counted as stuck until it does. While
-`max_stuck` calls are stuck, new calls are refused at once, so a dead store cannot pile
-up threads -- or the pages they hold -- without bound.
+finishes (or never does) on its own, and is counted as stuck until it does. At most
+`max_calls` calls are alive at once (running or stuck); more are refused at once, so a
+dead store cannot pile up threads -- or the pages they hold -- without bound. (The client
+makes at most 7 calls at once when healthy: 2 probes, 2 reads, 2 repairs, 1 write.)
 
 Reads (`exists`, `get`) and writes (`put`, `delete`, `clear`) have separate breakers: a
 store that is full (ENOSPC) still serves reads.
@@ -44,14 +45,14 @@ class L3Timeout(TimeoutError):
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
     timeout_s: float = 5.0  # deadline of one call (one batch of pages)
-    max_stuck: int = 4  # abandoned calls still running before new calls are refused
+    max_calls: int = 8  # calls alive at once, abandoned ones included; more are refused
     breaker: BreakerConfig = BreakerConfig()
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"GuardConfig.timeout_s must be > 0, got {self.timeout_s}")
-        if self.max_stuck < 1:
-            raise ValueError(f"GuardConfig.max_stuck must be >= 1, got {self.max_stuck}")
+        if self.max_calls < 1:
+            raise ValueError(f"GuardConfig.max_calls must be >= 1, got {self.max_calls}")
 
 
 class _Call:
@@ -84,12 +85,17 @@ class StoreGuard:
         self.breakers = {p: CircuitBreaker(cfg.breaker) for p in PATHS}
         self.ratelog = ratelog or RateLimitedLog(log)
         self._lock = threading.Lock()
-        self._stuck = 0
+        self._live = 0  # calls whose thread has not returned (the bound)
+        self._stuck = 0  # of those, calls abandoned at their deadline
+        self._closed = False  # after close: refuse new calls, stay quiet about old ones
         self.counters = Counters("calls", "timeouts", "errors", "refused", "breaker_trips")
 
     def available(self, path: str) -> bool:
-        """False while `path`'s breaker is open (a half-open breaker admits a probe)."""
-        return self.breakers[path].state() != OPEN
+        """False while `path`'s breaker is open (a half-open breaker admits a probe) or
+        too many calls are stuck: a call now would be refused."""
+        with self._lock:
+            full = self._live >= self.cfg.max_calls
+        return not full and self.breakers[path].state() != OPEN
 
     @property
     def stuck(self) -> int:
@@ -100,12 +106,19 @@ class StoreGuard:
         """``fn(*args)`` within the deadline (default `cfg.timeout_s`), or raise `L3Timeout`,
         `L3Unavailable`, or what `fn` raised. `what` names the call in logs."""
         breaker = self.breakers[path]
+        if self._closed:
+            raise L3Unavailable("L3 client is closed")
         with self._lock:
-            too_many_stuck = self._stuck >= self.cfg.max_stuck
-        permit = None if too_many_stuck else breaker.allow()
+            full = self._live >= self.cfg.max_calls
+            if not full:
+                self._live += 1  # reserved before the breaker: the bound is strict
+        permit = None if full else breaker.allow()
         if permit is None:
+            if not full:
+                with self._lock:
+                    self._live -= 1
             self.counters.add(refused=1)
-            why = f"{self.stuck} calls stuck" if too_many_stuck else f"retry in {breaker.retry_in():.1f}s"
+            why = f"{self.stuck} calls stuck" if full else f"retry in {breaker.retry_in():.1f}s"
             raise L3Unavailable(f"L3 {path}s unavailable ({why})")
         self.counters.add(calls=1)
         call = _Call(fn, args, self._finished)
@@ -132,10 +145,17 @@ class StoreGuard:
     def _finished(self, call: _Call) -> None:
         with self._lock:
             call.done.set()
+            self._live -= 1
             if call.abandoned:
                 self._stuck -= 1
 
+    def close(self) -> None:
+        """Refuse every later call; calls still running end unlogged."""
+        self._closed = True
+
     def _failed(self, path: str, what: str, err: BaseException, probe: bool) -> None:
+        if self._closed:
+            return
         breaker = self.breakers[path]
         if breaker.failure(probe=probe):
             if not probe:
@@ -155,6 +175,6 @@ class StoreGuard:
 
     def health(self) -> dict[str, int]:
         """Gauges: breakers open (1/0) and calls stuck now."""
-        out = {f"{p}_breaker_open": int(not self.available(p)) for p in PATHS}
+        out = {f"{p}_breaker_open": int(self.breakers[p].state() == OPEN) for p in PATHS}
         out["stuck_calls"] = self.stuck
         return out

@@ -113,6 +113,7 @@ class StorageTier:
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="l3-plan")
         self._reserved = 0  # host rows reserved by tasks in self.tasks (scheduler thread only)
         self._landed: dict[int, Node] = {}  # id -> node whose host rows a prefetch brought
+        self._closed = False
         self.counters = {
             "prefetch_issued": 0,
             "prefetch_completed": 0,
@@ -154,10 +155,10 @@ class StorageTier:
         fut.add_done_callback(self._write_done)
 
     def _write_done(self, fut) -> None:
-        # Runs on the writer thread: one increment at a time, so no lock is needed.
+        # Runs on the writer thread: one increment at a time, so no lock is needed. The client
+        # has logged the failure (at a bounded rate).
         if fut.exception() is not None:
             self.counters["l3_write_errors"] += 1
-            self.client.ratelog.warning("tier-write", "L3 write failed: %s", fut.exception())
 
     def _salt_of(self, node: Node) -> str | None:
         while not node.is_root:
@@ -227,9 +228,10 @@ class StorageTier:
         except L3Unavailable:
             task.status = "failed"  # L3 is down: counted and logged by the client's guard
         except Exception as e:  # an I/O failure is a miss, never a crash
-            self.client.ratelog.warning(
-                "tier-prefetch", "L3 prefetch failed (a miss): %s: %s", type(e).__name__, e
-            )
+            if not self._closed:
+                self.client.ratelog.warning(
+                    "tier-prefetch", "L3 prefetch failed (a miss): %s: %s", type(e).__name__, e
+                )
             task.status = "failed"
         self._progress.set()
 
@@ -400,6 +402,7 @@ class StorageTier:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop prefetching and close the client (its queued writes get up to `timeout`)."""
+        self._closed = True
         for key, task in list(self.tasks.items()):
             self._drop(key, task)
         self._pool.shutdown(wait=False, cancel_futures=True)
