@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hicache_jax.storage.breaker import OPEN, BreakerConfig, CircuitBreaker
+from hicache_jax.storage.breaker import CLOSED, OPEN, BreakerConfig, CircuitBreaker
 from hicache_jax.storage.ratelog import RateLimitedLog
 from hicache_jax.storage.stats import Counters
 
@@ -135,7 +135,9 @@ class StoreGuard:
                 self._failed(path, what, err, permit == "probe")
                 raise err
         if call.error is not None:
-            self.counters.add(errors=1)
+            # A store with its own deadline (TensorStoreL3) raises TimeoutError itself.
+            late = isinstance(call.error, TimeoutError)
+            self.counters.add(timeouts=int(late), errors=int(not late))
             self._failed(path, what, call.error, permit == "probe")
             raise call.error
         if breaker.success():
@@ -174,7 +176,8 @@ class StoreGuard:
             self.ratelog.warning(f"{path}-error", "L3 %s failed: %s: %s", what, type(err).__name__, err)
 
     def health(self) -> dict[str, int]:
-        """Gauges: breakers open (1/0) and calls stuck now."""
-        out = {f"{p}_breaker_open": int(self.breakers[p].state() == OPEN) for p in PATHS}
+        """Gauges: breakers not closed (1: open, or half-open waiting for a good probe) and
+        calls stuck now."""
+        out = {f"{p}_breaker_open": int(self.breakers[p].state() != CLOSED) for p in PATHS}
         out["stuck_calls"] = self.stuck
         return out
