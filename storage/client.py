@@ -103,13 +103,16 @@ class _Ticket:
         self.remaining = count
         self.written = 0
         self.error: BaseException | None = None
+        self._lock = threading.Lock()  # the writer and close() may settle items of one call
 
     def settle(self, written: int, error: BaseException | None) -> None:
-        """Called once per item, by the writer thread or under the client's lock."""
-        self.remaining -= 1
-        self.written += written
-        self.error = self.error or error
-        if self.remaining == 0:
+        """Called once per item."""
+        with self._lock:
+            self.remaining -= 1
+            self.written += written
+            self.error = self.error or error
+            last = self.remaining == 0
+        if last:
             if self.error is not None:
                 self.future.set_exception(self.error)
             else:
@@ -191,12 +194,15 @@ class StorageClient:
         return self.guard.available("read")
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """One bounded, batched existence probe; keys found missing are forgotten as stored.
-        Raises `L3Unavailable`, `L3Timeout` or the store's error."""
-        if not keys:
-            return []
-        present = self.guard.run("read", self.store.exists, list(keys), what="exists")
-        self._forget([k for k, p in zip(keys, present, strict=True) if not p])
+        """Existence probes, `batch_size` keys per store call, each call within its deadline;
+        keys found missing are forgotten as stored. Raises `L3Unavailable`, `L3Timeout` or
+        the store's error."""
+        present: list[bool] = []
+        for i in range(0, len(keys), self.batch_size):
+            batch = list(keys[i : i + self.batch_size])
+            got = self.guard.run("read", self.store.exists, batch, what="exists")
+            self._forget([k for k, p in zip(batch, got, strict=True) if not p])
+            present += got
         return present
 
     def match_prefix(self, keys: Sequence[str]) -> int:

@@ -185,7 +185,7 @@ class StorageTier:
             self.counters["prefetch_skipped_l3_down"] += 1
             return
         flags = self.cache.availability(path)
-        rows = self._max_rows(flags, max_end)
+        rows, probes = self._max_rows(flags, max_end)
         limit = self.host_rate_limit * sum(h.size for h in self.cache.host.values())
         if self.prefetched_rows() + rows > limit:
             self.counters["prefetch_refused_host_full"] += 1
@@ -202,25 +202,29 @@ class StorageTier:
             tree_end,
             rows=rows,
         )
-        # One probe, then the reads in batches, each within a call deadline, plus one
+        # The probes and then the reads, in batches, each within a call deadline, plus one
         # deadline of slack for queueing behind other tasks.
-        task.deadline = task.started + self.timeout_s * (2 + math.ceil(rows / self.client.batch_size))
+        calls = math.ceil(probes / self.client.batch_size) + math.ceil(rows / self.client.batch_size)
+        task.deadline = task.started + self.timeout_s * (1 + calls)
         self._reserved += rows
         self.tasks[key] = task
         self.counters["prefetch_issued"] += 1
         self._pool.submit(self._run, task)
 
-    def _max_rows(self, flags: tuple[list[bool], list[bool], list[bool]], max_end: int) -> int:
-        """The most host rows a task may bring: the pages before `max_end` the tree lacks
-        (sliding-window pages: at most one window of them; Mamba: one snapshot)."""
+    def _max_rows(self, flags: tuple[list[bool], list[bool], list[bool]], max_end: int) -> tuple[int, int]:
+        """(the most host rows a task may bring, the existence probes it makes): the pages
+        before `max_end` the tree lacks are probed; of those it reads every full page, at
+        most one window of sliding-window pages and one Mamba snapshot."""
         k = max_end // self.rules.page_size
-        lacks = [sum(not (j < len(f) and f[j]) for j in range(k)) for f in flags]
-        rows = lacks[0] if "full" in self.kinds else 0
+        lacks = dict(
+            zip(("full", "swa", "mamba"), (sum(not (j < len(f) and f[j]) for j in range(k)) for f in flags))
+        )
+        rows = lacks["full"] if "full" in self.kinds else 0
         if "swa" in self.kinds:
-            rows += min(lacks[1], len(self.rules.swa_pages_needed(k * self.rules.page_size)))
+            rows += min(lacks["swa"], len(self.rules.swa_pages_needed(k * self.rules.page_size)))
         if "mamba" in self.kinds:
-            rows += min(lacks[2], 1)
-        return rows
+            rows += min(lacks["mamba"], 1)
+        return rows, sum(lacks[kind] for kind in self.kinds)
 
     def _run(self, task: PrefetchTask) -> None:
         try:

@@ -231,3 +231,20 @@ def test_cancel_stops_after_current_batch(client):
     handle.cancel()
     pages = handle.result(timeout=10)
     assert len(pages) in (0, 3, 6, 9) and _ids(pages) == list(range(len(pages)))
+
+
+def test_write_queue_is_bounded_in_bytes():
+    store = _SlowStore()  # puts wait for the gate: nothing leaves the queue
+    page_bytes = 2 * (2 * 4 * 8 * 2)  # k and v, bfloat16
+    with StorageClient(store, NS, max_queue_bytes=3 * page_bytes, batch_size=1) as c:
+        t0 = time.monotonic()
+        futures = [c.write_async([item]) for item in _pages(10)]
+        assert time.monotonic() - t0 < 0.5  # never blocks
+        stats = c.stats()
+        assert stats["pending_writes"] == 3 and stats["pending_write_bytes"] == 3 * page_bytes
+        assert stats["writes_dropped_queue_full"] == 7
+        assert [f.result(timeout=1) for f in futures[3:]] == [0] * 7  # skipped, not failed
+        store.gate.set()
+        assert c.flush(timeout=10) and sum(f.result(timeout=1) for f in futures) == 3
+        assert c.stats()["pending_write_bytes"] == 0
+        assert c.write_async(_pages(10)[5:6]).result(timeout=5) == 1  # room again
