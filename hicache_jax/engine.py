@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -16,6 +17,7 @@ from hicache_jax.build import (
 )
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import EngineConfig
+from hicache_jax.failures import EngineStalled, StepFailed
 from hicache_jax.flush_result import FlushResult
 from hicache_jax.models.batch import page_group
 from hicache_jax.models.causal_lm import CausalLM
@@ -26,11 +28,13 @@ from hicache_jax.runner import ModelRunner
 from hicache_jax.sampling_params import InvalidRequest, SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
-from hicache_jax.scheduler.scheduler import Scheduler
+from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
 from hicache_jax.transfer import PageTransfer
 from hicache_jax.validation import validate_prompt
 
 log = logging.getLogger(__name__)
+
+STALL_STEPS = 100  # steps with work queued, nothing in flight and nothing scheduled
 
 
 class Engine:
@@ -77,6 +81,9 @@ class Engine:
             max_pages=-(-self.context_len // P),
         )
         self.requests: dict[str, Req] = {}
+        self._keys = itertools.count()
+        self._idle_steps = 0
+        self.broken: BaseException | None = None  # a failed step's cause, until recover()
         self._rng = random.Random(cfg.random_seed)
         self.stats = {
             "steps": 0,
@@ -135,11 +142,12 @@ class Engine:
             cache_salt=cache_salt,
             seed=sp.seed if sp.seed is not None else self._rng.getrandbits(31),
             stream=stream,
+            prefetch_key=f"{rid}#{next(self._keys)}",
         )
         self.requests[rid] = req
         if self.storage is not None and not self.cfg.disable_radix_cache:
             lsl = req.logprob_start_len if req.return_logprob else -1
-            self.storage.start(rid, req.input_ids, req.input_len, lsl, req.cache_salt)
+            self.storage.start(req.prefetch_key, req.input_ids, req.input_len, lsl, req.cache_salt)
         self.scheduler.add(req)
         return rid
 
@@ -155,19 +163,88 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one batch; returns requests that finished or produced tokens this step."""
-        plan = self.scheduler.schedule()
+        """Run one batch; returns requests that finished or produced tokens this step.
+
+        Raises ``StepFailed`` after a step failed (its running requests are failed, the
+        device state rebuilt: the next step serves again) and ``EngineStalled`` when work is
+        queued but nothing could be scheduled for ``STALL_STEPS`` steps."""
+        if self.broken is not None:
+            self.recover()
+        try:
+            plan = self.scheduler.schedule()
+        except OutOfMemory as e:  # the request cannot fit even alone: fail it, not the engine
+            self.scheduler.running.remove(e.req)
+            self.adapter.release(e.req)
+            self._finish(e.req, {"type": "abort", "message": str(e)})
+            return [e.req]
+        except Exception as e:  # e.g. an L2 -> L1 load (it donates the device cache)
+            self._step_failed(e)
         if plan is None:
-            if self.storage is not None:
-                self.storage.wait(0.01)  # only requests waiting on L3: sleep until one lands
+            self._idle(0.01)
             return []
-        batch, sampling, copies, top, first_rows = self.builder.build(plan)
-        out = self.runner.step(batch, sampling, copies, top)
-        self.stats["steps"] += 1
-        touched = self._postprocess(plan, out, first_rows)
-        if self.prefix_cache.host:
-            self.prefix_cache.backup_pending()  # write policy: device -> host (-> L3)
+        self._idle_steps = 0
+        try:
+            batch, sampling, copies, top, first_rows = self.builder.build(plan)
+            out = self.runner.step(batch, sampling, copies, top)
+            self.stats["steps"] += 1
+            touched = self._postprocess(plan, out, first_rows)
+            if self.prefix_cache.host:
+                self.prefix_cache.backup_pending()  # write policy: device -> host (-> L3)
+        except Exception as e:
+            self._step_failed(e)
         return touched
+
+    def _idle(self, timeout: float) -> None:
+        if self.storage is not None and self.storage.pending():
+            self._idle_steps = 0
+            self.storage.wait(timeout)  # only requests waiting on L3: sleep until one lands
+            return
+        self._idle_steps += 1
+        if self._idle_steps >= STALL_STEPS and self.scheduler.has_work():
+            self._idle_steps = 0
+            raise EngineStalled(
+                f"no progress in {STALL_STEPS} steps: {len(self.scheduler.running)} running "
+                f"{[(r.rid, r.num_computed, len(r.fill_ids)) for r in self.scheduler.running][:8]}, "
+                f"{len(self.scheduler.waiting)} waiting; {self.adapter.describe_pools()}"
+            )
+
+    def _step_failed(self, cause: Exception):
+        """Fail the running requests, rebuild the device state, raise ``StepFailed``."""
+        message = f"engine step failed: {type(cause).__name__}: {cause}"
+        log.error(
+            "%s; failing %d running requests and rebuilding device state",
+            message,
+            len(self.scheduler.running),
+        )
+        failed = []
+        for req in list(self.scheduler.running):
+            self.scheduler.running.remove(req)
+            self.adapter.release(req)  # nothing goes to the tree: its device pages are suspect
+            self._finish(req, {"type": "abort", "message": message})
+            failed.append(req.rid)
+        for req in self.scheduler.waiting:  # one may have failed half-admitted (an L2 load)
+            if req.num_computed or req.last_node is not None:
+                self.adapter.release(req)
+        self.broken = cause
+        try:
+            self.recover()
+        except Exception:  # stays broken: the next step (or the server loop) tries again
+            log.exception("rebuilding device state failed")
+        raise StepFailed(failed, message) from cause
+
+    def recover(self) -> None:
+        """Rebuild device state after a failed step: L1 emptied, tree entries that pointed
+        at device pages dropped (host copies stay), fresh device arrays. Waiting requests
+        are kept; they start over from whatever L2/L3 still hold."""
+        for req in self.scheduler.running:
+            raise RuntimeError(f"recover() with request {req.rid} still running")
+        for req in self.scheduler.waiting:
+            if req.num_computed or req.last_node is not None:
+                raise RuntimeError(f"recover(): waiting request {req.rid} holds cache state")
+        self.prefix_cache.drop_device()
+        self.runner.reset_cache()
+        self.broken = None
+        log.info("device state rebuilt; serving again")
 
     def _postprocess(self, plan: StepPlan, out, first_rows: list[int]) -> list[Req]:
         touched = []

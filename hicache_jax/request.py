@@ -26,6 +26,7 @@ class Req:
     cache_salt: str | None = None
     seed: int = 0  # resolved sampling seed (the request's, or drawn at arrival)
     stream: bool = False
+    prefetch_key: str = ""  # the L3 prefetch task's key: unique per request, even if rid repeats
 
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING

@@ -57,9 +57,8 @@ class ModelRunner:
         self.page_size = page_size
         self.has_mamba = "mamba" in self.cfg.layer_kinds
         self.graphdef, self.params = nnx.split(model)
-        self.cache = model.allocate_cache(
-            num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots
-        )
+        self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
+        self.cache = model.allocate_cache(**self._cache_shape)
         self._compiled_before = _step_jit._cache_size()
 
     def step(
@@ -79,6 +78,10 @@ class ModelRunner:
             top_logprobs=top_logprobs,
         )
         return jax.tree_util.tree_map(np.asarray, out)
+
+    def reset_cache(self) -> None:
+        """Fresh device cache arrays (after a failed step consumed the donated ones)."""
+        self.cache = self.model.allocate_cache(**self._cache_shape)
 
     def num_compiled(self) -> int:
         """Step programs compiled since this runner was made (the JIT-hygiene test watches

@@ -64,15 +64,29 @@ class PrefixCache:
         self.transfer = transfer
         self.write_policy = write_policy
         self.trees: dict[str | None, RadixTree] = {}
+        self._root_salt: dict[int, str | None] = {}  # id(tree.root) -> salt
         self.pending_backup: dict[int, Node] = {}  # id -> node, in insertion order
         self.on_backup: Callable[[Node, tuple[str, ...]], None] | None = None
         self.counters = {"host_loads": 0, "host_backups": 0, "backup_skipped": 0}
 
     # ---- trees (one per cache_salt: tenants never share pages) ----------------------------
     def tree(self, salt: str | None = None) -> RadixTree:
+        """The salt's tree, made on first insert. A tree that empties is dropped (see
+        ``_unlink``), so a stream of one-off salts never accumulates trees."""
         if salt not in self.trees:
             self.trees[salt] = RadixTree(self.rules.page_size, salt)
+            self._root_salt[id(self.trees[salt].root)] = salt
         return self.trees[salt]
+
+    def walk(self, tokens: Sequence[int], max_pages: int, salt: str | None = None) -> list[Node]:
+        """The cached path along ``tokens`` (lookups never create a tree)."""
+        tree = self.trees.get(salt)
+        return tree.walk(tokens, max_pages) if tree is not None else []
+
+    def salt_of(self, node: Node) -> str | None:
+        while not node.is_root:
+            node = node.parent
+        return self._root_salt[id(node)]
 
     def nodes(self) -> Iterator[Node]:
         for t in list(self.trees.values()):
@@ -94,7 +108,7 @@ class PrefixCache:
         if not self.enabled:
             return Match([], 0)
         P = self.rules.page_size
-        path = self.tree(salt).walk(tokens, self.rules.max_end(input_len, logprob_start_len) // P)
+        path = self.walk(tokens, self.rules.max_end(input_len, logprob_start_len) // P, salt)
         end = usable_prefix_end(self.rules, input_len, logprob_start_len, *self.availability(path))
         nodes = path[: end // P]
         RadixTree.touch(nodes)
@@ -160,11 +174,18 @@ class PrefixCache:
         if node.lock_ref:
             return False
         if kind == "full" and node.host_full is None and node.children:
-            return self.write_policy == "write_back" and "full" in self.host
+            if self.write_policy == "write_back" and "full" in self.host:
+                return True  # backed up on eviction, then only its device page goes
+            return not _device_below(node)  # goes with its host-only subtree
         return True
 
     def evict(self, kind: str, n: int) -> int:
-        """Free at least ``n`` device indices of ``kind`` if unlocked nodes allow."""
+        """Free at least ``n`` device indices of ``kind`` if unlocked nodes allow.
+
+        A full-attention page without a host copy is the only copy: it goes with its node,
+        and with the node's subtree, which then holds host copies only (they could never be
+        matched again without it). Device data below such a node keeps it in place: the
+        subtree's deeper, more recently used pages are evicted first."""
         if n <= 0:
             return 0
         heap = [(x.last_access, id(x), x) for x in self.nodes() if self._evictable(x, kind)]
@@ -172,15 +193,13 @@ class PrefixCache:
         freed = 0
         while heap and freed < n:
             _, _, node = heapq.heappop(heap)
-            if not self._evictable(node, kind):
-                continue
+            if node.parent is None or not self._evictable(node, kind):
+                continue  # gone with a subtree, or changed since it was queued
             if self.write_policy == "write_back" and getattr(node, "host_" + kind) is None:
                 self._backup([node])
             parent = node.parent
             if kind == "full" and node.host_full is None:
-                if node.children:
-                    continue
-                self._remove(node)
+                self._remove_subtree(node)
             else:
                 self.pools[kind].free([getattr(node, kind)])
                 setattr(node, kind, None)
@@ -235,16 +254,32 @@ class PrefixCache:
             if hidx is not None:
                 self.host[kind].index.free([hidx])
                 setattr(node, "host_" + kind, None)
+        self._unlink(node)
+
+    def _unlink(self, node: Node) -> None:
+        """Take an unlocked leaf out of its tree; drop the tree if that emptied it."""
         self.pending_backup.pop(id(node), None)
+        parent = node.parent
         node.tree_remove()
+        if parent.is_root and not parent.children:
+            del self.trees[self._root_salt.pop(id(parent))]
+
+    def _remove_subtree(self, node: Node) -> None:
+        """Drop an unlocked node with everything below it, in every tier."""
+        stack, order = [node], []
+        while stack:
+            x = stack.pop()
+            order.append(x)
+            stack.extend(x.children.values())
+        for x in reversed(order):  # leaves first
+            self._remove(x)
 
     def _prune(self, node: Node) -> None:
         while (
             not node.is_root and node.empty and not node.children and not node.lock_ref and not node.swa_lock
         ):
             parent = node.parent
-            self.pending_backup.pop(id(node), None)
-            node.tree_remove()
+            self._unlink(node)
             node = parent
 
     # ---- host backups ------------------------------------------------------------------------
@@ -380,6 +415,22 @@ class PrefixCache:
                     changed = True
         self.pending_backup.clear()
 
+    def drop_device(self) -> None:
+        """Forget every device index (the device cache was lost): device pools reset, nodes
+        keep their host copies, nodes left with nothing are pruned. Nothing may be locked."""
+        for node in list(self.nodes()):
+            if node.lock_ref or node.swa_lock:
+                raise RuntimeError(f"drop_device with {node} still locked")
+            for kind in KINDS:
+                setattr(node, kind, None)
+        for pool in self.pools.values():
+            pool.reset()
+        self.pending_backup.clear()
+        for tree in list(self.trees.values()):
+            for node in sorted(tree.nodes(), key=lambda n: -n.depth):  # leaves first
+                if node.empty and not node.children:
+                    self._unlink(node)
+
     def indices(self) -> dict[str, list[int]]:
         """Every device and host index the trees hold, by pool."""
         out: dict[str, list[int]] = {k: [] for k in self.pools}
@@ -414,3 +465,14 @@ class PrefixCache:
                 leaked = sorted(pool.used() - set(owners))[:8]
                 unalloc = sorted(set(owners) - pool.used())[:8]
                 raise AssertionError(f"{pool.name}: leaked {leaked}, owned but not allocated {unalloc}")
+
+
+def _device_below(node: Node) -> bool:
+    """Whether any node under ``node`` still holds a device full-attention page."""
+    stack = list(node.children.values())
+    while stack:
+        x = stack.pop()
+        if x.full is not None:
+            return True
+        stack.extend(x.children.values())
+    return False

@@ -148,7 +148,7 @@ class StorageTier:
     # ---- writes ---------------------------------------------------------------------------
     def _on_backup(self, node: Node, kinds: tuple[str, ...]) -> None:
         """A node's device data reached the host: queue its L3 write (off this thread)."""
-        salt = self._salt_of(node)
+        salt = self.cache.salt_of(node)
         h = self.node_hash(node, salt)
         items = [(page_key(h, SUFFIX[k]), self.cache.host[k].page(getattr(node, "host_" + k))) for k in kinds]
         fut = self.client.write_async(items, self.ns(salt))
@@ -160,14 +160,6 @@ class StorageTier:
         if fut.exception() is not None:
             self.counters["l3_write_errors"] += 1
 
-    def _salt_of(self, node: Node) -> str | None:
-        while not node.is_root:
-            node = node.parent
-        for salt, tree in self.cache.trees.items():
-            if tree.root is node:
-                return salt
-        return None
-
     # ---- prefetch ---------------------------------------------------------------------------
     def start(
         self, key: str, tokens: list[int], input_len: int, logprob_start_len: int, salt: str | None
@@ -175,7 +167,7 @@ class StorageTier:
         """On enqueue: if L3 may extend the tree's match, look it up in the background."""
         P = self.rules.page_size
         max_end = self.rules.max_end(input_len, logprob_start_len)
-        path = self.cache.tree(salt).walk(tokens, max_end // P)
+        path = self.cache.walk(tokens, max_end // P, salt)
         tree_end = usable_prefix_end(self.rules, input_len, logprob_start_len, *self.cache.availability(path))
         # prefetch_threshold counts the prompt tokens the tree cannot serve (SGLang's rule);
         # what is then read still ends at usable_prefix_end.
@@ -335,7 +327,7 @@ class StorageTier:
             task.handle.cancel()
 
     def _track_landed(self, task: PrefetchTask) -> None:
-        path = self.cache.tree(task.salt).walk(task.tokens, task.end // self.rules.page_size)
+        path = self.cache.walk(task.tokens, task.end // self.rules.page_size, task.salt)
         for node in path:
             if node.from_storage:
                 self._landed[id(node)] = node

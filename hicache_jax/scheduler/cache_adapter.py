@@ -190,6 +190,9 @@ class CacheAdapter:
         req.state_slot = req.restore_from = req.last_node = None
         req.num_computed = req.num_inserted_pages = 0
 
+    def describe_pools(self) -> str:
+        return ", ".join(f"{k}: {p.num_free}/{p.size} free" for k, p in self.cache.pools.items())
+
     def held(self, reqs) -> dict[str, list[int]]:
         """Indices the given (running) requests own, for integrity checks."""
         out: dict[str, list[int]] = {k: [] for k in self.cache.pools}

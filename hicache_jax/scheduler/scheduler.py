@@ -1,9 +1,29 @@
 """FCFS continuous batching with chunked prefill, mixed prefill/decode steps and retraction.
 
-Each step: running decodes first (one token each; when pages run out the most recently
-admitted request is retracted and re-queued), then running prefills continue their next
-chunk, then waiting requests are admitted in arrival order while the prefill token budget
-(``chunked_prefill_size``), the running limit and memory allow.
+Each step walks the running requests oldest first: a decode takes one token, a prefill its
+next chunk while the prefill token budget (``chunked_prefill_size``) lasts. Then waiting
+requests are admitted in arrival order while the budget, the running limit and memory allow.
+
+Liveness policy: **retract the newest, prefill or decode**. When a running request cannot
+get the pages (or Mamba slot) for its step, the most recently admitted running request is
+retracted: its computed prefix goes to the radix tree, unlocked and so evictable, its
+outputs are kept, and it goes back to the head of the queue. If the request short of
+memory is itself the newest, it is the one retracted. Why this and not reserving a whole
+prompt's pages at admission: a reservation must assume the worst case (every prompt token
+and every possible output token), which on a sliding-window model is many times what the
+request ever holds at once and would idle most of the pool; retraction costs at most a
+recompute of the pages the tree evicts meanwhile, and only under real pressure.
+
+Why it cannot stall: the oldest running request is never a victim for a newer one, so each
+step it gets its pages unless it would not fit even alone (then it fails with an error
+naming the shortfall). It advances every step and finishes in bounded time; then the next
+oldest does. Retracted requests re-enter ahead of every request that arrived after them, so
+none starves. A step with nothing to run while work is queued (and no L3 prefetch is in
+flight) can then only mean a bug; the engine raises ``EngineStalled`` after a bounded
+number of such steps instead of spinning.
+
+Retraction keeps outputs: sampling draws from per-token seeds, so a resumed request
+continues exactly as it would have alone.
 """
 
 from __future__ import annotations
@@ -14,6 +34,14 @@ from hicache_jax.config import EngineConfig
 from hicache_jax.request import Req, Status
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
+
+
+class OutOfMemory(RuntimeError):
+    """A request cannot get its pages even with the pool to itself."""
+
+    def __init__(self, req: Req, message: str):
+        super().__init__(message)
+        self.req = req
 
 
 class Scheduler:
@@ -61,20 +89,25 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         plan = StepPlan(items=[])
-        self._schedule_decodes(plan)
         budget = self.cfg.chunked_prefill_size
-        for req in self.running:
-            if req.remaining > 1 and budget > 0:
-                end = self.chunk_end(req, req.num_computed, budget)
-                if self.adapter.ensure_pages(req, end):
-                    self._add(plan, req, end)
-                    budget -= end - req.num_computed
+        for req in list(self.running):  # oldest first
+            if req not in self.running:
+                continue  # retracted this step to make room for an older request
+            decode = req.remaining == 1
+            if not decode and budget <= 0:
+                continue
+            end = req.num_computed + 1 if decode else self.chunk_end(req, req.num_computed, budget)
+            if not self._make_room(req, end):
+                break  # req itself was the newest: it and everything newer is retracted
+            self._add(plan, req, end)
+            if not decode:
+                budget -= end - req.num_computed
         if self.storage is not None:
             self.storage.poll()
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
-            if self.storage is not None and not self.storage.ready(req.rid):
+            if self.storage is not None and not self.storage.ready(req.prefetch_key):
                 continue  # still prefetching from L3: later requests may go first
             match = self.adapter.match(req)
             end = self.chunk_end(req, match.end, budget)
@@ -87,29 +120,33 @@ class Scheduler:
             budget -= end - match.end
         return plan if plan.items else None
 
-    def _schedule_decodes(self, plan: StepPlan) -> None:
-        while True:
-            decodes = [r for r in self.running if r.remaining == 1]
-            if all(self.adapter.ensure_pages(r, r.num_computed + 1) for r in decodes):
-                break
-            if not self._retract_one():
-                raise RuntimeError("out of KV pages with a single running request; raise max_total_tokens")
-        for r in decodes:
-            self._add(plan, r, r.num_computed + 1)
+    def _make_room(self, req: Req, end: int) -> bool:
+        """Pages for ``req`` up to ``end``, retracting newer requests as needed. False when
+        ``req`` itself had to go (it was the newest); raises if it cannot fit alone."""
+        while not self.adapter.ensure_pages(req, end):
+            if self.running[-1] is not req:
+                self._retract(self.running[-1])
+            elif len(self.running) > 1:
+                self._retract(req)
+                return False
+            else:
+                raise OutOfMemory(
+                    req,
+                    f"request {req.rid}: no KV pages for tokens up to {end} with nothing else "
+                    f"running and the cache evicted ({self.adapter.describe_pools()})",
+                )
+        return True
 
-    def _retract_one(self) -> bool:
-        """Put the most recently admitted request back at the head of the queue. Its
-        computed prefix goes to the tree (evictable), so it resumes cheaply; its outputs
-        are kept, and per-token seeds make the rest come out the same."""
-        if len(self.running) <= 1:
-            return False
-        req = self.running.pop()
+    def _retract(self, req: Req) -> None:
+        """Put a running request back at the head of the queue. Its computed prefix goes to
+        the tree (evictable), so it resumes cheaply; its outputs are kept, and per-token seeds
+        make the rest come out the same."""
+        self.running.remove(req)
         self.adapter.finish(req)
         req.status = Status.WAITING
         req.retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
-        return True
 
     def _add(self, plan: StepPlan, req: Req, end: int) -> None:
         start = req.num_computed

@@ -61,7 +61,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not state.loop.healthy:
-            return error_response(503, "the engine failed; restart the server")
+            return error_response(
+                503, "the engine is not usable: a step failed and device state is being rebuilt"
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/get_model_info")

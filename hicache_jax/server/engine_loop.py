@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 
+from hicache_jax.failures import StepFailed
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.server.messages import (
     Abort,
@@ -118,7 +119,9 @@ class EngineLoop:
                 self._drain(timeout=0.1)
             else:
                 self._drain(timeout=None if progressed else 0.001)
-            if self.engine.has_unfinished():
+            if getattr(self.engine, "broken", None) is not None:
+                self._recover()
+            elif self.engine.has_unfinished():
                 progressed = self._step()
             if self._flushes and not self.engine.has_unfinished():
                 self._flush()
@@ -193,11 +196,19 @@ class EngineLoop:
         """One engine step and its outputs delivered; False if it produced nothing."""
         try:
             touched = self.engine.step()
-        except Exception as e:  # fail the batch, keep serving
+        except StepFailed as e:  # the engine failed its running requests and rebuilt itself
+            self.stats["engine_errors"] += 1
+            self._fail(e.failed, e.message)
+            self.healthy = getattr(self.engine, "broken", None) is None
+            return True
+        except Exception as e:  # unknown state: fail everything in flight, keep serving
             log.exception("engine step failed; aborting every request in flight")
             self.stats["engine_errors"] += 1
             self._fail_all(f"engine error: {type(e).__name__}: {e}")
+            # Unhealthy until a step gets through (a broken engine rebuilds itself first).
+            self.healthy = getattr(self.engine, "broken", None) is None
             return True
+        self.healthy = True
         now = time.monotonic()
         self._tokens.append((now, self.engine.stats["generated_tokens"]))
         while self._tokens and now - self._tokens[0][0] > THROUGHPUT_WINDOW_S:
@@ -211,6 +222,25 @@ class EngineLoop:
         for rid in [r for r in self._sinks if self.engine.requests[r].finished]:
             self._sinks.pop(rid).put(Update(self.engine.pop_output(rid), finished=True))
         return bool(touched)
+
+    def _recover(self) -> None:
+        """Rebuild a broken engine; unhealthy until it works (retried every 0.5 s)."""
+        self.healthy = False
+        try:
+            self.engine.recover()
+        except Exception:
+            log.exception("engine recovery failed; retrying")
+            self._stop.wait(0.5)
+            return
+        self.healthy = True
+
+    def _fail(self, rids: list[str], message: str) -> None:
+        for rid in rids:
+            sink = self._sinks.pop(rid, None)
+            if rid in self.engine.requests:
+                self.engine.pop_output(rid)
+            if sink is not None:
+                sink.put(Failure(message))
 
     def _fail_all(self, message: str) -> None:
         for rid, sink in list(self._sinks.items()):

@@ -1,0 +1,1 @@
+"""Benchmarks and load drivers that talk to a real server over HTTP."""

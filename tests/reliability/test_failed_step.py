@@ -1,0 +1,129 @@
+"""A failed step: the donated device cache is gone, so the engine fails what was running,
+rebuilds L1 (host copies survive), and serves the next request exactly; the server says
+unhealthy until it can serve again. And a scheduler that stops making progress raises
+instead of spinning."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hicache_jax.config import EngineConfig
+from hicache_jax.engine import STALL_STEPS, Engine
+from hicache_jax.failures import EngineStalled, StepFailed
+from hicache_jax.server.app import create_app
+from hicache_jax.server.config import ServerConfig
+from hicache_jax.server.engine_loop import EngineLoop
+from hicache_jax.server.state import ServerState
+from tests.reliability.workload import TraceReq, _tokens, assert_all_free, run_trace, solo_outputs
+
+CFG = EngineConfig(
+    preset="tiny",
+    page_size=16,
+    chunked_prefill_size=32,
+    max_running_requests=4,
+    max_total_tokens=256,
+    enable_hierarchical_cache=True,
+)
+
+
+def fail_once(monkeypatch, obj, name):
+    real = getattr(obj, name)
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected device failure")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(obj, name, flaky)
+    return calls
+
+
+def test_failed_step_fails_running_rebuilds_and_serves_exactly(monkeypatch):
+    engine = Engine(CFG)
+    first = TraceReq(tuple(_tokens(1, 100)), 6, 0.0, 0, 0)
+    run_trace(engine, [first])  # its pages reach the tree and (write_through) L2
+    assert engine.prefix_cache.host["full"].index.num_used > 0
+    rids = [
+        engine.add_request(input_ids=_tokens(s, 40), sampling_params={"max_new_tokens": 4}) for s in (2, 3)
+    ]
+    engine.step()  # both running now
+    fail_once(monkeypatch, engine.runner, "step")
+    with pytest.raises(StepFailed) as e:
+        engine.step()
+    assert sorted(e.value.failed) == sorted(rids)
+    for rid in rids:
+        reason = engine.pop_output(rid)["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "injected device failure" in reason["message"]
+    engine.check_integrity()
+    assert all(p.num_used == 0 for p in engine.prefix_cache.pools.values()), "L1 must be empty"
+    # The same prompt again: served from L2 (host copies survived), equal to a recompute.
+    again = TraceReq(first.prompt, 6, 0.0, 0, 0)
+    out = run_trace(engine, [again])[0]
+    assert out["meta_info"]["cached_tokens_details"]["host"] > 0
+    assert out["output_ids"] == solo_outputs(CFG, [again])[0]
+    assert_all_free(engine)
+
+
+def test_failed_host_load_is_a_failed_step(monkeypatch):
+    """An L2 -> L1 load donates the device cache too: a failure there is handled the same."""
+    engine = Engine(CFG)
+    req = TraceReq(tuple(_tokens(4, 100)), 4, 0.0, 0, 0)
+    run_trace(engine, [req])
+    engine.prefix_cache.evict("full", engine.prefix_cache.pools["full"].num_used)  # L1 -> L2 only
+    fail_once(monkeypatch, engine.prefix_cache.transfer, "write")
+    rid = engine.add_request(input_ids=list(req.prompt), sampling_params=req.sampling)
+    with pytest.raises(StepFailed):
+        engine.step()
+    engine.check_integrity()
+    # The request was waiting, not running: it stays queued and is then served exactly.
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_output(rid)["output_ids"] == solo_outputs(CFG, [req])[0]
+    assert_all_free(engine)
+
+
+def test_no_progress_raises_instead_of_spinning(monkeypatch):
+    engine = Engine(CFG)
+    monkeypatch.setattr(engine.adapter, "admit", lambda *a: False)  # a scheduler bug
+    engine.add_request(input_ids=_tokens(5, 20), sampling_params={"max_new_tokens": 2})
+    with pytest.raises(EngineStalled, match="no progress in .* 1 waiting"):
+        for _ in range(STALL_STEPS + 1):
+            engine.step()
+
+
+def test_server_unhealthy_until_rebuilt_then_serves(monkeypatch):
+    engine = Engine(CFG)
+    loop = EngineLoop(engine)
+    app = create_app(ServerState.from_engine(engine, loop, ServerConfig()))
+    prompt = _tokens(6, 50)
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
+    with TestClient(app) as client:
+        want = client.post("/generate", json=body).json()["output_ids"]
+        assert client.post("/flush_cache").status_code == 200
+        fail_once(monkeypatch, engine.runner, "step")
+        recovered = {"ok": False}
+        real_recover = engine.recover
+
+        def slow_recover():  # the first rebuild fails: /health must say so meanwhile
+            if not recovered["ok"]:
+                recovered["ok"] = True
+                raise RuntimeError("device still resetting")
+            real_recover()
+
+        monkeypatch.setattr(engine, "recover", slow_recover)
+        r = client.post("/generate", json=body)
+        assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+        for _ in range(100):  # rebuilt on the next try (0.5 s later)
+            if client.get("/health").status_code == 200:
+                break
+            loop._stop.wait(0.05)
+        assert client.get("/health").status_code == 200
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200 and r.json()["output_ids"] == want
+        assert client.post("/flush_cache").status_code == 200
+    engine.check_integrity()

@@ -1,0 +1,80 @@
+"""Liveness: any set of requests that each fit the pool alone all finish, each with the
+output it gets alone, whatever the arrival order, sizes, families and tiers; afterwards a
+flush leaves every page free."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache_jax.config import EngineConfig
+from hicache_jax.engine import Engine
+from tests.reliability.workload import TraceReq, assert_all_free, run_trace, solo_outputs, tier_kwargs, traces
+
+
+def check(cfg: EngineConfig, trace: list[TraceReq], check_every: int = 0) -> Engine:
+    engine = Engine(cfg)
+    try:
+        outs = run_trace(engine, trace, check_every=check_every)
+        for i, (out, alone) in enumerate(zip(outs, solo_outputs(cfg, trace))):
+            assert out["meta_info"]["finish_reason"]["type"] == "length", (i, out["meta_info"])
+            assert out["output_ids"] == alone, f"request {i} differs from its solo run"
+        assert_all_free(engine)
+    finally:
+        engine.close()
+    return engine
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba"])
+def test_reported_stall_finishes(preset):
+    """The reproducer: a 24-page pool, chunks of 64, six running, a dozen prompts sharing
+    three system prompts. Two prefills used to hold half the pool each and wait forever."""
+    rng = np.random.RandomState(0)
+    systems = [rng.randint(3, 500, n).tolist() for n in (96, 128, 160)]
+    trace = [
+        TraceReq(tuple(systems[i % 3] + rng.randint(3, 500, rng.randint(20, 200)).tolist()), 16, 0.0, 0, 0)
+        for i in range(12)
+    ]
+    cfg = EngineConfig(
+        preset=preset, page_size=16, max_total_tokens=384, chunked_prefill_size=64, max_running_requests=6
+    )
+    assert max(r.total for r in trace) <= 384
+    engine = check(cfg, trace, check_every=7)
+    assert engine.scheduler.num_retractions > 0, "the pool was meant to be too small"
+
+
+POOL_TOKENS = 192  # every generated request fits alone (<= 188 tokens), two rarely do
+# (preset, page size, chunk, max running): few shapes, so few compiles, but every family,
+# both page sizes, chunks of 2 and 4 pages and a chunk of one page.
+CONFIGS = [
+    ("tiny", 16, 64, 4),
+    ("tiny", 8, 16, 2),
+    ("tiny-swa", 16, 32, 2),
+    ("tiny-swa", 8, 8, 4),
+    ("tiny-mamba", 16, 32, 4),
+    ("tiny-mamba", 8, 16, 2),
+]
+
+
+@settings(
+    max_examples=18,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    trace=traces(max_requests=7, max_len=176),
+    config=st.sampled_from(CONFIGS),
+    tiers=st.sampled_from(["l1", "l2", "l3"]),
+)
+def test_random_traces_finish_with_solo_outputs(trace, config, tiers):
+    preset, page, chunk, max_running = config
+    cfg = EngineConfig(
+        preset=preset,
+        page_size=page,
+        chunked_prefill_size=chunk,
+        max_running_requests=max_running,
+        max_total_tokens=POOL_TOKENS,
+        **tier_kwargs(tiers),
+    )
+    check(cfg, trace)
