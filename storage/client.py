@@ -25,7 +25,6 @@ import collections
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,6 +38,7 @@ from hicache_jax.storage.keys import Namespace
 from hicache_jax.storage.prefetch import PrefetchHandle
 from hicache_jax.storage.ratelog import RateLimitedLog
 from hicache_jax.storage.stats import Counters
+from hicache_jax.storage.write_queue import DrainReport, WriteItem, WriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -71,52 +71,6 @@ class ClientConfig:
         for name in ("timeout_s", "max_queue_bytes", "max_batch_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DrainReport:
-    """What a bounded wait for the write queue did."""
-
-    written: int  # pages settled (stored, found stored, or failed) during the wait
-    pending: int  # pages still queued or being written when the wait ended
-    seconds: float
-
-    @property
-    def complete(self) -> bool:
-        return self.pending == 0
-
-
-@dataclasses.dataclass
-class _Item:
-    key: str
-    arrays: Mapping[str, np.ndarray]
-    fingerprint: str
-    nbytes: int
-    ticket: _Ticket
-
-
-class _Ticket:
-    """Completion of one `write_async` call: resolves when the client holds none of its arrays."""
-
-    def __init__(self, count: int):
-        self.future: Future[int] = Future()
-        self.remaining = count
-        self.written = 0
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()  # the writer and close() may settle items of one call
-
-    def settle(self, written: int, error: BaseException | None) -> None:
-        """Called once per item."""
-        with self._lock:
-            self.remaining -= 1
-            self.written += written
-            self.error = self.error or error
-            last = self.remaining == 0
-        if last:
-            if self.error is not None:
-                self.future.set_exception(self.error)
-            else:
-                self.future.set_result(self.written)
 
 
 class StorageClient:
@@ -153,20 +107,17 @@ class StorageClient:
             "writes_abandoned",
             "stored_forgotten",
         )
-        # Writer state, all guarded by _cond.
-        self._cond = threading.Condition()
-        self._queue: collections.deque[_Item] = collections.deque()
-        self._queued: set[str] = set()  # keys queued or being written
-        self._queued_bytes = 0  # bytes of those pages
-        self._in_flight = 0
-        self._settled = 0  # items settled so far (for drain reports)
+        self._lock = threading.Lock()  # guards the three below
         self._stored: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._overwrite: collections.OrderedDict[str, None] = collections.OrderedDict()  # bad keys
         self._reading: set[PrefetchHandle] = set()  # prefetches not finished yet
-        self._closing = False
-        self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="l3-writer", daemon=True)
-        self._writer.start()
+        self._closing = False  # set once, by close()
+        self._writes = WriteQueue(
+            self._write_batch,
+            max_bytes=cfg.max_queue_bytes,
+            batch_size=cfg.batch_size,
+            max_batch_bytes=cfg.max_batch_bytes,
+        )
 
     # -- reads -------------------------------------------------------------------
     def prefetch(self, keys: Sequence[str], namespace: Namespace | None = None) -> PrefetchHandle:
@@ -184,7 +135,7 @@ class StorageClient:
         if not handle.keys:
             handle.finish()
         else:
-            with self._cond:
+            with self._lock:
                 self._reading.add(handle)
             self._pool.submit(self._read_pages, handle, fingerprint)
         return handle
@@ -238,7 +189,7 @@ class StorageClient:
                 )
         finally:
             handle.finish()
-            with self._cond:
+            with self._lock:
                 self._reading.discard(handle)
             if damaged:  # after finish(): the waiting request does not pay for the repair
                 self._delete_damaged(damaged)
@@ -287,38 +238,23 @@ class StorageClient:
         """Queue pages for L3 and return at once (never blocks on I/O).
 
         Keys already stored (as far as this client knows) or already queued are dropped,
-        and so are pages that do not fit the queue's byte bound or arrive while the write
-        breaker is open (counted as ``writes_dropped_*``). The caller must not modify the
-        arrays it passed until the returned future is done; the future resolves to the
-        number of pages this call wrote.
+        and so are pages that do not fit the queue's byte bound or arrive while writes are
+        refused (counted as ``writes_dropped_*``). The caller must not modify the arrays it
+        passed until the returned future is done; the future resolves to the number of
+        pages this call wrote.
         """
-        fingerprint = (namespace or self.namespace).fingerprint
-        full = unavailable = dup = 0
-        with self._cond:
-            if self._closing:
-                raise RuntimeError("StorageClient is closed")
-            writable = self.guard.available("write")
-            fresh: list[tuple[str, Mapping[str, np.ndarray], int]] = []
-            for key, arrays in items:
-                if key in self._queued or key in self._stored:
-                    dup += 1
-                    continue
-                if not writable:
-                    unavailable += 1
-                    continue
-                nbytes = sum(np.asarray(a).nbytes for a in arrays.values())
-                if self._queued_bytes + nbytes > self.cfg.max_queue_bytes:
-                    full += 1
-                    continue
-                self._queued.add(key)
-                self._queued_bytes += nbytes
-                fresh.append((key, arrays, nbytes))
-            ticket = _Ticket(len(fresh))
-            for key, arrays, nbytes in fresh:
-                self._queue.append(_Item(key, arrays, fingerprint, nbytes, ticket))
-            self._cond.notify_all()
+        if self._closing:
+            raise RuntimeError("StorageClient is closed")
+        fresh = [(key, arrays) for key, arrays in items if not self.is_known_stored(key)]
+        known = len(items) - len(fresh)
+        unavailable = 0
+        if fresh and not self.guard.available("write"):
+            unavailable, fresh = len(fresh), []
+        future, full, queued = self._writes.offer(fresh, (namespace or self.namespace).fingerprint)
         self._stats.add(
-            skipped_writes=dup, writes_dropped_queue_full=full, writes_dropped_unavailable=unavailable
+            skipped_writes=known + queued,
+            writes_dropped_queue_full=full,
+            writes_dropped_unavailable=unavailable,
         )
         if full:
             self.ratelog.warning(
@@ -327,49 +263,19 @@ class StorageClient:
                 self.cfg.max_queue_bytes,
                 full,
             )
-        if not fresh:
-            ticket.future.set_result(0)
-        return ticket.future
+        return future
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is settled; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout)
+        return self._writes.wait_empty(timeout)
 
     def drain(self, timeout: float) -> DrainReport:
         """Wait up to `timeout` for the write queue to empty. Pages still pending stay
         queued (they are copies: nothing the caller frees can change them)."""
-        t0 = time.monotonic()
-        with self._cond:
-            before = self._settled
-            self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout)
-            pending = len(self._queue) + self._in_flight
-            written = self._settled - before
-        return DrainReport(written, pending, time.monotonic() - t0)
+        return self._writes.drain(timeout)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    return
-                batch = [self._queue.popleft()]
-                nbytes = batch[0].nbytes
-                while self._queue and len(batch) < self.batch_size:
-                    if nbytes + self._queue[0].nbytes > self.cfg.max_batch_bytes:
-                        break
-                    batch.append(self._queue.popleft())
-                    nbytes += batch[-1].nbytes
-                self._in_flight = len(batch)
-            self._write_batch(batch)
-            with self._cond:
-                self._in_flight = 0
-                self._queued_bytes -= sum(item.nbytes for item in batch)
-                self._queued.difference_update(item.key for item in batch)
-                self._settled += len(batch)
-                self._cond.notify_all()
-
-    def _write_batch(self, batch: list[_Item]) -> None:
+    def _write_batch(self, batch: list[WriteItem]) -> None:
+        """On the queue's thread: encode, probe and put one batch; settle every ticket."""
         encoded: list[tuple[str, bytes]] = []
         errors: dict[str, BaseException] = {}
         for item in batch:
@@ -405,18 +311,18 @@ class StorageClient:
         # Probe here rather than inside put() so each page knows whether it was written; a
         # page another writer adds in between is rewritten (harmless). One deadline covers both.
         present = self.store.exists([k for k, _ in encoded])
-        with self._cond:
+        with self._lock:
             bad = {k for k, _ in encoded if k in self._overwrite}
         todo = [item for item, p in zip(encoded, present, strict=True) if not p or item[0] in bad]
         self.store.put(todo, force=True)
-        with self._cond:
+        with self._lock:
             for key in bad:
                 self._overwrite.pop(key, None)
         return todo
 
     # -- bookkeeping -------------------------------------------------------------
     def _remember_stored(self, keys: Sequence[str]) -> None:
-        with self._cond:
+        with self._lock:
             for key in keys:
                 self._stored[key] = None
                 self._stored.move_to_end(key)
@@ -427,7 +333,7 @@ class StorageClient:
         """`keys` are not (good) in L3; with `overwrite`, the next write of each replaces
         whatever sits under it."""
         gone = 0
-        with self._cond:
+        with self._lock:
             for key in keys:
                 if key in self._stored:
                     del self._stored[key]
@@ -440,7 +346,7 @@ class StorageClient:
             self._stats.add(stored_forgotten=gone)
 
     def is_known_stored(self, key: str) -> bool:
-        with self._cond:
+        with self._lock:
             return key in self._stored
 
     def clear(self) -> None:
@@ -448,7 +354,7 @@ class StorageClient:
         call deadlines. Raises if the store could not be cleared."""
         self.drain(self.cfg.timeout_s)
         self.guard.run("write", self.store.clear, what="clear", timeout=10 * self.cfg.timeout_s)
-        with self._cond:
+        with self._lock:
             self._stored.clear()
 
     def stats(self) -> dict[str, int]:
@@ -456,9 +362,7 @@ class StorageClient:
         being written), and the guard's counters."""
         out = self._stats.snapshot()
         out.update(self.guard.counters.snapshot())
-        with self._cond:
-            out["pending_writes"] = len(self._queue) + self._in_flight
-            out["pending_write_bytes"] = self._queued_bytes
+        out["pending_writes"], out["pending_write_bytes"] = self._writes.pending()
         return out
 
     def health(self) -> dict[str, int]:
@@ -470,36 +374,25 @@ class StorageClient:
         stop the threads, close the store. Returns at most about `timeout` later (plus one
         call deadline if a prefetch is mid-read). Idempotent."""
         timeout = self.cfg.timeout_s if timeout is None else timeout
-        with self._cond:
-            if self._closed:
+        with self._lock:
+            if self._closing:
                 return DrainReport(0, 0, 0.0)
             self._closing = True  # no new writes or prefetches
-        report = self.drain(timeout)
-        with self._cond:
-            abandoned = list(self._queue)
-            self._queue.clear()
-            for item in abandoned:
-                self._queued.discard(item.key)
-                self._queued_bytes -= item.nbytes
-                item.ticket.settle(0, None)
-            self._settled += len(abandoned)
-            self._cond.notify_all()
+        report, abandoned = self._writes.close(timeout)
         if abandoned:
-            self._stats.add(writes_abandoned=len(abandoned))
-            log.warning("L3: closing with %d page writes abandoned after %.1fs", len(abandoned), timeout)
-        # The writer ends after its current call, which its own deadline bounds; the pools'
-        # threads only wait on guarded calls. Nobody waits for them here.
-        self._writer.join(timeout=0.1)
+            self._stats.add(writes_abandoned=abandoned)
+            log.warning("L3: closing with %d page writes abandoned after %.1fs", abandoned, timeout)
+        # The pools' threads only wait on guarded calls, which their deadlines bound: nobody
+        # waits for them here.
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)
-        with self._cond:
+        with self._lock:
             reading, self._reading = list(self._reading), set()
         for handle in reading:  # a cancelled read would never finish its handle
             handle.cancel()
             handle.finish()
         self.guard.close()
         self.store.close()
-        self._closed = True
         return report
 
     def __enter__(self) -> StorageClient:
