@@ -82,7 +82,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
     from hicache_jax.models.fingerprint import params_fingerprint
     from hicache_jax.models.loader import model_fingerprint
     from hicache_jax.storage.base import make_store
-    from hicache_jax.storage.client import StorageClient
+    from hicache_jax.storage.client import ClientConfig, StorageClient
     from hicache_jax.storage.keys import Namespace
 
     fp = model_fingerprint(cfg.model_path) if cfg.model_path else None
@@ -96,10 +96,14 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         tp_size=cfg.tp_size,
     )
     spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
-    store = make_store(cfg.hicache_storage_backend, spec)
+    store = make_store(cfg.hicache_storage_backend, spec, timeout_s=cfg.hicache_storage_timeout_s)
     log.info("L3: %s store at %s (namespace %s)", cfg.hicache_storage_backend, spec, namespace.fingerprint)
+    client_cfg = ClientConfig(
+        timeout_s=cfg.hicache_storage_timeout_s,
+        max_queue_bytes=int(cfg.hicache_storage_write_queue_mb * 2**20),
+    )
     return StorageTier(
-        StorageClient(store, namespace),
+        StorageClient(store, namespace, client_cfg),
         namespace,
         prefix_cache,
         policy=cfg.hicache_storage_prefetch_policy,

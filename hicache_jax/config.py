@@ -47,6 +47,8 @@ class EngineConfig:
     hicache_storage_prefetch_policy: str = "timeout"
     hicache_prefetch_threshold: int = 256  # tokens; shorter L3 hits are not fetched
     hicache_host_rate_limit: float = 0.5  # max share of the host pool held by prefetches
+    hicache_storage_timeout_s: float = 5.0  # deadline of each L3 call, of flush's and close's L3 waits
+    hicache_storage_write_queue_mb: float = 256.0  # page bytes queued for L3; beyond, backups are skipped
 
     def __post_init__(self):
         r = _require
@@ -132,6 +134,18 @@ class EngineConfig:
             "hicache_host_rate_limit",
             "must be in (0, 1]",
             self.hicache_host_rate_limit,
+        )
+        r(
+            self.hicache_storage_timeout_s > 0,
+            "hicache_storage_timeout_s",
+            "must be > 0",
+            self.hicache_storage_timeout_s,
+        )
+        r(
+            self.hicache_storage_write_queue_mb > 0,
+            "hicache_storage_write_queue_mb",
+            "must be > 0",
+            self.hicache_storage_write_queue_mb,
         )
         if self.mamba_cache_slots is not None:
             r(

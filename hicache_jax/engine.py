@@ -18,6 +18,7 @@ from hicache_jax.build import (
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import EngineConfig
 from hicache_jax.failures import EngineStalled, StepFailed
+from hicache_jax.flush_result import FlushResult
 from hicache_jax.models.batch import page_group
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
@@ -328,19 +329,20 @@ class Engine:
         return output_text(self.requests[rid], self.tokenizer)
 
     # ---- maintenance -----------------------------------------------------------------------------
-    def flush_cache(self) -> bool:
-        """Clear L1 and L2 after draining pending L3 writes; L3 is kept. Refused (False)
-        while requests are in flight."""
+    def flush_cache(self) -> FlushResult:
+        """Clear L1 and L2 after draining pending L3 writes (for at most
+        ``hicache_storage_timeout_s``); L3 is kept. Refused (falsy) while requests are in
+        flight. The result says what the L3 drain did."""
         if self.scheduler.has_work():
-            return False
+            return FlushResult(False, "requests are still in flight")
+        t0 = time.monotonic()
         if self.prefix_cache.host:
             # write_back keeps data only on the device until eviction: a flush writes it back.
             everything = self.cfg.hicache_write_policy == "write_back"
             self.prefix_cache.backup_pending(everything=everything)
-        if self.storage is not None:
-            self.storage.drain()
+        drained = self.storage.drain() if self.storage is not None else None
         self.prefix_cache.flush()
-        return True
+        return FlushResult.done(time.monotonic() - t0, drained)
 
     def clear_storage(self) -> bool:
         """Clear L3 (shared by every server on it). False when no L3 is configured."""
@@ -350,6 +352,7 @@ class Engine:
         return True
 
     def close(self) -> None:
+        """Stop L3 work: queued writes get up to ``hicache_storage_timeout_s``, then are dropped."""
         if self.storage is not None:
             self.storage.close()
 

@@ -44,6 +44,10 @@ ENGINE_HELP = {
     "hicache_storage_prefetch_policy": f"When to stop waiting for L3: {', '.join(PREFETCH_POLICIES)}.",
     "hicache_prefetch_threshold": "Shortest L3 hit (tokens) worth a prefetch.",
     "hicache_host_rate_limit": "Largest share of the host pool that in-flight prefetches may hold.",
+    "hicache_storage_timeout_s": (
+        "Deadline (s) of every L3 call; also the longest /flush_cache and shutdown wait for L3."
+    ),
+    "hicache_storage_write_queue_mb": "Most page data (MB) queued for L3 writes; more backups are skipped.",
 }
 
 

@@ -32,6 +32,8 @@ class L3Store(abc.ABC):
         once; no call takes a lock that spans processes for longer than one key.
       * `delete` of a missing key and `clear` of an empty store are no-ops.
       * Every method is safe to call from several threads of one process.
+      * A call may be abandoned by its caller at a deadline (`StoreGuard`) and keep running
+        on its own thread: it must not leave the store inconsistent when it later finishes.
     """
 
     @abc.abstractmethod

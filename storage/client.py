@@ -2,16 +2,27 @@
 
 It takes keys and numpy arrays and gives back numpy arrays: no request objects, no
 engine imports. Reads run on a small thread pool, writes on one writer thread; the
-caller never waits on I/O unless it asks to (`PrefetchHandle.result`, `flush`).
+caller never waits on I/O unless it asks to (`PrefetchHandle.result`, `drain`), and then
+never longer than a deadline.
 
-Invariant: a page that is missing, unreadable or fails its checksum is a miss. A
-prefetch hit is the longest run of good pages from the first key; nothing after the
-first miss is ever returned.
+Invariants:
+  * A page that is missing, unreadable, late or fails its checksum is a miss. A prefetch
+    hit is the longest run of good pages from the first key; nothing after the first miss
+    is ever returned.
+  * Every store call goes through a `StoreGuard`: it ends within `timeout_s`, and while
+    the store keeps failing it is not called at all (circuit breaker).
+  * The write queue holds at most `max_queue_bytes` of page data (queued + being
+    written); `write_async` never blocks: a page that does not fit, or arrives while
+    writes are refused, is skipped and counted.
+  * `_stored` (keys this client believes are in L3, so it need not write them again) only
+    holds keys L3 confirmed; a read or probe that finds a key gone removes it, so a cleared
+    or evicted L3 fills again on the next backup.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -20,85 +31,93 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from hicache_jax.storage.base import L3Store
+from hicache_jax.storage.breaker import BreakerConfig
 from hicache_jax.storage.codec import CorruptPage, decode_page, encode_page
+from hicache_jax.storage.guard import GuardConfig, L3Unavailable, StoreGuard
 from hicache_jax.storage.keys import Namespace
 from hicache_jax.storage.prefetch import PrefetchHandle
+from hicache_jax.storage.ratelog import RateLimitedLog
 from hicache_jax.storage.stats import Counters
+from hicache_jax.storage.write_queue import DrainReport, WriteItem, WriteQueue
 
 log = logging.getLogger(__name__)
 
-# Failures that say the stored bytes are damaged (rewriting the key repairs them). Other
-# reasons (version, namespace, key) may be another writer's valid page: leave it alone.
-_REPAIRABLE = ("truncated", "checksum", "bad_magic", "format")
+# Damaged bytes: the page is deleted (every reader would reject it) and rewritten by the
+# next backup of it.
+_DAMAGED = ("truncated", "checksum", "bad_magic", "format")
+# A whole, valid page of another namespace or key: misplaced or swapped, since keys hash the
+# namespace digest and the whole prefix -- or the reader asked with the wrong namespace. Not
+# deleted (that reader may be the one in error), but our next backup of the key overwrites it.
+_MISPLACED = ("namespace", "key")
+# A page of another codec version may be a newer server's valid page: left alone.
+_REASONS = (*_DAMAGED, *_MISPLACED, "version")
 
 
-class _Ticket:
-    """Completion of one `write_async` call: resolves when the client holds none of its arrays."""
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    batch_size: int = 128  # pages per store call
+    prefetch_threads: int = 2
+    remember_stored: int = 1 << 16  # keys known to be stored (skipped by write_async)
+    timeout_s: float = 5.0  # deadline of one store call
+    max_queue_bytes: int = 256 << 20  # page bytes queued or being written
+    max_batch_bytes: int = 64 << 20  # page bytes per write call (so one deadline fits it)
+    max_store_calls: int = 8  # store calls alive at once, abandoned ones included
+    breaker: BreakerConfig = BreakerConfig()
 
-    def __init__(self, count: int):
-        self.future: Future[int] = Future()
-        self.remaining = count
-        self.written = 0
-        self.error: BaseException | None = None
-
-    def settle(self, written: int, error: BaseException | None) -> None:
-        """Called by the writer thread only, once per item."""
-        self.remaining -= 1
-        self.written += written
-        self.error = self.error or error
-        if self.remaining == 0:
-            if self.error is not None:
-                self.future.set_exception(self.error)
-            else:
-                self.future.set_result(self.written)
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "prefetch_threads", "remember_stored", "max_store_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClientConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("timeout_s", "max_queue_bytes", "max_batch_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
 
 
 class StorageClient:
     """Background L3 reads and writes of codec pages for one namespace.
 
     Owns `store` (closes it in `close`). `namespace` is the default for every call;
-    a per-call namespace serves requests with their own `cache_salt`.
+    a per-call namespace serves requests with their own `cache_salt`. `config` fields may
+    also be given as keyword arguments.
     """
 
-    def __init__(
-        self,
-        store: L3Store,
-        namespace: Namespace,
-        *,
-        batch_size: int = 128,
-        prefetch_threads: int = 2,
-        remember_stored: int = 1 << 16,
-    ):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    def __init__(self, store: L3Store, namespace: Namespace, config: ClientConfig | None = None, **overrides):
+        cfg = dataclasses.replace(config or ClientConfig(), **overrides)
+        self.cfg = cfg
         self.store = store
         self.namespace = namespace
-        self.batch_size = batch_size
-        self._pool = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="l3-prefetch")
-        self._io = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="l3-read")
+        self.batch_size = cfg.batch_size
+        self.ratelog = RateLimitedLog(log)
+        self.guard = StoreGuard(GuardConfig(cfg.timeout_s, cfg.max_store_calls, cfg.breaker), self.ratelog)
+        self._pool = ThreadPoolExecutor(cfg.prefetch_threads, thread_name_prefix="l3-prefetch")
+        self._io = ThreadPoolExecutor(cfg.prefetch_threads, thread_name_prefix="l3-read")
         self._stats = Counters(
             "reads",
             "read_misses",
             "bytes_read",
             "read_errors",
             "checksum_failures",
+            *(f"corrupt_{r}" for r in _REASONS),
             "writes",
             "bytes_written",
             "skipped_writes",
             "write_errors",
+            "writes_dropped_queue_full",
+            "writes_dropped_unavailable",
+            "writes_abandoned",
+            "stored_forgotten",
         )
-        # Writer state, all guarded by _cond.
-        self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, Mapping[str, np.ndarray], str, _Ticket]]
-        self._queue = collections.deque()
-        self._queued: set[str] = set()  # keys queued or being written
-        self._in_flight = 0
+        self._lock = threading.Lock()  # guards the three below
         self._stored: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._remember = remember_stored
-        self._closing = False
-        self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="l3-writer", daemon=True)
-        self._writer.start()
+        self._overwrite: collections.OrderedDict[str, None] = collections.OrderedDict()  # bad keys
+        self._reading: set[PrefetchHandle] = set()  # prefetches not finished yet
+        self._closing = False  # set once, by close()
+        self._writes = WriteQueue(
+            self._write_batch,
+            max_bytes=cfg.max_queue_bytes,
+            batch_size=cfg.batch_size,
+            max_batch_bytes=cfg.max_batch_bytes,
+        )
 
     # -- reads -------------------------------------------------------------------
     def prefetch(self, keys: Sequence[str], namespace: Namespace | None = None) -> PrefetchHandle:
@@ -107,7 +126,7 @@ class StorageClient:
         Keys are read in batches of `batch_size`, the reads of a batch issued together
         (the store bounds how many are in flight) and the next batch read while this one
         is decoded; reading stops at the first miss or corrupt page. Pages are read-only
-        numpy views of the stored bytes.
+        numpy views of the stored bytes. Each batch read ends within `timeout_s`.
         """
         if self._closing:
             raise RuntimeError("StorageClient is closed")
@@ -116,12 +135,30 @@ class StorageClient:
         if not handle.keys:
             handle.finish()
         else:
+            with self._lock:
+                self._reading.add(handle)
             self._pool.submit(self._read_pages, handle, fingerprint)
         return handle
 
+    def reads_available(self) -> bool:
+        """False while the read breaker is open: a prefetch now would only miss."""
+        return self.guard.available("read")
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Existence probes, `batch_size` keys per store call, each call within its deadline;
+        keys found missing are forgotten as stored. Raises `L3Unavailable`, `L3Timeout` or
+        the store's error."""
+        present: list[bool] = []
+        for i in range(0, len(keys), self.batch_size):
+            batch = list(keys[i : i + self.batch_size])
+            got = self.guard.run("read", self.store.exists, batch, what="exists")
+            self._forget([k for k, p in zip(batch, got, strict=True) if not p])
+            present += got
+        return present
+
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are stored (one batched existence probe; no data read)."""
-        present = self.store.exists(keys) if keys else []
+        present = self.exists(keys)
         return next((i for i, p in enumerate(present) if not p), len(present))
 
     def _read_pages(self, handle: PrefetchHandle, fingerprint: str) -> None:
@@ -130,21 +167,32 @@ class StorageClient:
         # miss is read in vain.
         size = self.batch_size
         batches = [handle.keys[i : i + size] for i in range(0, len(handle.keys), size)]
-        ahead = self._io.submit(self.store.get, batches[0])
+        read = lambda batch: self.guard.run("read", self.store.get, batch, what="get")  # noqa: E731
+        ahead = self._io.submit(read, batches[0])
+        damaged: list[str] = []
         try:
             for i, batch in enumerate(batches):
                 values = ahead.result()
                 if handle.cancelled():
                     return
                 if i + 1 < len(batches):
-                    ahead = self._io.submit(self.store.get, batches[i + 1])
-                if not self._decode_batch(handle, batch, values, fingerprint):
+                    ahead = self._io.submit(read, batches[i + 1])
+                if not self._decode_batch(handle, batch, values, fingerprint, damaged):
                     return
-        except Exception:  # noqa: BLE001 - an L3 failure is a miss, never a crash
-            log.exception("L3 prefetch failed; treating the rest as a miss")
+        except L3Unavailable:
+            pass  # counted by the guard; a miss
+        except Exception as e:  # noqa: BLE001 - an L3 failure is a miss, never a crash
             self._stats.add(read_errors=1)
+            if not self._closing:
+                self.ratelog.warning(
+                    "prefetch", "L3 prefetch failed, the rest is a miss: %s: %s", type(e).__name__, e
+                )
         finally:
             handle.finish()
+            with self._lock:
+                self._reading.discard(handle)
+            if damaged:  # after finish(): the waiting request does not pay for the repair
+                self._delete_damaged(damaged)
 
     def _decode_batch(
         self,
@@ -152,26 +200,34 @@ class StorageClient:
         batch: Sequence[str],
         values: Sequence[bytes | None],
         fingerprint: str,
+        damaged: list[str],
     ) -> bool:
         """Decode one batch into `handle`; False once a page misses."""
         for key, value in zip(batch, values, strict=True):
             if value is None:
                 self._stats.add(read_misses=1)
-                self._forget(key)
+                self._forget([key])
                 return False
             try:
                 page = decode_page(value, fingerprint, expected_key=key)
             except CorruptPage as e:
-                log.warning("L3 page %s unusable: %s", key, e)
-                self._stats.add(checksum_failures=1)
-                if e.reason in _REPAIRABLE:
-                    self._forget(key)
-                    self.store.delete([key])  # so that the next write repairs it
+                self.ratelog.warning("corrupt", "L3 page %s unusable: %s", key, e)
+                self._stats.add(checksum_failures=1, **{f"corrupt_{e.reason}": 1})
+                if e.reason in _DAMAGED + _MISPLACED:
+                    self._forget([key], overwrite=True)
+                if e.reason in _DAMAGED:
+                    damaged.append(key)
                 return False
             self._stats.add(reads=1, bytes_read=len(value))
             self._remember_stored([key])
             handle.add_page(page)
         return True
+
+    def _delete_damaged(self, keys: list[str]) -> None:
+        try:
+            self.guard.run("write", self.store.delete, keys, what="delete")
+        except Exception as e:  # noqa: BLE001 - the next write overwrites it anyway
+            self.ratelog.warning("delete", "could not delete damaged L3 pages: %s: %s", type(e).__name__, e)
 
     # -- writes ------------------------------------------------------------------
     def write_async(
@@ -179,123 +235,165 @@ class StorageClient:
         items: Sequence[tuple[str, Mapping[str, np.ndarray]]],
         namespace: Namespace | None = None,
     ) -> Future[int]:
-        """Queue pages for L3 and return at once.
+        """Queue pages for L3 and return at once (never blocks on I/O).
 
-        Keys already stored (as far as this client knows) or already queued are dropped.
-        The caller must not modify the arrays it passed until the returned future is
-        done; the future resolves to the number of pages this call wrote.
+        Keys already stored (as far as this client knows) or already queued are dropped,
+        and so are pages that do not fit the queue's byte bound or arrive while writes are
+        refused (counted as ``writes_dropped_*``). The caller must not modify the arrays it
+        passed until the returned future is done; the future resolves to the number of
+        pages this call wrote.
         """
-        fingerprint = (namespace or self.namespace).fingerprint
-        with self._cond:
-            if self._closing:
-                raise RuntimeError("StorageClient is closed")
-            fresh = []
-            for key, arrays in items:
-                if key in self._queued or key in self._stored:
-                    continue
-                self._queued.add(key)
-                fresh.append((key, arrays))
-            ticket = _Ticket(len(fresh))
-            for key, arrays in fresh:
-                self._queue.append((key, arrays, fingerprint, ticket))
-            self._cond.notify_all()
-        self._stats.add(skipped_writes=len(items) - len(fresh))
-        if not fresh:
-            ticket.future.set_result(0)
-        return ticket.future
+        if self._closing:
+            raise RuntimeError("StorageClient is closed")
+        fresh = [(key, arrays) for key, arrays in items if not self.is_known_stored(key)]
+        known = len(items) - len(fresh)
+        unavailable = 0
+        if fresh and not self.guard.available("write"):
+            unavailable, fresh = len(fresh), []
+        future, full, queued = self._writes.offer(fresh, (namespace or self.namespace).fingerprint)
+        self._stats.add(
+            skipped_writes=known + queued,
+            writes_dropped_queue_full=full,
+            writes_dropped_unavailable=unavailable,
+        )
+        if full:
+            self.ratelog.warning(
+                "queue-full",
+                "L3 write queue full (%d bytes): skipped %d pages",
+                self.cfg.max_queue_bytes,
+                full,
+            )
+        return future
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write is stored; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout)
+        """Wait until every queued write is settled; False on timeout."""
+        return self._writes.wait_empty(timeout)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    return
-                n = min(len(self._queue), self.batch_size)
-                batch = [self._queue.popleft() for _ in range(n)]
-                self._in_flight = n
-            self._write_batch(batch)
-            with self._cond:
-                self._in_flight = 0
-                self._queued.difference_update(key for key, *_ in batch)
-                self._cond.notify_all()
+    def drain(self, timeout: float) -> DrainReport:
+        """Wait up to `timeout` for the write queue to empty. Pages still pending stay
+        queued (they are copies: nothing the caller frees can change them)."""
+        return self._writes.drain(timeout)
 
-    def _write_batch(self, batch: list[tuple[str, Mapping[str, np.ndarray], str, _Ticket]]) -> None:
+    def _write_batch(self, batch: list[WriteItem]) -> None:
+        """On the queue's thread: encode, probe and put one batch; settle every ticket."""
         encoded: list[tuple[str, bytes]] = []
         errors: dict[str, BaseException] = {}
-        for key, arrays, fingerprint, _ in batch:
+        for item in batch:
             try:
-                encoded.append((key, encode_page(arrays, fingerprint, key)))
+                encoded.append((item.key, encode_page(item.arrays, item.fingerprint, item.key)))
             except Exception as e:  # noqa: BLE001 - reported through the caller's future
-                errors[key] = e
+                errors[item.key] = e
+                self.ratelog.warning("encode", "cannot encode L3 page %s: %s", item.key, e)
         written: set[str] = set()
-        nbytes = skipped = 0
+        nbytes = skipped = dropped = 0
         if encoded:
             try:
-                # Probe here rather than inside put() so each page knows whether it was
-                # written; a page another writer adds in between is rewritten (harmless).
-                present = self.store.exists([k for k, _ in encoded])
-                todo = [item for item, p in zip(encoded, present, strict=True) if not p]
-                self.store.put(todo, force=True)
+                todo = self.guard.run("write", self._probe_and_put, encoded, what="put")
                 written = {k for k, _ in todo}
                 nbytes = sum(len(v) for _, v in todo)
                 skipped = len(encoded) - len(todo)
                 self._remember_stored([k for k, _ in encoded])
-            except Exception as e:  # noqa: BLE001 - reported through the futures
-                log.exception("L3 write of %d pages failed", len(encoded))
+            except L3Unavailable:
+                dropped = len(encoded)  # the breaker is open: a skipped backup, not an error
+            except Exception as e:  # noqa: BLE001 - reported through the futures (the guard logged it)
                 errors.update((k, e) for k, _ in encoded)
         self._stats.add(
             writes=len(written),
             bytes_written=nbytes,
             skipped_writes=skipped,
             write_errors=len(errors),
+            writes_dropped_unavailable=dropped,
         )
-        for key, _, _, ticket in batch:
-            ticket.settle(int(key in written), errors.get(key))
+        for item in batch:
+            item.ticket.settle(int(item.key in written), errors.get(item.key))
+
+    def _probe_and_put(self, encoded: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        # Probe here rather than inside put() so each page knows whether it was written; a
+        # page another writer adds in between is rewritten (harmless). One deadline covers both.
+        present = self.store.exists([k for k, _ in encoded])
+        with self._lock:
+            bad = {k for k, _ in encoded if k in self._overwrite}
+        todo = [item for item, p in zip(encoded, present, strict=True) if not p or item[0] in bad]
+        self.store.put(todo, force=True)
+        with self._lock:
+            for key in bad:
+                self._overwrite.pop(key, None)
+        return todo
 
     # -- bookkeeping -------------------------------------------------------------
     def _remember_stored(self, keys: Sequence[str]) -> None:
-        with self._cond:
+        with self._lock:
             for key in keys:
                 self._stored[key] = None
                 self._stored.move_to_end(key)
-            while len(self._stored) > self._remember:
+            while len(self._stored) > self.cfg.remember_stored:
                 self._stored.popitem(last=False)
 
-    def _forget(self, key: str) -> None:
-        with self._cond:
-            self._stored.pop(key, None)
+    def _forget(self, keys: Sequence[str], overwrite: bool = False) -> None:
+        """`keys` are not (good) in L3; with `overwrite`, the next write of each replaces
+        whatever sits under it."""
+        gone = 0
+        with self._lock:
+            for key in keys:
+                if key in self._stored:
+                    del self._stored[key]
+                    gone += 1
+                if overwrite:
+                    self._overwrite[key] = None
+                    while len(self._overwrite) > self.cfg.remember_stored:
+                        self._overwrite.popitem(last=False)
+        if gone:
+            self._stats.add(stored_forgotten=gone)
+
+    def is_known_stored(self, key: str) -> bool:
+        with self._lock:
+            return key in self._stored
 
     def clear(self) -> None:
-        """Flush, then delete every page of the store (all namespaces)."""
-        self.flush()
-        self.store.clear()
-        with self._cond:
+        """Drain, then delete every page of the store (all namespaces); bounded by ten
+        call deadlines. Raises if the store could not be cleared."""
+        self.drain(self.cfg.timeout_s)
+        self.guard.run("write", self.store.clear, what="clear", timeout=10 * self.cfg.timeout_s)
+        with self._lock:
             self._stored.clear()
 
     def stats(self) -> dict[str, int]:
-        """Counters plus the `pending_writes` gauge (queued or being written)."""
+        """Counters plus the gauges `pending_writes` and `pending_write_bytes` (queued or
+        being written), and the guard's counters."""
         out = self._stats.snapshot()
-        with self._cond:
-            out["pending_writes"] = len(self._queue) + self._in_flight
+        out.update(self.guard.counters.snapshot())
+        out["pending_writes"], out["pending_write_bytes"] = self._writes.pending()
         return out
 
-    def close(self) -> None:
-        """Write everything queued, stop the threads, close the store. Idempotent."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closing = True
-            self._cond.notify_all()
-        self._writer.join()
-        self._pool.shutdown(wait=True)
-        self._io.shutdown(wait=True)
+    def health(self) -> dict[str, int]:
+        """Gauges: read/write breaker open (1/0), store calls stuck past their deadline."""
+        return self.guard.health()
+
+    def close(self, timeout: float | None = None) -> DrainReport:
+        """Write what is queued for up to `timeout` (default `timeout_s`), drop the rest,
+        stop the threads, close the store. Returns at most about `timeout` later (plus one
+        call deadline if a prefetch is mid-read). Idempotent."""
+        timeout = self.cfg.timeout_s if timeout is None else timeout
+        with self._lock:
+            if self._closing:
+                return DrainReport(0, 0, 0.0)
+            self._closing = True  # no new writes or prefetches
+        report, abandoned = self._writes.close(timeout)
+        if abandoned:
+            self._stats.add(writes_abandoned=abandoned)
+            log.warning("L3: closing with %d page writes abandoned after %.1fs", abandoned, timeout)
+        # The pools' threads only wait on guarded calls, which their deadlines bound: nobody
+        # waits for them here.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            reading, self._reading = list(self._reading), set()
+        for handle in reading:  # a cancelled read would never finish its handle
+            handle.cancel()
+            handle.finish()
+        self.guard.close()
         self.store.close()
-        self._closed = True
+        return report
 
     def __enter__(self) -> StorageClient:
         return self

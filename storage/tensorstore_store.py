@@ -13,6 +13,10 @@ Why these choices (measured on a 2-core VM, see /work/shared/REFERENCE.md):
     carry a checksum, so a page lost to power failure before its data reached the disk
     reads back as a checksum failure, i.e. a miss (and the client deletes it).
   * No `ocdbt` and no zarr sharding: a cache that evicts needs one object per page.
+  * `timeout_s` bounds every batched call: TensorStore retries an unreachable S3 endpoint
+    for minutes, so each call waits for its futures until one deadline, then cancels the
+    rest and raises `TimeoutError`. (A hang below Python is thus bounded here; the client's
+    `StoreGuard` bounds any store, including ones that hang in Python.)
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 import collections
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import tensorstore as ts
@@ -88,10 +93,14 @@ class TensorStoreL3(L3Store):
         file_io_concurrency: int | None = None,
         file_io_sync: bool | None = False,
         max_in_flight: int = 32,
+        timeout_s: float | None = None,
     ):
         if max_in_flight <= 0:
             raise ValueError(f"max_in_flight must be > 0, got {max_in_flight}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 (or None), got {timeout_s}")
         self.max_in_flight = max_in_flight
+        self.timeout_s = timeout_s
         self.spec = resolve_spec(spec, file_io_sync=file_io_sync)
         context = {}
         if file_io_concurrency is not None:
@@ -125,15 +134,21 @@ class TensorStoreL3(L3Store):
             raise RuntimeError(f"{self!r} is closed")
         return self._kv
 
+    def _deadline(self) -> float | None:
+        """The Unix time by which the current call must end (TensorStore's clock)."""
+        return None if self.timeout_s is None else time.time() + self.timeout_s
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         kv = self._store()
         probe = lambda k: kv.read(_check_key(k), byte_range=slice(0, 0))
-        return [r.state == "value" for r in _windowed(probe, keys, self.max_in_flight)]
+        results = _windowed(probe, keys, self.max_in_flight, self._deadline())
+        return [r.state == "value" for r in results]
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         kv = self._store()
         read = lambda k: kv.read(_check_key(k))
-        out = [r.value if r.state == "value" else None for r in _windowed(read, keys, self.max_in_flight)]
+        results = _windowed(read, keys, self.max_in_flight, self._deadline())
+        out = [r.value if r.state == "value" else None for r in results]
         hits = [v for v in out if v is not None]
         self._stats.add(pages_read=len(hits), bytes_read=sum(map(len, hits)), misses=len(out) - len(hits))
         return out
@@ -145,7 +160,7 @@ class TensorStoreL3(L3Store):
         if not force and todo:
             present = self.exists([k for k, _ in todo])
             todo = [kv_item for kv_item, p in zip(todo, present, strict=True) if not p]
-        _await_all(kv.write(_check_key(k), v) for k, v in todo)
+        _await_all((kv.write(_check_key(k), v) for k, v in todo), self._deadline())
         self._stats.add(
             pages_written=len(todo),
             bytes_written=sum(len(v) for _, v in todo),
@@ -155,12 +170,15 @@ class TensorStoreL3(L3Store):
 
     def delete(self, keys: Sequence[str]) -> None:
         kv = self._store()
-        _await_all(kv.write(_check_key(k), None) for k in keys)
+        _await_all((kv.write(_check_key(k), None) for k in keys), self._deadline())
         self._stats.add(deletes=len(keys))
 
     def clear(self) -> None:
-        # The range is relative to this store's path: only our prefix is removed.
-        self._store().delete_range(ts.KvStore.KeyRange()).result()
+        # The range is relative to this store's path: only our prefix is removed. Deleting a
+        # whole store may legitimately take long: it gets ten call deadlines.
+        deadline = self._deadline()
+        deadline = None if deadline is None else deadline + 9 * self.timeout_s
+        _await_all([self._store().delete_range(ts.KvStore.KeyRange())], deadline)
 
     def list_keys(self) -> list[str]:
         """Every key under this store's prefix (cost grows with the store; for tests/admin)."""
@@ -179,24 +197,40 @@ def _check_key(key: str) -> str:
     return key
 
 
-def _windowed(start: Callable[[T], ts.Future], items: Iterable[T], window: int) -> Iterator:
-    """Results of `start(item)` in order, with at most `window` futures outstanding."""
+def _windowed(
+    start: Callable[[T], ts.Future], items: Iterable[T], window: int, deadline: float | None
+) -> list:
+    """Results of `start(item)` in order, with at most `window` futures outstanding; past
+    `deadline` (Unix time) the outstanding futures are cancelled and TimeoutError raised."""
     pending: collections.deque[ts.Future] = collections.deque()
-    for item in items:
-        if len(pending) >= window:
-            yield pending.popleft().result()
-        pending.append(start(item))
-    while pending:
-        yield pending.popleft().result()
+    out = []
+    try:
+        for item in items:
+            if len(pending) >= window:
+                out.append(pending.popleft().result(deadline=deadline))
+            pending.append(start(item))
+        while pending:
+            out.append(pending.popleft().result(deadline=deadline))
+    except TimeoutError:
+        for f in pending:
+            f.cancel()
+        raise TimeoutError(f"L3 store: {len(pending)} operations still pending at the deadline") from None
+    return out
 
 
-def _await_all(futures: Iterable[ts.Future]) -> None:
+def _await_all(futures: Iterable[ts.Future], deadline: float | None) -> None:
     """Issue and wait for every future (all in flight at once: writes hold no read buffers),
-    then raise the first error, so no write is left running when this returns."""
+    then raise the first error, so no write is left running when this returns. Past
+    `deadline` the unfinished ones are cancelled and TimeoutError raised."""
+    futures = list(futures)
     first: BaseException | None = None
-    for f in list(futures):
+    for i, f in enumerate(futures):
         try:
-            f.result()
+            f.result(deadline=deadline)
+        except TimeoutError:
+            for g in futures[i:]:
+                g.cancel()
+            raise TimeoutError(f"L3 store: {len(futures) - i} writes still pending at the deadline") from None
         except Exception as e:  # noqa: BLE001 - re-raised below after the rest finish
             first = first or e
     if first is not None:

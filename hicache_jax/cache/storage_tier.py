@@ -13,12 +13,22 @@ together, and reads only what that end needs::
 Reads and existence checks run on background threads; the scheduler thread only starts
 tasks and, each step, moves finished ones into the host tier (``poll``). Results are all
 or nothing per prefix: after the reads, the end is recomputed over what actually arrived.
+
+Bounds (the scheduler thread never waits on L3):
+  * every L3 call has a deadline (the client's ``timeout_s``), and each prefetch task one in
+    all (`PrefetchTask.deadline`): past it the request stops waiting, whatever the policy,
+    and the task is dropped, so a hung store cannot hold requests or pile up tasks;
+  * host rows: a task reserves, when it is issued, every row it may bring, and holds them
+    until it is applied or dropped; with the rows prefetches brought and no request used
+    yet, that is what ``host_rate_limit`` caps;
+  * while L3 reads are down (the client's breaker is open) no prefetch is issued.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -28,7 +38,9 @@ from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.radix import Node
 from hicache_jax.storage.client import StorageClient
+from hicache_jax.storage.guard import L3Unavailable
 from hicache_jax.storage.keys import Namespace, page_hashes, page_key
+from hicache_jax.storage.prefetch import PrefetchHandle
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +64,28 @@ class PrefetchTask:
     pages_read: int = 0
     applied: bool = False
     given_up: bool = False  # the request stopped waiting; the reads still land in L2
+    rows: int = 0  # host rows reserved for what it may bring
+    deadline: float = math.inf  # monotonic time after which it is dropped
+    handle: PrefetchHandle | None = None
 
 
 def prefetch_timeout(num_tokens: int) -> float:
     """How long the ``timeout`` policy waits: grows with the prompt (SGLang's rule)."""
     return min(30.0, 2.0 + 0.1 * num_tokens / 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageDrain:
+    """What a bounded `StorageTier.drain` did."""
+
+    prefetches_abandoned: int  # still reading at the deadline; their results are dropped
+    writes_drained: int  # queued L3 page writes settled while draining
+    writes_pending: int  # still queued at the deadline (they stay queued, as copies)
+    seconds: float
+
+    @property
+    def complete(self) -> bool:
+        return not self.prefetches_abandoned and not self.writes_pending
 
 
 class StorageTier:
@@ -78,9 +107,13 @@ class StorageTier:
         self.policy = policy
         self.threshold = threshold
         self.host_rate_limit = host_rate_limit
+        self.timeout_s = client.cfg.timeout_s
         self.tasks: dict[str, PrefetchTask] = {}
         self._progress = threading.Event()  # set whenever a prefetch finishes
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="l3-plan")
+        self._reserved = 0  # host rows reserved by tasks in self.tasks (scheduler thread only)
+        self._landed: dict[int, Node] = {}  # id -> node whose host rows a prefetch brought
+        self._closed = False
         self.counters = {
             "prefetch_issued": 0,
             "prefetch_completed": 0,
@@ -88,6 +121,9 @@ class StorageTier:
             "prefetch_timed_out": 0,
             "prefetch_below_threshold": 0,
             "prefetch_refused_host_full": 0,
+            "prefetch_skipped_l3_down": 0,
+            "prefetch_deadline_exceeded": 0,
+            "prefetch_abandoned": 0,
             "prefetch_failed": 0,
             "prefetch_pages": 0,
             "l3_write_errors": 0,
@@ -119,9 +155,10 @@ class StorageTier:
         fut.add_done_callback(self._write_done)
 
     def _write_done(self, fut) -> None:
+        # Runs on the writer thread: one increment at a time, so no lock is needed. The client
+        # has logged the failure (at a bounded rate).
         if fut.exception() is not None:
             self.counters["l3_write_errors"] += 1
-            log.warning("L3 write failed: %s", fut.exception())
 
     # ---- prefetch ---------------------------------------------------------------------------
     def start(
@@ -136,7 +173,13 @@ class StorageTier:
         # what is then read still ends at usable_prefix_end.
         if input_len - tree_end < self.threshold or max_end - tree_end < P:
             return
-        if self.prefetched_rows() >= self.host_rate_limit * sum(h.size for h in self.cache.host.values()):
+        if not self.client.reads_available():
+            self.counters["prefetch_skipped_l3_down"] += 1
+            return
+        flags = self.cache.availability(path)
+        rows, probes = self._max_rows(flags, max_end)
+        limit = self.host_rate_limit * sum(h.size for h in self.cache.host.values())
+        if self.prefetched_rows() + rows > limit:
             self.counters["prefetch_refused_host_full"] += 1
             return
         # The task sees every full page of the prompt; only usable_prefix_end keeps the
@@ -147,18 +190,44 @@ class StorageTier:
             input_len,
             logprob_start_len,
             salt,
-            self.cache.availability(path),
+            flags,
             tree_end,
+            rows=rows,
         )
+        # The probes and then the reads, in batches, each within a call deadline, plus one
+        # deadline of slack for queueing behind other tasks.
+        calls = math.ceil(probes / self.client.batch_size) + math.ceil(rows / self.client.batch_size)
+        task.deadline = task.started + self.timeout_s * (1 + calls)
+        self._reserved += rows
         self.tasks[key] = task
         self.counters["prefetch_issued"] += 1
         self._pool.submit(self._run, task)
 
+    def _max_rows(self, flags: tuple[list[bool], list[bool], list[bool]], max_end: int) -> tuple[int, int]:
+        """(the most host rows a task may bring, the existence probes it makes): the pages
+        before `max_end` the tree lacks are probed; of those it reads every full page, at
+        most one window of sliding-window pages and one Mamba snapshot."""
+        k = max_end // self.rules.page_size
+        lacks = dict(
+            zip(("full", "swa", "mamba"), (sum(not (j < len(f) and f[j]) for j in range(k)) for f in flags))
+        )
+        rows = lacks["full"] if "full" in self.kinds else 0
+        if "swa" in self.kinds:
+            rows += min(lacks["swa"], len(self.rules.swa_pages_needed(k * self.rules.page_size)))
+        if "mamba" in self.kinds:
+            rows += min(lacks["mamba"], 1)
+        return rows, sum(lacks[kind] for kind in self.kinds)
+
     def _run(self, task: PrefetchTask) -> None:
         try:
             self._plan_and_read(task)
-        except Exception:  # an I/O failure is a miss, never a crash
-            log.exception("L3 prefetch %s failed", task.key)
+        except L3Unavailable:
+            task.status = "failed"  # L3 is down: counted and logged by the client's guard
+        except Exception as e:  # an I/O failure is a miss, never a crash
+            if not self._closed:
+                self.client.ratelog.warning(
+                    "tier-prefetch", "L3 prefetch failed (a miss): %s: %s", type(e).__name__, e
+                )
             task.status = "failed"
         self._progress.set()
 
@@ -183,7 +252,7 @@ class StorageTier:
         task.hashes = page_hashes(task.tokens[: n * P], P, ns)
         tree = dict(zip(("full", "swa", "mamba"), task.tree_flags))
         probe = [(k, j) for k in self.kinds for j in range(n) if not (j < len(tree[k]) and tree[k][j])]
-        found = self.client.store.exists([page_key(task.hashes[j], SUFFIX[k]) for k, j in probe])
+        found = self.client.exists([page_key(task.hashes[j], SUFFIX[k]) for k, j in probe])
         have = {kj: ok for kj, ok in zip(probe, found)}
         end = usable_prefix_end(
             self.rules, task.input_len, task.logprob_start_len, *self._flags(task, have, n)
@@ -192,7 +261,11 @@ class StorageTier:
             task.status = "below_threshold"  # L3 cannot extend the match
             return
         need = self._needed(task, end)
-        handle = self.client.prefetch([page_key(task.hashes[j], SUFFIX[k]) for k, j in need], ns)
+        task.handle = handle = self.client.prefetch(
+            [page_key(task.hashes[j], SUFFIX[k]) for k, j in need], ns
+        )
+        if time.monotonic() > task.deadline:
+            handle.cancel()  # dropped while probing: read nothing more
         pages = handle.result()
         got = dict(zip(need, pages))  # the longest good run, in page order
         arrived = {kj: True for kj in got}
@@ -223,16 +296,22 @@ class StorageTier:
         return need
 
     def poll(self) -> None:
-        """Move finished prefetches into the host tier (scheduler thread only)."""
+        """Move finished prefetches into the host tier and drop those past their deadline
+        (scheduler thread only)."""
+        now = time.monotonic()
         for key, task in list(self.tasks.items()):
             if task.status == "pending":
+                if now > task.deadline:
+                    self._drop(key, task)
+                    self.counters["prefetch_abandoned"] += 1
                 continue
-            del self.tasks[key]
+            self._drop(key, task)
             task.applied = True
             if task.status == "done":
                 stored = self.cache.insert_host(
                     task.tokens, task.salt, task.data, task.hashes, task.end // self.rules.page_size
                 )
+                self._track_landed(task)
                 self.counters["prefetch_completed"] += 1
                 self.counters["prefetch_pages"] += stored
             elif task.status == "below_threshold":
@@ -240,17 +319,34 @@ class StorageTier:
             else:
                 self.counters["prefetch_failed"] += 1
 
+    def _drop(self, key: str, task: PrefetchTask) -> None:
+        """Forget a task and release its reservation; a late result is never applied."""
+        del self.tasks[key]
+        self._reserved -= task.rows
+        if task.status == "pending" and task.handle is not None:
+            task.handle.cancel()
+
+    def _track_landed(self, task: PrefetchTask) -> None:
+        path = self.cache.walk(task.tokens, task.end // self.rules.page_size, task.salt)
+        for node in path:
+            if node.from_storage:
+                self._landed[id(node)] = node
+
     def ready(self, key: str) -> bool:
         """Whether the request may be scheduled now, by the prefetch policy
         (``best_effort``: at once; ``wait_complete``: when the reads are in;
-        ``timeout``: when they are in or the prompt's timeout has passed)."""
+        ``timeout``: when they are in or the prompt's timeout has passed). Under any
+        policy a request waits no longer than its task's deadline."""
         task = self.tasks.get(key)
         if task is None or task.given_up:
             return True
         if self.policy == "best_effort":
             return self._give_up(task, "prefetch_revoked")
-        if self.policy == "timeout" and time.monotonic() - task.started > prefetch_timeout(task.input_len):
+        now = time.monotonic()
+        if self.policy == "timeout" and now - task.started > prefetch_timeout(task.input_len):
             return self._give_up(task, "prefetch_timed_out")
+        if now > task.deadline:
+            return self._give_up(task, "prefetch_deadline_exceeded")
         return False
 
     def _give_up(self, task: PrefetchTask, counter: str) -> bool:
@@ -259,33 +355,61 @@ class StorageTier:
         return True
 
     def prefetched_rows(self) -> int:
-        """Host rows holding prefetched data no request has used yet (the rate limit)."""
-        return sum(
-            sum(getattr(n, "host_" + k) is not None for k in self.kinds)
-            for n in self.cache.nodes()
-            if n.from_storage
-        )
+        """Host rows held for prefetches: reserved by tasks in flight, plus rows they
+        brought that no request has used yet (the rate limit). Costs O(those rows)."""
+        return self._reserved + self._landed_rows()
+
+    def _landed_rows(self) -> int:
+        rows = 0
+        for nid, node in list(self._landed.items()):
+            held = sum(getattr(node, "host_" + k) is not None for k in self.kinds)
+            if not node.from_storage or not held:
+                del self._landed[nid]  # used by a request, or evicted
+            else:
+                rows += held
+        return rows
 
     # ---- maintenance ---------------------------------------------------------------------------
-    def drain(self) -> None:
-        """Finish in-flight prefetches (dropping their results) and queued L3 writes:
-        flush_cache keeps L3 but must lose no write."""
-        while any(t.status == "pending" for t in self.tasks.values()):
-            time.sleep(0.005)
-        self.tasks.clear()
-        self.client.flush()
+    def drain(self, timeout: float | None = None) -> StorageDrain:
+        """Wait, for at most `timeout` (default: one call deadline) in all, for in-flight
+        prefetches (their results are dropped) and then for queued L3 writes: flush_cache
+        keeps L3 and should lose no write, but must answer."""
+        t0 = time.monotonic()
+        deadline = t0 + (self.timeout_s if timeout is None else timeout)
+        while any(t.status == "pending" for t in self.tasks.values()) and time.monotonic() < deadline:
+            self._progress.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            self._progress.clear()
+        abandoned = sum(t.status == "pending" for t in self.tasks.values())
+        for key, task in list(self.tasks.items()):
+            self._drop(key, task)
+        self._landed.clear()  # the caller clears L2
+        self.counters["prefetch_abandoned"] += abandoned
+        writes = self.client.drain(max(0.0, deadline - time.monotonic()))
+        if abandoned or writes.pending:
+            log.warning(
+                "L3 drain stopped at its deadline: %d prefetches abandoned, %d writes still queued",
+                abandoned,
+                writes.pending,
+            )
+        return StorageDrain(abandoned, writes.written, writes.pending, time.monotonic() - t0)
 
     def clear(self) -> None:
-        self.client.flush()
         self.client.clear()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.client.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop prefetching and close the client (its queued writes get up to `timeout`)."""
+        self._closed = True
+        for key, task in list(self.tasks.items()):
+            self._drop(key, task)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close(timeout)
 
     def stats(self) -> dict:
         out = dict(self.counters)
         out.update({f"l3_{k}": v for k, v in self.client.stats().items()})
+        out["prefetch_host_rows_in_flight"] = self._reserved
+        out["prefetch_host_rows_used"] = self._landed_rows()
+        out.update({f"storage_{k}": v for k, v in self.client.health().items()})
         return out
 
     def pending(self) -> Sequence[PrefetchTask]:

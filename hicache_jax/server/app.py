@@ -89,8 +89,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> dict:
-        if not await state.loop.flush():
+        result = await state.loop.flush()
+        if not result:
             raise ApiError(400, "flush_cache refused: requests are still in flight")
+        if hasattr(result, "to_dict"):
+            return result.to_dict()  # with what the L3 drain did (writes drained / left queued)
         return {"success": True, "message": "device and host caches flushed (L3 kept)"}
 
     @app.post("/clear_storage")

@@ -78,7 +78,8 @@ class EngineLoop:
     def abort(self, rid: str) -> None:
         self.submit(Abort(rid))
 
-    async def flush(self) -> bool:
+    async def flush(self):
+        """The engine's flush result (truthy on success)."""
         reply = Reply()
         self.submit(Flush(reply))
         return await reply
@@ -255,13 +256,14 @@ class EngineLoop:
     def _flush(self) -> None:
         t0 = time.perf_counter()
         try:
-            ok = bool(self.engine.flush_cache())
+            result = self.engine.flush_cache()  # truthy on success; may say what L3 did
         except Exception:
             log.exception("flush_cache failed")
-            ok = False
-        log.info("flush_cache: %s in %.2fs", "done" if ok else "refused", time.perf_counter() - t0)
+            result = False
+        message = getattr(result, "message", "done" if result else "refused")
+        log.info("flush_cache: %s in %.2fs", message, time.perf_counter() - t0)
         for f in self._flushes:
-            f.reply.set(ok)
+            f.reply.set(result)
         self._flushes.clear()
         held, self._held = self._held, []
         for msg in held:

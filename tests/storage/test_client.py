@@ -1,6 +1,7 @@
 """StorageClient: ordered prefetch with longest-good-prefix hits, write-behind, counters."""
 
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -35,6 +36,15 @@ def client(request, tmp_path):
     c = StorageClient(TensorStoreL3(spec), NS, batch_size=3)
     yield c
     c.close()
+
+
+def _eventually(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _ids(pages):
@@ -75,7 +85,8 @@ def test_corrupt_page_is_a_miss_and_is_repaired(client):
     client.store.put([(bad_key, bytes(blob))], force=True)
     assert _ids(client.prefetch([k for k, _ in items]).result(timeout=10)) == [0]
     assert client.stats()["checksum_failures"] == 1
-    assert client.store.exists([bad_key]) == [False]  # deleted so that a rewrite repairs it
+    # Deleted (after the prefetch answered) so that a rewrite repairs it.
+    assert _eventually(lambda: client.store.exists([bad_key]) == [False])
     client.write_async(items)
     client.flush()
     assert len(client.prefetch([k for k, _ in items]).result(timeout=10)) == 4
@@ -90,8 +101,12 @@ def test_page_of_another_namespace_or_key_is_a_miss(client):
     client.store.put([(items[1][0], encode_page(items[1][1], NS.fingerprint, items[0][0]))])
     assert client.prefetch([items[0][0]]).result(timeout=10) == []
     assert client.prefetch([items[1][0]]).result(timeout=10) == []
-    assert client.stats()["checksum_failures"] == 2
-    assert client.store.exists([items[0][0]]) == [True]  # not ours to delete
+    stats = client.stats()
+    assert stats["checksum_failures"] == 2 and stats["corrupt_namespace"] == stats["corrupt_key"] == 1
+    assert client.store.exists([k for k, _ in items]) == [True, True]  # a reader does not delete them
+    # ... but neither is a valid page for its key: this client's next backup overwrites both.
+    assert client.write_async(items).result(timeout=10) == 2
+    assert len(client.prefetch([k for k, _ in items]).result(timeout=10)) == 2
 
 
 def test_salted_namespace_per_call(client):
@@ -216,3 +231,20 @@ def test_cancel_stops_after_current_batch(client):
     handle.cancel()
     pages = handle.result(timeout=10)
     assert len(pages) in (0, 3, 6, 9) and _ids(pages) == list(range(len(pages)))
+
+
+def test_write_queue_is_bounded_in_bytes():
+    store = _SlowStore()  # puts wait for the gate: nothing leaves the queue
+    page_bytes = 2 * (2 * 4 * 8 * 2)  # k and v, bfloat16
+    with StorageClient(store, NS, max_queue_bytes=3 * page_bytes, batch_size=1) as c:
+        t0 = time.monotonic()
+        futures = [c.write_async([item]) for item in _pages(10)]
+        assert time.monotonic() - t0 < 0.5  # never blocks
+        stats = c.stats()
+        assert stats["pending_writes"] == 3 and stats["pending_write_bytes"] == 3 * page_bytes
+        assert stats["writes_dropped_queue_full"] == 7
+        assert [f.result(timeout=1) for f in futures[3:]] == [0] * 7  # skipped, not failed
+        store.gate.set()
+        assert c.flush(timeout=10) and sum(f.result(timeout=1) for f in futures) == 3
+        assert c.stats()["pending_write_bytes"] == 0
+        assert c.write_async(_pages(10)[5:6]).result(timeout=5) == 1  # room again

@@ -1,0 +1,100 @@
+"""Shared pieces of the L3 reliability tests: tiny engines whose L3 can be made to fail,
+and real servers.
+
+Every in-process engine here has the same shapes as ``tests/cache/l3_helpers.hicache_llm``
+with the tiny preset, so the step programs compile once per test process. The servers all
+run the same flags (L3 location and deadline aside) and share one persistent JAX
+compilation cache, so only the first one compiles.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hicache_jax.storage.breaker import BreakerConfig, CircuitBreaker
+from hicache_jax.storage.faults import FaultyStore, inject
+from hicache_jax.storage.guard import PATHS
+from hicache_jax.storage.keys import page_hashes, page_keys
+from tests.cache.l3_helpers import P, hicache_llm
+from tests.server.conftest import TEST_FLAGS, Server
+
+L3_LOGGERS = ("hicache_jax.storage", "hicache_jax.cache.storage_tier")
+
+
+@pytest.fixture
+def make_llm(tmp_path):
+    """``make_llm(**EngineConfig overrides)`` -> an LLM on a private L3 directory; every
+    engine made is healed and closed at the end of the test."""
+    made = []
+
+    def make(spec=None, **kw):
+        llm = hicache_llm(spec or tmp_path / "l3", preset="tiny", **kw)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        store = llm.engine.storage.client.store
+        if isinstance(store, FaultyStore):
+            store.heal()
+        llm.close()
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> dict[str, str]:
+    """Environment for the servers these tests start: one persistent compilation cache."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+@pytest.fixture
+def start_server(compile_cache, monkeypatch, tmp_path):
+    """``start_server(l3_spec, *flags, name=...)`` -> a running server (all three tiers) on
+    that L3; stopped at the end of the test unless already dead."""
+    for key, value in compile_cache.items():
+        monkeypatch.setenv(key, value)  # Server copies os.environ into the child
+    servers = []
+
+    def start(spec, *flags: str, name: str = "server") -> Server:
+        server = Server(
+            "hicache_l3_cpu.flags",
+            *TEST_FLAGS,
+            f"--hicache_storage_spec={spec}",
+            *flags,
+            log_path=str(tmp_path / f"{name}.log"),
+        )
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def faulty(llm) -> FaultyStore:
+    return inject(llm.engine.storage.client)
+
+
+def set_breakers(llm, threshold: int = 2, backoff_s: float = 0.3) -> None:
+    """Breakers that trip and retry fast enough for a test."""
+    cfg = BreakerConfig(threshold=threshold, backoff_s=backoff_s, max_backoff_s=backoff_s)
+    llm.engine.storage.client.guard.breakers = {p: CircuitBreaker(cfg) for p in PATHS}
+
+
+def kv_keys(llm, ids) -> list[str]:
+    """The full-attention page keys of a prompt, as the engine stores them."""
+    ns = llm.engine.storage.namespace
+    return page_keys(page_hashes(ids[: len(ids) // P * P], P, ns), "kv")
+
+
+def l3_log_lines(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith(L3_LOGGERS) and r.levelno >= logging.WARNING
+    ]
