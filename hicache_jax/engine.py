@@ -342,6 +342,12 @@ class Engine:
             self.prefix_cache.backup_pending(everything=everything)
         drained = self.storage.drain() if self.storage is not None else None
         self.prefix_cache.flush()
+        # Idle and flushed: every page must be free. Cheap now, and a leak found here is
+        # reported by /flush_cache instead of surfacing later as a stall.
+        self.check_integrity()
+        for name, used in self.pages_in_use().items():
+            if used:
+                raise AssertionError(f"{name}: {used} pages still in use after flush_cache")
         return FlushResult.done(time.monotonic() - t0, drained)
 
     def clear_storage(self) -> bool:
@@ -371,6 +377,11 @@ class Engine:
         out.update(self.prefix_cache.counters)
         if self.storage is not None:
             out.update(self.storage.stats())
+        return out
+
+    def pages_in_use(self) -> dict[str, int]:
+        out = {f"device {k}": p.num_used for k, p in self.prefix_cache.pools.items()}
+        out.update({f"host {k}": p.index.num_used for k, p in self.prefix_cache.host.items()})
         return out
 
     def check_integrity(self) -> None:

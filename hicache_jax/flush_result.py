@@ -19,6 +19,7 @@ class FlushResult:
     message: str
     seconds: float = 0.0
     storage: StorageDrain | None = None  # None: refused, or no L3 configured
+    failed: bool = False  # it raised (not merely refused while requests run)
 
     def __bool__(self) -> bool:
         return self.success

@@ -91,6 +91,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def flush_cache() -> dict:
         result = await state.loop.flush()
         if not result:
+            if getattr(result, "failed", False):
+                raise ApiError(500, result.message)
             raise ApiError(400, "flush_cache refused: requests are still in flight")
         if hasattr(result, "to_dict"):
             return result.to_dict()  # with what the L3 drain did (writes drained / left queued)

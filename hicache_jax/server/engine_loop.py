@@ -20,6 +20,7 @@ import threading
 import time
 
 from hicache_jax.failures import StepFailed
+from hicache_jax.flush_result import FlushResult
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.server.messages import (
     Abort,
@@ -257,9 +258,9 @@ class EngineLoop:
         t0 = time.perf_counter()
         try:
             result = self.engine.flush_cache()  # truthy on success; may say what L3 did
-        except Exception:
+        except Exception as e:  # e.g. the integrity check found a leaked page
             log.exception("flush_cache failed")
-            result = False
+            result = FlushResult(False, f"flush_cache failed: {type(e).__name__}: {e}", failed=True)
         message = getattr(result, "message", "done" if result else "refused")
         log.info("flush_cache: %s in %.2fs", message, time.perf_counter() - t0)
         for f in self._flushes:

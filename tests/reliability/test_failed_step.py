@@ -127,3 +127,11 @@ def test_server_unhealthy_until_rebuilt_then_serves(monkeypatch):
         assert r.status_code == 200 and r.json()["output_ids"] == want
         assert client.post("/flush_cache").status_code == 200
     engine.check_integrity()
+
+
+def test_flush_reports_a_leaked_page():
+    engine = Engine(CFG)
+    run_trace(engine, [TraceReq(tuple(_tokens(8, 40)), 2, 0.0, 0, 0)])
+    engine.prefix_cache.pools["full"].alloc(1)  # a page nobody owns
+    with pytest.raises(AssertionError, match="leaked"):
+        engine.flush_cache()
