@@ -54,6 +54,7 @@ class SoakConfig:
 @dataclasses.dataclass(frozen=True)
 class SoakRequest:
     key: str
+    round_idx: int
     prompt: tuple[int, ...]
     max_new_tokens: int
     temperature: float
@@ -105,6 +106,7 @@ def make_requests(cfg: SoakConfig, round_idx: int) -> list[SoakRequest]:
         out.append(
             SoakRequest(
                 key=f"r{round_idx}-{i}",
+                round_idx=round_idx,
                 prompt=prompt,
                 max_new_tokens=rng.randint(1, cfg.max_new_tokens),
                 temperature=0.0 if route == "completions" or rng.random() < 0.6 else 0.8,
@@ -228,13 +230,17 @@ class SoakReport:
     def completed(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.status == "ok"]
 
-    def latency_ms(self, q: float) -> float:
-        lat = [o.latency_s for o in self.completed if o.req.action == "complete"]
+    def latency_ms(self, q: float, first_round: int = 0) -> float:
+        lat = [
+            o.latency_s
+            for o in self.completed
+            if o.req.action == "complete" and o.req.round_idx >= first_round
+        ]
         return 1000 * float(np.quantile(lat, q)) if lat else float("nan")
 
-    @property
-    def requests_per_s(self) -> float:
-        return len(self.outcomes) / sum(self.rounds_s)
+    def requests_per_s(self, first_round: int = 0) -> float:
+        n = sum(o.req.round_idx >= first_round for o in self.outcomes)
+        return n / sum(self.rounds_s[first_round:])
 
     def problems(self, rss_growth_mb: float | None = None) -> list[str]:
         """Everything that went wrong: errors, a request meant to complete that did not,
@@ -259,8 +265,15 @@ class SoakReport:
         return (
             f"{n} requests ({len(self.completed)} completed, {gave_up} gave up) "
             f"in {sum(self.rounds_s):.1f}s: "
-            f"{self.requests_per_s:.2f} req/s; latency p50 {self.latency_ms(0.5):.0f} ms, "
-            f"p99 {self.latency_ms(0.99):.0f} ms; RSS after each round (MB): "
+            f"{self.requests_per_s():.2f} req/s; latency p50 {self.latency_ms(0.5):.0f} ms, "
+            f"p99 {self.latency_ms(0.99):.0f} ms"
+            + (
+                f"; after the first round (compiles): {self.requests_per_s(1):.2f} req/s, "
+                f"p50 {self.latency_ms(0.5, 1):.0f} ms, p99 {self.latency_ms(0.99, 1):.0f} ms"
+                if len(self.rounds_s) > 1
+                else ""
+            )
+            + "; RSS after each round (MB): "
             + ", ".join(f"{x:.0f}" for x in self.rss_mb)
         )
 
