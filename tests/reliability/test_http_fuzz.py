@@ -98,9 +98,64 @@ def mutated(draw, route: str) -> dict:
     return body
 
 
+# Values of the right type at the edges of their range: requests that get deep into the
+# server (streaming, logprobs, stop strings, batches) instead of failing at the first check.
+EDGE_INT = st.integers(-3, 40) | st.sampled_from([2**31, 2**63, -(2**63)])
+EDGE_FLOAT = st.floats(-1, 3) | st.sampled_from([0.0, 1e-9, 1.0, 1.0000001, math.nan, math.inf])
+TEXT = st.text(max_size=30)
+STOPS = TEXT | st.lists(TEXT, max_size=3)
+SAMPLING = st.fixed_dictionaries(
+    {"max_new_tokens": st.integers(0, 4)},
+    optional={
+        "temperature": EDGE_FLOAT, "top_p": EDGE_FLOAT, "top_k": EDGE_INT, "min_p": EDGE_FLOAT,
+        "stop": STOPS, "stop_token_ids": st.lists(EDGE_INT, max_size=3), "ignore_eos": st.booleans(),
+        "seed": EDGE_INT, "skip_special_tokens": st.booleans(),
+    },
+)  # fmt: skip
+OPENAI_PLAUSIBLE = {
+    "temperature": EDGE_FLOAT, "top_p": EDGE_FLOAT, "top_k": EDGE_INT, "min_p": EDGE_FLOAT,
+    "n": EDGE_INT, "stream": st.booleans(), "stop": STOPS, "seed": EDGE_INT, "user": TEXT,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "ignore_eos": st.booleans(), "stop_token_ids": st.lists(EDGE_INT, max_size=3), "cache_salt": TEXT,
+    "max_tokens": st.integers(0, 4) | EDGE_INT, "presence_penalty": EDGE_FLOAT,
+}  # fmt: skip
+PLAUSIBLE = {
+    "/generate": {
+        "text": TEXT | st.lists(TEXT, min_size=1, max_size=3),
+        "input_ids": st.lists(st.integers(-1, 520), max_size=6)
+        | st.lists(st.lists(st.integers(0, 511), max_size=4), max_size=3),
+        "sampling_params": SAMPLING | st.lists(SAMPLING, max_size=3),
+        "return_logprob": st.booleans(), "logprob_start_len": EDGE_INT, "top_logprobs_num": EDGE_INT,
+        "stream": st.booleans(), "rid": TEXT | st.lists(TEXT, max_size=3), "cache_salt": TEXT | st.none(),
+    },
+    "/v1/completions": OPENAI_PLAUSIBLE | {
+        "prompt": STOPS | st.lists(st.integers(0, 511), max_size=5), "logprobs": EDGE_INT | st.none(),
+        "echo": st.booleans(), "best_of": EDGE_INT,
+    },
+    "/v1/chat/completions": OPENAI_PLAUSIBLE | {
+        "messages": MESSAGES, "logprobs": st.booleans(), "top_logprobs": EDGE_INT | st.none(),
+        "max_completion_tokens": st.integers(0, 4) | EDGE_INT,
+        "chat_template_kwargs": st.dictionaries(TEXT, JUNK, max_size=3),
+    },
+}  # fmt: skip
+
+
+@st.composite
+def plausible(draw, route: str) -> dict:
+    """The route's valid template with a few fields set to typed, edge-of-range values."""
+    body = dict(ROUTES[route][0])
+    fields = PLAUSIBLE[route]
+    for name in draw(st.sets(st.sampled_from(sorted(fields)), max_size=4)):
+        body[name] = draw(fields[name])
+    if "text" in body and draw(st.booleans()):
+        body.pop("input_ids", None)
+    return body
+
+
 def body_bytes(route: str):
-    """(bytes, content type): a mutated request, any JSON value, or arbitrary bytes."""
-    as_json = st.one_of(mutated(route), mutated(route), mutated(route), JUNK).map(cap_generation)
+    """(bytes, content type): a plausible or mutated request, any JSON value, or bytes."""
+    as_json = st.one_of(plausible(route), plausible(route), mutated(route), mutated(route), JUNK)
+    as_json = as_json.map(cap_generation)
     encoded = as_json.map(lambda b: json.dumps(b, allow_nan=True).encode())
     raw = st.binary(max_size=300) | st.sampled_from([b"", b"{", b"[" * 5000, b'{"a": NaN}', b"\xff\xfe"])
     return st.tuples(encoded | encoded | encoded | raw, st.sampled_from(CONTENT_TYPES))
