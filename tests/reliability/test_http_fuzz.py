@@ -289,3 +289,13 @@ def test_oversized_body_is_413(server, quiet_log):
     r = httpx.post(server.url + "/generate", content=big, timeout=60)
     check(r)
     assert r.status_code == 413
+
+
+@pytest.mark.parametrize(
+    "method,path,status",
+    [("GET", "/generate", 405), ("PUT", "/v1/completions", 405), ("POST", "/no/such/route", 404)],
+)
+def test_wrong_method_or_path_is_a_json_4xx(server, quiet_log, method, path, status):
+    r = httpx.request(method, server.url + path, content=b"{}", timeout=60)
+    check(r)
+    assert r.status_code == status
