@@ -116,7 +116,7 @@ def main():
         fp, again = fingerprint_times(hf_dir, cold, args.repeats)
         kind = "cold" if cold else "warm"
         print(
-            f"{kind}: safetensors {hf:.2f}s (first {first:.2f}s, +{first - hf:.2f}s), orbax {ob:.2f}s, "
+            f"{kind}: safetensors {hf:.2f}s (first {first:.2f}s, {first - hf:+.2f}s), orbax {ob:.2f}s, "
             f"orbax/safetensors {ob / hf:.2f}; fingerprint alone {fp:.2f}s "
             f"({weights / fp / 1e9:.2f} GB/s), remembered {again * 1e3:.1f} ms"
         )
