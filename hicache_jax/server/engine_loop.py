@@ -81,7 +81,8 @@ class EngineLoop:
     def abort(self, sink: Sink) -> None:
         """Abort the request behind ``sink``, if it still runs. By sink, not by rid: the rid
         may already name a newer request (a client reusing it), which must not be hit."""
-        self.submit(Abort(sink.rid, sink))
+        if self._thread.is_alive():  # a dead loop runs nothing (and this is called in finally:)
+            self.submit(Abort(sink.rid, sink))
 
     async def flush(self) -> bool:
         reply = Reply()
