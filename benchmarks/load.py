@@ -5,6 +5,11 @@
 Makes a random-weight ~100M-parameter MistralForCausalLM with ``transformers``, converts it
 with ``hicache_jax.convert``'s API, then times both load paths, each with the page cache
 dropped first (``posix_fadvise(DONTNEED)`` on every file) and warm.
+
+It also prices the weights fingerprint (L3 namespace): ``safetensors first`` is a load with
+no digest remembered (every weight byte is hashed alongside the load), ``safetensors`` a
+load that finds them in the sidecar; ``fingerprint`` times the hash alone and a remembered
+look-up.
 """
 
 from __future__ import annotations
@@ -48,13 +53,41 @@ def drop_cache(path: str) -> None:
                 os.close(fd)
 
 
-def timed(fn, path: str, cold: bool) -> float:
+def timed(fn, path: str, cold: bool, before=None) -> float:
+    if before is not None:
+        before()
     if cold:
         drop_cache(path)
     t0 = time.perf_counter()
     model = fn(path)
     jax.block_until_ready(jax.tree_util.tree_leaves(__import__("flax").nnx.state(model)))
     return time.perf_counter() - t0
+
+
+def forget_digests(path: str) -> None:
+    from hicache_jax.models import file_digest
+
+    file_digest.forget(path)
+
+
+def fingerprint_times(path: str, cold: bool, repeats: int) -> tuple[float, float]:
+    """(hash every byte, look up the remembered digests) in seconds, best of ``repeats``."""
+    from hicache_jax.models import file_digest
+    from hicache_jax.models.fingerprint import checkpoint_fingerprint
+
+    first, again = [], []
+    for _ in range(repeats):
+        forget_digests(path)
+        if cold:
+            drop_cache(path)
+        t0 = time.perf_counter()
+        fp = checkpoint_fingerprint(path)
+        t1 = time.perf_counter()
+        file_digest.forget()  # a new process: only the sidecar remembers
+        assert checkpoint_fingerprint(path) == fp
+        first.append(t1 - t0)
+        again.append(time.perf_counter() - t1)
+    return min(first), min(again)
 
 
 def main():
@@ -72,11 +105,21 @@ def main():
     t0 = time.perf_counter()
     orbax_io.save(load_hf(hf_dir), orbax_dir, source=hf_dir)
     print(f"convert: {time.perf_counter() - t0:.2f}s")
+    shards = [n for n in os.listdir(hf_dir) if n.endswith(".safetensors")]
+    weights = sum(os.path.getsize(os.path.join(hf_dir, n)) for n in shards)
     for cold in (True, False):
         hf = min(timed(load_hf, hf_dir, cold) for _ in range(args.repeats))
+        first = min(
+            timed(load_hf, hf_dir, cold, before=lambda: forget_digests(hf_dir)) for _ in range(args.repeats)
+        )
         ob = min(timed(load_model, orbax_dir, cold) for _ in range(args.repeats))
+        fp, again = fingerprint_times(hf_dir, cold, args.repeats)
         kind = "cold" if cold else "warm"
-        print(f"{kind}: safetensors {hf:.2f}s, orbax {ob:.2f}s, orbax/safetensors {ob / hf:.2f}")
+        print(
+            f"{kind}: safetensors {hf:.2f}s (first {first:.2f}s, {first - hf:+.2f}s), orbax {ob:.2f}s, "
+            f"orbax/safetensors {ob / hf:.2f}; fingerprint alone {fp:.2f}s "
+            f"({weights / fp / 1e9:.2f} GB/s), remembered {again * 1e3:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

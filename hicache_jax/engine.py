@@ -30,7 +30,7 @@ from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
 from hicache_jax.transfer import PageTransfer
-from hicache_jax.validation import validate_prompt
+from hicache_jax.validation import validate_cache_salt, validate_prompt, validate_rid
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class Engine:
         stream: bool = False,
     ) -> str:
         """Validate and queue a request; raises InvalidRequest naming the bad field."""
+        validate_rid(rid)
+        validate_cache_salt(cache_salt)
         sp = SamplingParams.from_dict(sampling_params)
         pools = self.prefix_cache.pools
         capacity = min(p.size for k, p in pools.items() if k != "mamba") * self.cfg.page_size

@@ -1,10 +1,19 @@
-"""Per-request sampling settings, with SGLang's field names."""
+"""Per-request sampling settings, with SGLang's field names.
+
+Invariant: a ``SamplingParams`` that exists holds only values the batch builder can pack
+into its fixed-width arrays (int32 ``top_k``, uint32 seed, finite float32-able floats) and
+the output formatter can use (real bools): a bad value is an ``InvalidRequest`` here, never
+an overflow inside an engine step, which would fail every request in the batch.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 MAX_TOP_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # packed as int32; anything above the vocabulary means "off" anyway
+SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64, as clients send them; used modulo 2**32
 
 
 class InvalidRequest(ValueError):
@@ -27,7 +36,12 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(field, why):
-            raise InvalidRequest(f"sampling_params.{field}: {why} (got {getattr(self, field)!r})")
+            raise InvalidRequest(f"sampling_params.{field}: {why} (got {show(getattr(self, field))})")
+
+        if not isinstance(self.stop, tuple):
+            bad("stop", "must be a tuple of strings")
+        if not isinstance(self.stop_token_ids, tuple):
+            bad("stop_token_ids", "must be a tuple of integers")
 
         for f in ("max_new_tokens", "top_k", "n"):
             v = getattr(self, f)
@@ -35,22 +49,29 @@ class SamplingParams:
                 bad(f, f"must be an integer, not {type(v).__name__}")
         for f in ("temperature", "top_p", "min_p"):
             v = getattr(self, f)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
-                bad(f, "must be a number")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v):
+                bad(f, "must be a finite number")
+        for f in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "must be true or false")
         if self.max_new_tokens < 0:
             bad("max_new_tokens", "must be >= 0")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            bad("top_k", "must be -1 (off) or >= 1")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
+            bad("top_k", f"must be -1 (off) or in [1, {MAX_TOP_K}]")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         if self.n != 1:
             bad("n", "only n=1 is supported; send the prompt several times")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "must be an integer")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                bad("seed", "must be an integer")
+            if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+                bad("seed", "must fit in 64 bits")
+            object.__setattr__(self, "seed", self.seed % 2**32)  # the sampler's uint32 key
         if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of integers")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -77,11 +98,35 @@ class SamplingParams:
             raise InvalidRequest(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
         stop = d.get("stop")
         if stop is not None:
+            if not isinstance(stop, (str, list, tuple)):
+                why = "must be a string or a list of strings"
+                raise InvalidRequest(f"sampling_params.stop: {why} (got {show(stop)})")
             d["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-        if d.get("stop_token_ids") is not None:
-            d["stop_token_ids"] = tuple(d["stop_token_ids"])
+        ids = d.get("stop_token_ids")
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)):
+                why = "must be a list of integers"
+                raise InvalidRequest(f"sampling_params.stop_token_ids: {why} (got {show(ids)})")
+            d["stop_token_ids"] = tuple(ids)
         d = {k: v for k, v in d.items() if v is not None or k == "seed"}
         try:
             return cls(**d)
         except TypeError as e:
             raise InvalidRequest(f"sampling_params: {e}") from e
+
+
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(float(v))  # float(10**400) raises OverflowError
+    except OverflowError:
+        return False
+
+
+def show(value, limit: int = 80) -> str:
+    """``repr`` for an error message: cut to ``limit`` characters, and safe for integers too
+    long for ``repr`` (Python refuses to print ints of more than 4300 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        text = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else "<unprintable>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -5,7 +5,31 @@ from __future__ import annotations
 import numpy as np
 
 from hicache_jax.models.tokenizer import Tokenizer
-from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
+from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, show
+
+MAX_RID_CHARS = 256
+MAX_SALT_CHARS = 1024
+
+
+def validate_rid(rid) -> None:
+    """None (the engine names the request) or a non-empty string of at most MAX_RID_CHARS."""
+    if rid is None:
+        return
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequest(f"rid must be a non-empty string, got {show(rid)}")
+    if len(rid) > MAX_RID_CHARS:
+        raise InvalidRequest(f"rid is {len(rid)} characters long; at most {MAX_RID_CHARS}")
+
+
+def validate_cache_salt(salt) -> None:
+    """None or a string of at most MAX_SALT_CHARS. Any characters are fine: a salt only ever
+    enters a hash (the L3 namespace) and a dict key (its radix tree), never a path."""
+    if salt is None:
+        return
+    if not isinstance(salt, str):
+        raise InvalidRequest(f"cache_salt must be a string, got {type(salt).__name__}")
+    if len(salt) > MAX_SALT_CHARS:
+        raise InvalidRequest(f"cache_salt is {len(salt)} characters long; at most {MAX_SALT_CHARS}")
 
 
 def validate_prompt(
@@ -39,19 +63,21 @@ def validate_prompt(
     V = vocab_size
     bad = [t for t in input_ids if not 0 <= t < V]
     if bad:
-        raise InvalidRequest(f"input_ids: token ids {bad[:5]} outside the vocabulary [0, {V})")
+        raise InvalidRequest(f"input_ids: token ids {show(bad[:5])} outside the vocabulary [0, {V})")
     n = len(input_ids)
     if n + sp.max_new_tokens > context_len:
         raise InvalidRequest(
-            f"prompt ({n} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
+            f"prompt ({n} tokens) + max_new_tokens ({show(sp.max_new_tokens)}) exceeds "
             f"the context length {context_len}"
         )
     if n + sp.max_new_tokens > capacity:
         raise InvalidRequest(
-            f"prompt + max_new_tokens ({n + sp.max_new_tokens}) exceeds the KV cache ({capacity} tokens)"
+            f"prompt + max_new_tokens ({show(n + sp.max_new_tokens)}) exceeds the KV cache "
+            f"({capacity} tokens)"
         )
     if not isinstance(logprob_start_len, int) or logprob_start_len < -1 or logprob_start_len >= max(n, 1):
-        raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {n}), got {logprob_start_len!r}")
+        raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {n}), got {show(logprob_start_len)}")
     if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+        got = show(top_logprobs_num)
+        raise InvalidRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {got}")
     return input_ids

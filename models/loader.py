@@ -6,11 +6,13 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax.numpy as jnp
 from flax import nnx
 
 from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.models.fingerprint import checkpoint_fingerprint
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 from hicache_jax.models.hf.weights import abstract_state, load_params
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -44,16 +46,30 @@ def read_hf_config(model_dir: str) -> dict:
 
 
 def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) -> CausalLM:
-    """Build the model named by ``config.json`` and fill it from ``*.safetensors``."""
+    """Build the model named by ``config.json`` and fill it from ``*.safetensors``.
+
+    The weights' fingerprint (``model_fingerprint``) is hashed alongside, in a thread: the
+    load and the hash share the first read of a cold file, and the digests are remembered
+    beside the checkpoint, so a later ``model_fingerprint`` costs a few ``stat`` calls.
+    """
     t0 = time.perf_counter()
     hf = read_hf_config(model_dir)
     cfg = config_from_hf(hf, os.path.join(model_dir, "config.json"))
     dtype = resolve_dtype(dtype, hf)
     names = architecture(cfg.architecture).names
     ckpt = Checkpoint(model_dir)
-    graphdef, state = abstract_state(lambda: CausalLM(cfg, dtype=dtype, kernels=kernels))
-    pure = load_params(ckpt, names, cfg, nnx.to_pure_dict(state), dtype)
-    nnx.replace_by_pure_dict(state, pure)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
+    hashing = pool.submit(checkpoint_fingerprint, model_dir)
+    try:
+        graphdef, state = abstract_state(lambda: CausalLM(cfg, dtype=dtype, kernels=kernels))
+        pure = load_params(ckpt, names, cfg, nnx.to_pure_dict(state), dtype)
+        nnx.replace_by_pure_dict(state, pure)
+    except BaseException:
+        pool.shutdown(wait=False)  # report the load error now; the hash ends on its own
+        raise
+    pool.shutdown(wait=True)  # no thread outlives a successful load
+    if hashing.exception() is not None:  # model_fingerprint will say what is wrong
+        log.warning("could not fingerprint %s: %s", model_dir, hashing.exception())
     log.info("loaded %s from %s in %.2fs", cfg.architecture, model_dir, time.perf_counter() - t0)
     return nnx.merge(graphdef, state)
 
@@ -70,7 +86,6 @@ def load_model(path: str, *, dtype=None, kernels: KernelConfig | None = None) ->
 def model_fingerprint(path: str) -> str | None:
     """The weights identity of a model directory (None when it cannot be told)."""
     from hicache_jax.models import orbax_io
-    from hicache_jax.models.fingerprint import checkpoint_fingerprint
 
     if orbax_io.is_orbax_checkpoint(path):
         return orbax_io.read_fingerprint(path)

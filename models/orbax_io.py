@@ -58,7 +58,7 @@ def save(model: CausalLM, out_dir: str, *, source: str | None = None) -> None:
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(os.path.join(out_dir, "params"), _str_keys(params))
     ckptr.wait_until_finished()
-    from hicache_jax.models.fingerprint import checkpoint_fingerprint
+    from hicache_jax.models.fingerprint import VERSION, checkpoint_fingerprint
 
     meta = {
         "layout_version": LAYOUT_VERSION,
@@ -66,6 +66,7 @@ def save(model: CausalLM, out_dir: str, *, source: str | None = None) -> None:
         "dtype": str(model.dtype),
         "source": source,
         "fingerprint": checkpoint_fingerprint(source) if source else None,
+        "fingerprint_version": VERSION,
     }
     with open(os.path.join(out_dir, META), "w") as f:
         json.dump(meta, f, indent=2)
@@ -91,7 +92,20 @@ def _read_meta(path: str) -> dict:
 
 
 def read_fingerprint(path: str) -> str | None:
-    return _read_meta(path).get("fingerprint")
+    """The source checkpoint's fingerprint; None (the caller then hashes the restored
+    parameters) if there was no source or it was taken by an older, weaker scheme."""
+    from hicache_jax.models.fingerprint import VERSION
+
+    meta = _read_meta(path)
+    if meta.get("fingerprint") and meta.get("fingerprint_version") != VERSION:
+        log.warning(
+            "%s: its weights fingerprint predates fingerprint v%d; L3 is keyed by its "
+            "parameters instead (convert again to share L3 with the source checkpoint)",
+            path,
+            VERSION,
+        )
+        return None
+    return meta.get("fingerprint")
 
 
 def read_config(path: str) -> ModelConfig:

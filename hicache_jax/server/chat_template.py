@@ -51,22 +51,25 @@ class ChatTemplate:
             "eos_token": _token_text(cfg.get("eos_token")),
         }
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables=None) -> str:
+        """``variables``: extra template variables (a client's ``chat_template_kwargs``); a
+        dict, not ``**kwargs``, so a client's key can never clash with a Python argument."""
         from jinja2 import TemplateError
 
+        context = {**(variables or {}), **self._specials}
+        context.update(messages=messages, add_generation_prompt=add_generation_prompt)
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials, **kwargs
-            )
+            return self._template.render(context)
         except InvalidRequest:
             raise
-        except (TemplateError, TypeError, ValueError, KeyError) as e:  # the template's or the messages' fault
+        except (TemplateError, TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as e:
+            # The template's fault or (with chat_template_kwargs) the client's: not the server's.
             raise InvalidRequest(f"chat template failed: {e}") from e
 
-    def encode(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True, variables=None) -> list[int]:
         if not self.tokenizer.has_text:
             raise InvalidRequest(
                 "this model has no tokenizer.json: chat needs text; use /generate with input_ids"
             )
-        text = self.render(messages, add_generation_prompt, **kwargs)
+        text = self.render(messages, add_generation_prompt, variables)
         return self.tokenizer.encode(text, add_special_tokens=not self.from_model)

@@ -22,6 +22,7 @@ import time
 from hicache_jax.failures import StepFailed
 from hicache_jax.flush_result import FlushResult
 from hicache_jax.sampling_params import InvalidRequest
+from hicache_jax.server.errors import ApiError
 from hicache_jax.server.messages import (
     Abort,
     ClearStorage,
@@ -64,6 +65,9 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def submit(self, msg: Message) -> None:
+        if self._thread.ident is not None and not self._thread.is_alive():
+            # Nothing would ever answer: refuse now rather than leave the caller waiting.
+            raise ApiError(503, "the engine loop is not running; restart the server")
         self._queue.put(msg)
 
     async def generate(self, requests: list[dict]) -> list[Sink]:
@@ -76,8 +80,11 @@ class EngineLoop:
             raise InvalidRequest(error)
         return sinks
 
-    def abort(self, rid: str) -> None:
-        self.submit(Abort(rid))
+    def abort(self, sink: Sink) -> None:
+        """Abort the request behind ``sink``, if it still runs. By sink, not by rid: the rid
+        may already name a newer request (a client reusing it), which must not be hit."""
+        if self._thread.is_alive():  # a dead loop runs nothing (and this is called in finally:)
+            self.submit(Abort(sink.rid, sink))
 
     async def flush(self):
         """The engine's flush result (truthy on success)."""
@@ -150,8 +157,8 @@ class EngineLoop:
                 self._held.append(msg)
             case Generate():
                 self._add(msg)
-            case Abort(rid):
-                self._abort(rid)
+            case Abort(rid, sink):
+                self._abort(rid, sink)
             case Flush():
                 self._flushes.append(msg)
             case ClearStorage(reply):
@@ -181,17 +188,21 @@ class EngineLoop:
             where = f"request {len(added)}: " if len(msg.requests) > 1 else ""
             msg.reply.set(f"{where}{e}")
             return
-        for sink in msg.sinks:
-            self._sinks[sink.rid] = sink
+        for sink, rid in zip(msg.sinks, added):
+            sink.rid = rid  # the engine's name for it (the same, unless the client sent none)
+            self._sinks[rid] = sink
         msg.reply.set(None)
 
-    def _abort(self, rid: str) -> None:
-        sink = self._sinks.pop(rid, None)
-        if self.engine.abort(rid):  # frees its pages; False if it already finished
+    def _abort(self, rid: str, sink: Sink) -> None:
+        if self._sinks.get(rid) is not sink:
+            return  # finished already; the rid may now belong to another request
+        if self.engine.abort(rid):  # frees its pages
             self.stats["aborted_requests"] += 1
-            out = self.engine.pop_output(rid)
-            if sink is not None:
-                sink.put(Update(out, finished=True))
+        req = self.engine.requests.get(rid)
+        if req is None or req.finished:  # else the abort was refused: _step delivers it later
+            del self._sinks[rid]
+            if req is not None:
+                sink.put(Update(self.engine.pop_output(rid), finished=True))
 
     def _step(self) -> bool:
         """One engine step and its outputs delivered; False if it produced nothing."""

@@ -77,7 +77,10 @@ class Generate:
 
 @dataclasses.dataclass
 class Abort:
+    """Abort ``rid`` if it is still the request that ``sink`` listens to."""
+
     rid: str
+    sink: Sink
 
 
 @dataclasses.dataclass

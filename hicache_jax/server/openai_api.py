@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from hicache_jax.sampling_params import show
 from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hicache_jax.server.protocol import parse_body
@@ -31,7 +32,7 @@ def _state(request: Request) -> ServerState:
 
 def _check_model(state: ServerState, model: str) -> None:
     if model != state.served_model_name:
-        raise ApiError(404, f"model {model!r} not found; this server serves {state.served_model_name!r}")
+        raise ApiError(404, f"model {show(model)} not found; this server serves {state.served_model_name!r}")
 
 
 # ---- response pieces -----------------------------------------------------------------------------
@@ -181,7 +182,7 @@ async def chat_completions(request: Request) -> Response:
     _check_model(s, body.model)
     body.check_supported()
     messages = [m.as_template_input() for m in body.messages]
-    ids = await asyncio.to_thread(s.chat.encode, messages, True, **(body.chat_template_kwargs or {}))
+    ids = await asyncio.to_thread(s.chat.encode, messages, True, body.chat_template_kwargs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     req = dict(
         input_ids=ids,

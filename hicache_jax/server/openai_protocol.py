@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest
-from hicache_jax.server.protocol import StrictModel
+from hicache_jax.server.protocol import MAX_BATCH, StrictModel
 
 
 class StreamOptions(StrictModel):
@@ -102,6 +102,8 @@ class CompletionRequest(_Common):
             p = [p]
         if not isinstance(p, list) or not p:
             raise InvalidRequest("prompt must be a string, a list of strings or a list of token ids")
+        if len(p) > MAX_BATCH and not all(_is_int(x) for x in p):
+            raise InvalidRequest(f"at most {MAX_BATCH} prompts per request, got {len(p)}")
         if all(isinstance(x, str) for x in p):
             if not all(p):
                 raise InvalidRequest("prompt is empty")

@@ -15,9 +15,10 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hicache_jax.sampling_params import InvalidRequest, SamplingParams
-from hicache_jax.server.errors import describe_validation_errors
+from hicache_jax.server.errors import ApiError, describe_validation_errors
 
-MAX_BATCH = 1024  # prompts per /generate call
+MAX_BATCH = 1024  # prompts per /generate or /v1/completions call
+MAX_BODY_BYTES = 64 << 20  # a request body is read into memory: bound it
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -28,13 +29,28 @@ class StrictModel(BaseModel):
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as ``model``, whatever the Content-Type (``curl -d`` sends form-encoded);
     InvalidRequest with a readable message otherwise."""
-    raw = await request.body()
+    raw = await read_body(request)
     if not raw.strip():
         raise InvalidRequest("the body must be a JSON object")
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
         raise InvalidRequest(describe_validation_errors(e.errors())) from None
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, or a 413 as soon as it passes ``limit`` bytes (whatever Content-Length says)."""
+    too_big = ApiError(413, f"the request body is larger than {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class GenerateRequest(StrictModel):

@@ -75,7 +75,7 @@ class Watch:
         self._gone.cancel()
         for sink in self.sinks:
             if not sink.done:
-                self.loop.abort(sink.rid)
+                self.loop.abort(sink)
                 sink.done = True
 
 

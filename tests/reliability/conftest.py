@@ -1,5 +1,5 @@
 """Shared pieces of the L3 reliability tests: tiny engines whose L3 can be made to fail,
-and real servers.
+real servers, and the server shared with ``tests/server``.
 
 Every in-process engine here has the same shapes as ``tests/cache/l3_helpers.hicache_llm``
 with the tiny preset, so the step programs compile once per test process. The servers all
@@ -18,9 +18,15 @@ from hicache_jax.storage.faults import FaultyStore, inject
 from hicache_jax.storage.guard import PATHS
 from hicache_jax.storage.keys import page_hashes, page_keys
 from tests.cache.l3_helpers import P, hicache_llm
-from tests.server.conftest import TEST_FLAGS, Server
+from tests.server.conftest import TEST_FLAGS, Server, shared_server
 
 L3_LOGGERS = ("hicache_jax.storage", "hicache_jax.cache.storage_tier")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """``tests/server``'s server process (one per session), for the HTTP tests here."""
+    yield from shared_server(tmp_path_factory)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -48,6 +49,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.l3_dir: str | None = None
         cmd = [
             sys.executable,
             "-m",
@@ -111,15 +113,34 @@ class Server:
         self._log.close()
 
 
+_shared: dict[str, object] = {"server": None, "users": 0}
+
+
+def shared_server(tmp_path_factory) -> Iterator[Server]:
+    """Yield THE shared server: configs/hicache_l3_cpu.flags (L1 + L2 + L3) with a private L3
+    directory (``server.l3_dir``). Session fixtures in several test folders yield the same
+    process; the last one to finish stops it."""
+    s = _shared["server"]
+    if s is None or s.proc.poll() is not None:
+        tmp = tmp_path_factory.mktemp("server")
+        s = Server(
+            "hicache_l3_cpu.flags",
+            *TEST_FLAGS,
+            f"--hicache_storage_spec={tmp / 'l3'}",
+            log_path=str(tmp / "server.log"),
+        )
+        s.l3_dir = str(tmp / "l3")
+        _shared["server"] = s
+    _shared["users"] += 1
+    try:
+        yield s
+    finally:
+        _shared["users"] -= 1
+        if _shared["users"] == 0:
+            _shared["server"] = None
+            s.close()
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The shared server: configs/hicache_l3_cpu.flags (L1 + L2 + L3) with a private L3 dir."""
-    tmp = tmp_path_factory.mktemp("server")
-    s = Server(
-        "hicache_l3_cpu.flags",
-        *TEST_FLAGS,
-        f"--hicache_storage_spec={tmp / 'l3'}",
-        log_path=str(tmp / "server.log"),
-    )
-    yield s
-    s.close()
+    yield from shared_server(tmp_path_factory)
