@@ -28,7 +28,13 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(
-        self, flags: list[str], *, log_path: str, startup_timeout: float = 300.0, env: dict | None = None
+        self,
+        flags: list[str],
+        *,
+        log_path: str,
+        startup_timeout: float = 300.0,
+        env: dict | None = None,
+        cwd: str | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -36,7 +42,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "hicache_jax.serve", *flags, f"--port={self.port}"]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or dict(os.environ)
+            cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT, env=env or dict(os.environ)
         )
         self._wait_healthy(startup_timeout)
 
@@ -61,6 +67,9 @@ class ServerProcess:
             time.sleep(0.3)
         self.close()
         raise ServerError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        return self.proc.poll() is None and httpx.get(self.url + "/health", timeout=10).status_code == 200
 
     def rss_bytes(self) -> int:
         """Resident memory of the server process (Linux)."""

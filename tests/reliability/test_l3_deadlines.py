@@ -31,6 +31,7 @@ def _l3_threads() -> int:
 
 
 def test_hung_store_client_never_blocks_and_its_waits_are_bounded():
+    before = _l3_threads()  # other tests' engines may still hold L3 threads in this process
     store = FaultyStore(TensorStoreL3("memory://"))
     client = StorageClient(store, NS, timeout_s=0.2, max_store_calls=3, batch_size=4)
     store.hang()
@@ -47,7 +48,7 @@ def test_hung_store_client_never_blocks_and_its_waits_are_bounded():
         client.prefetch([k for k, _ in _pages(2, seed=7)]).result(timeout=2.0)
         client.write_async(_pages(1, seed=9))
     assert client.health()["stuck_calls"] <= 3 and store.blocked <= 3  # ... few are stuck
-    assert _l3_threads() < 10
+    assert _l3_threads() - before < 10
     assert client.drain(1.0).complete
     stats = client.stats()
     assert stats["timeouts"] >= 2 and stats["refused"] > 0 and stats["writes_dropped_unavailable"] > 0

@@ -8,14 +8,12 @@ costs seconds. Its log goes to a file that a failing start-up prints.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+
+from hicache_jax.bench.server_process import ServerError, ServerProcess, metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE_SIZE = 16
@@ -38,63 +36,28 @@ def server_env() -> dict:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """The server binary from a flagfile in ``configs/``, with an HTTP client; a failed
+    start-up fails the test with the server's log."""
 
-
-class Server:
     def __init__(self, flagfile: str, *extra: str, log_path: str, headers: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
         self.l3_dir: str | None = None
-        cmd = [
-            sys.executable,
-            "-m",
-            "hicache_jax.serve",
-            f"--flagfile=configs/{flagfile}",
-            f"--port={self.port}",
-            *extra,
-        ]
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=server_env()
-        )
+        self.client = None
+        try:
+            super().__init__(
+                [f"--flagfile=configs/{flagfile}", *extra],
+                log_path=log_path,
+                startup_timeout=180,
+                env=server_env(),
+                cwd=ROOT,
+            )
+        except ServerError as e:
+            pytest.fail(str(e))
         self.client = httpx.Client(base_url=self.url, timeout=120, headers=headers)
-        self._wait_healthy(timeout=180)
-
-    def log_tail(self, n: int = 40) -> str:
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-n:])
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.close()
-        pytest.fail(f"server not healthy after {timeout}s:\n{self.log_tail()}")
-
-    def healthy(self) -> bool:
-        return self.proc.poll() is None and httpx.get(self.url + "/health", timeout=10).status_code == 200
 
     def metrics(self) -> dict[str, float]:
         """Prometheus text -> {name{labels}: value}."""
-        text = self.client.get("/metrics").text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return metrics(self.url, self.client)
 
     def generate(self, **body) -> dict:
         r = self.client.post("/generate", json=body)
@@ -102,15 +65,9 @@ class Server:
         return r.json()
 
     def close(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        if self.client is not None:
+            self.client.close()
+        super().close()
 
 
 _shared: dict[str, object] = {"server": None, "users": 0}
