@@ -34,11 +34,19 @@ def test_pressure_gives_the_outputs_of_solo_runs(preset):
         }
         for i in range(16)
     ]
-    base = dict(preset=preset, page_size=16, chunked_prefill_size=64, max_running_requests=16)
-    roomy = Engine(EngineConfig(**base, max_total_tokens=4096))
-    alone = [run(roomy, [p], [sp])[0]["output_ids"] for p, sp in zip(prompts, params)]
+    base = dict(
+        preset=preset,
+        page_size=16,
+        chunked_prefill_size=64,
+        max_running_requests=16,
+        max_total_tokens=12 * 16,
+    )
+    # Alone: one at a time without a prefix cache, on a pool of the same shape (each request
+    # fits 12 pages alone), so both engines share their compiled steps.
+    solo = Engine(EngineConfig(**base, disable_radix_cache=True))
+    alone = [run(solo, [p], [sp])[0]["output_ids"] for p, sp in zip(prompts, params)]
 
-    tight = Engine(EngineConfig(**base, max_total_tokens=12 * 16))  # 12 pages for ~16 x 4 needed
+    tight = Engine(EngineConfig(**base))  # 12 pages for ~16 x 4 needed
     outs = run(tight, prompts, params, check_every_step=True)
     assert tight.scheduler.num_retractions > 0, "the pool was meant to be too small"
     for i, (o, a) in enumerate(zip(outs, alone)):

@@ -57,7 +57,7 @@ CONFIGS = [
 
 
 @settings(
-    max_examples=18,
+    max_examples=14,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
