@@ -29,6 +29,7 @@ class EngineConfig:
     max_total_tokens: int = 65536  # device KV capacity (full-attention pool), tokens
     swa_full_tokens_ratio: float = 1.0  # sliding-window pool size relative to the full pool
     mamba_cache_slots: int | None = None  # default: 4 x max_running_requests
+    max_queued_tokens: int | None = None  # prompt tokens waiting; default 16 x max_total_tokens
     context_length: int | None = None  # default: the model's max_position_embeddings
     disable_radix_cache: bool = False
     attention_backend: str | None = None  # xla | pallas; None: platform default
@@ -147,6 +148,8 @@ class EngineConfig:
             "must be > 0",
             self.hicache_storage_write_queue_mb,
         )
+        if self.max_queued_tokens is not None:
+            r(self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1", self.max_queued_tokens)
         if self.mamba_cache_slots is not None:
             r(
                 self.mamba_cache_slots >= 2 * self.max_running_requests,
@@ -154,6 +157,10 @@ class EngineConfig:
                 "must be >= 2 x max_running_requests",
                 self.mamba_cache_slots,
             )
+
+    @property
+    def queued_token_limit(self) -> int:
+        return self.max_queued_tokens or 16 * self.max_total_tokens
 
     @property
     def num_state_slots(self) -> int:

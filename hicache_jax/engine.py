@@ -25,7 +25,7 @@ from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.outputs import format_output, output_text
 from hicache_jax.request import Req, Status
 from hicache_jax.runner import ModelRunner
-from hicache_jax.sampling_params import InvalidRequest, SamplingParams
+from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
@@ -134,6 +134,12 @@ class Engine:
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
             raise InvalidRequest(f"rid {rid!r} is already in use")
+        limit = self.cfg.queued_token_limit
+        if self.scheduler.queued_tokens + len(input_ids) > limit:
+            raise QueueFull(
+                f"the queue holds {self.scheduler.queued_tokens} prompt tokens; this request's "
+                f"{len(input_ids)} would pass max_queued_tokens={limit}: retry later"
+            )
         req = Req(
             rid=rid,
             input_ids=input_ids,

@@ -27,6 +27,7 @@ ENGINE_HELP = {
     "max_total_tokens": "Device KV capacity in tokens (the full-attention page pool).",
     "swa_full_tokens_ratio": "Sliding-window page pool size relative to the full pool, in (0, 1].",
     "mamba_cache_slots": "Mamba state slots (working + snapshots); default 4 x --max_running_requests.",
+    "max_queued_tokens": "Most prompt tokens waiting to run; beyond it requests get 503 (default 16 x pool).",
     "context_length": "Longest prompt + completion; default: the model's max_position_embeddings.",
     "disable_radix_cache": "Turn off prefix caching.",
     "attention_backend": "xla (reference; CPU default) or pallas (TPU/GPU default).",

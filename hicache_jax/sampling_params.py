@@ -19,6 +19,14 @@ SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64, as clients send them; used mo
 class InvalidRequest(ValueError):
     """A request the engine refuses; the message names the field."""
 
+    status = 400  # the HTTP status it maps to
+
+
+class QueueFull(InvalidRequest):
+    """The waiting queue is at its bound; the request may be sent again later."""
+
+    status = 503
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:

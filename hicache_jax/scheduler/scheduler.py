@@ -53,15 +53,18 @@ class Scheduler:
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.num_retractions = 0
+        self.queued_tokens = 0  # prompt tokens in ``waiting`` (what its bound counts)
 
     # ---- queue --------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         self.waiting.append(req)
+        self.queued_tokens += req.input_len
 
     def abort(self, rid: str) -> Req | None:
         for r in list(self.waiting):
             if r.rid == rid:
                 self.waiting.remove(r)
+                self.queued_tokens -= r.input_len
                 return r
         for r in self.running:
             if r.rid == rid:
@@ -114,6 +117,7 @@ class Scheduler:
             if not self.adapter.admit(req, match, end):
                 break  # out of memory: FCFS, the rest wait behind it
             self.waiting.remove(req)
+            self.queued_tokens -= req.input_len
             req.status = Status.RUNNING
             self.running.append(req)
             self._add(plan, req, end)
@@ -147,6 +151,7 @@ class Scheduler:
         req.retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
+        self.queued_tokens += req.input_len
 
     def _add(self, plan: StepPlan, req: Req, end: int) -> None:
         start = req.num_computed

@@ -77,7 +77,7 @@ class EngineLoop:
         self.submit(Generate(requests, sinks, reply))
         error = await reply
         if error is not None:
-            raise InvalidRequest(error)
+            raise error
         return sinks
 
     def abort(self, sink: Sink) -> None:
@@ -186,7 +186,8 @@ class EngineLoop:
             if not isinstance(e, InvalidRequest):
                 log.exception("add_request failed")
             where = f"request {len(added)}: " if len(msg.requests) > 1 else ""
-            msg.reply.set(f"{where}{e}")
+            kind = type(e) if isinstance(e, InvalidRequest) else InvalidRequest
+            msg.reply.set(kind(f"{where}{e}"))
             return
         for sink, rid in zip(msg.sinks, added):
             sink.rid = rid  # the engine's name for it (the same, unless the client sent none)

@@ -63,7 +63,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
-        return error_response(400, str(exc))
+        return error_response(exc.status, str(exc))  # 400, or 503 for a full queue
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):

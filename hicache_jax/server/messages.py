@@ -51,13 +51,29 @@ class Failure:
     message: str
 
 
+def _partial(event) -> bool:
+    return isinstance(event, Update) and not event.finished
+
+
+class _Coalescing(asyncio.Queue):
+    """A non-final ``Update`` replaces one still unread: each carries the whole output so
+    far, so a slow reader loses nothing and the queue never holds more than a few events
+    (a stalled streaming client cannot make the server hold every intermediate output)."""
+
+    def _put(self, item) -> None:  # asyncio.Queue's hook for how items are stored
+        if self._queue and _partial(item) and _partial(self._queue[-1]):
+            self._queue[-1] = item
+        else:
+            self._queue.append(item)
+
+
 class Sink:
     """Per-request queue of ``Update``/``Failure`` events, fed from the engine thread."""
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
         self._loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Update | Failure] = asyncio.Queue()
+        self.queue: asyncio.Queue[Update | Failure] = _Coalescing()
         self.done = False  # set by the consumer once it saw the final event
 
     def put(self, event: Update | Failure) -> None:  # engine thread
@@ -67,7 +83,7 @@ class Sink:
 # ---- messages --------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Generate:
-    """Queue one or more requests, all or none. ``reply`` gets None, or the message of the
+    """Queue one or more requests, all or none. ``reply`` gets None, or the
     ``InvalidRequest`` that refused one of them (then none is queued)."""
 
     requests: list[dict]  # Engine.add_request keyword arguments, each with its rid
