@@ -7,6 +7,7 @@ import logging
 import random
 import time
 import uuid
+from typing import NoReturn
 
 from hicache_jax.build import (
     load_model_and_tokenizer,
@@ -216,7 +217,7 @@ class Engine:
                 f"{len(self.scheduler.waiting)} waiting; {self.adapter.describe_pools()}"
             )
 
-    def _step_failed(self, cause: Exception):
+    def _step_failed(self, cause: Exception) -> NoReturn:
         """Fail the running requests, rebuild the device state, raise ``StepFailed``."""
         message = f"engine step failed: {type(cause).__name__}: {cause}"
         log.error(
@@ -244,11 +245,10 @@ class Engine:
         """Rebuild device state after a failed step: L1 emptied, tree entries that pointed
         at device pages dropped (host copies stay), fresh device arrays. Waiting requests
         are kept; they start over from whatever L2/L3 still hold."""
-        for req in self.scheduler.running:
-            raise RuntimeError(f"recover() with request {req.rid} still running")
-        for req in self.scheduler.waiting:
-            if req.num_computed or req.last_node is not None:
-                raise RuntimeError(f"recover(): waiting request {req.rid} holds cache state")
+        if self.scheduler.running:
+            raise RuntimeError(f"recover() with {len(self.scheduler.running)} requests still running")
+        if any(r.num_computed or r.last_node is not None for r in self.scheduler.waiting):
+            raise RuntimeError("recover() while a waiting request holds cache state")
         self.prefix_cache.drop_device()
         self.runner.reset_cache()
         self.broken = None
