@@ -13,7 +13,7 @@ import time
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
-from hicache_jax.sampling_params import SamplingParams
+from hicache_jax.sampling_params import QueueFull, SamplingParams
 
 
 class LLM:
@@ -47,22 +47,31 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"{len(params)} sampling_params for {len(items)} prompts")
-        rids = [
-            self.engine.add_request(
-                **item,
-                sampling_params=sp,
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-                cache_salt=cache_salt,
-            )
-            for item, sp in zip(items, params)
-        ]
+        rids = []
+        for item, sp in zip(items, params):
+            while True:
+                try:
+                    rids.append(
+                        self.engine.add_request(
+                            **item,
+                            sampling_params=sp,
+                            return_logprob=return_logprob,
+                            logprob_start_len=logprob_start_len,
+                            top_logprobs_num=top_logprobs_num,
+                            cache_salt=cache_salt,
+                        )
+                    )
+                    break
+                except QueueFull:  # a batch larger than the queue: run some, then add more
+                    self._step()
         while self.engine.has_unfinished():
-            self.engine.step()
-            if not self.engine.scheduler.running:
-                time.sleep(0.001)  # only requests waiting on L3 prefetches: don't spin
+            self._step()
         return [self.engine.pop_output(r) for r in rids]
+
+    def _step(self) -> None:
+        self.engine.step()
+        if not self.engine.scheduler.running:
+            time.sleep(0.001)  # only requests waiting on L3 prefetches: don't spin
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()

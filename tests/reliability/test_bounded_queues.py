@@ -3,10 +3,12 @@ tokens (beyond it a request gets 503 and nothing is queued), and a streaming req
 events by coalescing (a reader that stalls holds the latest output, not every one)."""
 
 import asyncio
+import dataclasses
 
 import pytest
 from fastapi.testclient import TestClient
 
+from hicache_jax import LLM
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
 from hicache_jax.sampling_params import QueueFull
@@ -75,3 +77,10 @@ def test_stream_events_coalesce_for_a_slow_reader():
         assert isinstance(await sink.queue.get(), Failure)
 
     asyncio.run(scenario())
+
+
+def test_offline_batch_larger_than_the_queue_runs_whole():
+    llm = LLM(**dataclasses.asdict(CFG))
+    prompts = [_tokens(20 + i, 30) for i in range(8)]  # 240 prompt tokens, queue holds 100
+    outs = llm.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2, "temperature": 0})
+    assert [len(o["output_ids"]) for o in outs] == [2] * 8

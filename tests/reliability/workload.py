@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
+from hicache_jax.sampling_params import QueueFull
 
 VOCAB = (3, 500)  # token ids drawn here: no BOS/EOS (1, 2) inside prompts
 
@@ -85,7 +86,12 @@ def run_trace(
     while len(rids) < len(trace) or engine.has_unfinished():
         while len(rids) < len(trace) and trace[order[len(rids)]].arrival_step <= step:
             i = order[len(rids)]
-            rids[i] = engine.add_request(input_ids=list(trace[i].prompt), sampling_params=trace[i].sampling)
+            try:
+                rids[i] = engine.add_request(
+                    input_ids=list(trace[i].prompt), sampling_params=trace[i].sampling
+                )
+            except QueueFull:
+                break  # as a client would: retry after the engine made room
         engine.step()
         step += 1
         if check_every and step % check_every == 0:
