@@ -32,7 +32,7 @@ HEX_DIR = re.compile(r"^[0-9a-f]{1,64}$")
 def llm(tmp_path_factory):
     spec = tmp_path_factory.mktemp("isolation") / "l3"
     engine = hicache_llm(
-        spec, preset="tiny", max_total_tokens=32 * P, hicache_ratio=4.0, hicache_prefetch_threshold=P
+        spec, preset="tiny", max_total_tokens=20 * P, hicache_ratio=2.0, hicache_prefetch_threshold=P
     )
     engine.l3_dir = str(spec)
     yield engine
