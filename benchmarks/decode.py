@@ -1,13 +1,19 @@
-"""Decode throughput and step time against the memory floor.
+"""Decode throughput and step time against the memory and compute floors.
 
-    python benchmarks/decode.py [--presets tiny,100m] [--batches 1,8,32] [--context 256]
+    python benchmarks/decode.py [--presets tiny,100m] [--batches 1,8,32,64] [--context 256]
+                                [--profile_dir DIR]
 
 For each preset and batch size: B requests with a ``--context``-token prompt are prefilled,
 then decode steps are timed through the engine (scheduling included) and through the
-runner alone. The floor of a decode step is the bytes it must read (weights, plus each
-sequence's KV: the whole context for full-attention layers, the window for sliding ones,
-plus Mamba states read and written) over the copy bandwidth (bytes moved per second)
-measured in the same run (benchmarks/bandwidth.py).
+runner alone. Two floors, both from yardsticks measured in the same run:
+
+- memory: the bytes a step must read (weights, plus each sequence's KV: the whole context
+  for full-attention layers, the window for sliding ones, plus Mamba states read and
+  written) over the copy bandwidth (benchmarks/bandwidth.py);
+- compute: the step's FLOPs (benchmarks/floors.py) over the best float32 matmul rate.
+
+``ratio`` is the engine step over the larger floor. ``--profile_dir`` captures a
+``jax.profiler`` trace of a few engine steps per row and prints the ops that dominate.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import time
 import jax
 import numpy as np
 from bandwidth import copy_bandwidth  # benchmarks/ is the script's directory
+from floors import matmul_rate, step_flops
+from trace_summary import top_ops
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
@@ -38,7 +46,9 @@ def step_bytes(engine: Engine, batch: int, context: int) -> int:
     return weights + kv
 
 
-def bench(preset: str, batch: int, context: int, steps: int, bandwidth: float) -> dict:
+def bench(
+    preset: str, batch: int, context: int, steps: int, bandwidth: float, rate: float, profile_dir: str = ""
+) -> dict:
     engine = Engine(
         EngineConfig(
             preset=preset,
@@ -76,35 +86,52 @@ def bench(preset: str, batch: int, context: int, steps: int, bandwidth: float) -
     for _ in range(steps):
         engine.runner.step(*inputs[:4])
     runner_step = (time.perf_counter() - t0) / steps
-    floor = step_bytes(engine, batch, context + steps) / bandwidth
+    mid = context + steps  # the context halfway through the timed steps, roughly
+    mem = step_bytes(engine, batch, mid) / bandwidth
+    compute = step_flops(engine.model.cfg, [(1, mid)] * batch) / rate
+    if profile_dir:
+        trace = f"{profile_dir}/{preset}-b{batch}"
+        jax.profiler.start_trace(trace, create_perfetto_trace=True)
+        for _ in range(3):
+            engine.step()
+        jax.profiler.stop_trace()
+        print(f"  {preset} B={batch}: ops per engine step (ms) from {trace}")
+        for name, ms, n in top_ops(trace, steps=3, limit=8):
+            print(f"    {ms:8.2f}  x{n:<4d} {name}")
     return {
         "preset": preset,
         "batch": batch,
         "tokens_per_s": batch / engine_step,
         "engine_step_ms": 1e3 * engine_step,
         "runner_step_ms": 1e3 * runner_step,
-        "floor_ms": 1e3 * floor,
-        "runner/floor": runner_step / floor,
+        "mem_floor_ms": 1e3 * mem,
+        "compute_floor_ms": 1e3 * compute,
+        "ratio": engine_step / max(mem, compute),
     }
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--presets", default="tiny,100m")
-    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--profile_dir", default="", help="capture a jax.profiler trace per row here")
     args = p.parse_args()
-    bw = copy_bandwidth()
-    print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.2f} GB/s (read + write)")
-    cols = ("preset", "B", "tok/s", "engine ms", "runner ms", "floor ms", "ratio")
-    print(" ".join(f"{c:>{w}}" for c, w in zip(cols, (8, 3, 9, 10, 10, 9, 7))))
+    bw, rate = copy_bandwidth(), matmul_rate()
+    print(
+        f"device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.2f} GB/s (read + write); "
+        f"matmul {rate / 1e9:.1f} GFLOP/s (float32)"
+    )
+    cols = ("preset", "B", "tok/s", "engine ms", "runner ms", "mem ms", "flop ms", "ratio")
+    print(" ".join(f"{c:>{w}}" for c, w in zip(cols, (8, 3, 9, 10, 10, 9, 9, 7))))
     for preset in args.presets.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            r = bench(preset, b, args.context, args.steps, bw)
+            r = bench(preset, b, args.context, args.steps, bw, rate, args.profile_dir)
             print(
                 f"{preset:>8} {b:>3} {r['tokens_per_s']:>9.1f} {r['engine_step_ms']:>10.2f} "
-                f"{r['runner_step_ms']:>10.2f} {r['floor_ms']:>9.3f} {r['runner/floor']:>7.1f}"
+                f"{r['runner_step_ms']:>10.2f} {r['mem_floor_ms']:>9.3f} "
+                f"{r['compute_floor_ms']:>9.3f} {r['ratio']:>7.1f}"
             )
 
 

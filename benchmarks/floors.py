@@ -1,0 +1,63 @@
+"""The compute yardstick: a step's FLOPs and the matmul rate measured in the same run.
+
+``step_flops(cfg, seqs, logits_rows)`` counts the multiply-adds a step cannot avoid (2 FLOPs
+each): every projection and MLP matmul for each new token, attention scores and values over
+the keys each query may see (its causal prefix, or the window for sliding layers), the Mamba
+projections and state update, and the LM head for the rows whose logits the step returns.
+Norms, RoPE, softmax and the sampler are not counted: they are elementwise, and the memory
+floor accounts for them. ``matmul_rate()`` is the best FLOPs/s of a few large float32
+matmuls on this device, so ``flops / rate`` is the time a perfect kernel would take.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from hicache_jax.models.config import ModelConfig
+
+
+def matmul_rate(repeats: int = 5) -> float:
+    """FLOPs per second of the fastest of a few large float32 matmuls (best of ``repeats``)."""
+    best = 0.0
+    for m, k, n in ((1024, 1024, 1024), (2048, 768, 2048), (256, 2048, 2048)):
+        a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        f = jax.jit(jnp.matmul)
+        f(a, b).block_until_ready()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(a, b).block_until_ready()
+            best = max(best, 2 * m * k * n / (time.perf_counter() - t0))
+    return best
+
+
+def _span(kind: str, cfg: ModelConfig, pos: int) -> int:
+    """Keys the query at ``pos`` attends to."""
+    return min(pos + 1, cfg.sliding_window) if kind == "sliding" else pos + 1
+
+
+def step_flops(cfg: ModelConfig, seqs: list[tuple[int, int]], logits_rows: int | None = None) -> float:
+    """FLOPs of one step over ``seqs`` = (new tokens, tokens in the cache after the step)."""
+    h = cfg.hidden_size
+    tokens = sum(q for q, _ in seqs)
+    qkvo = 2 * h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * 2 * h * cfg.intermediate_size
+    flops = 0.0
+    for kind in cfg.layer_kinds:
+        flops += tokens * mlp
+        if kind == "mamba":
+            m = cfg.mamba
+            inner = m.intermediate_size
+            proj = 2 * h * (inner + m.conv_dim + m.num_heads) + 2 * inner * h
+            conv = 2 * m.conv_kernel * m.conv_dim
+            ssd = 2 * 3 * m.num_heads * m.head_dim * m.state_size  # decay, update, read-out
+            flops += tokens * (proj + conv + ssd)
+            continue
+        flops += tokens * qkvo
+        for q, kv in seqs:
+            keys = sum(_span(kind, cfg, p) for p in range(kv - q, kv))
+            flops += 2 * 2 * cfg.num_heads * cfg.head_dim * keys  # scores, then values
+    rows = len(seqs) if logits_rows is None else logits_rows
+    return flops + rows * 2 * h * cfg.vocab_size
