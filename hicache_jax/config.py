@@ -32,6 +32,7 @@ class EngineConfig:
     max_queued_tokens: int | None = None  # prompt tokens waiting; default 16 x max_total_tokens
     context_length: int | None = None  # default: the model's max_position_embeddings
     disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False  # read each step's results before scheduling the next
     attention_backend: str | None = None  # xla | pallas; None: platform default
     ssd_backend: str | None = None
     kernel_interpret: bool = False  # Pallas interpret mode (CPU tests)

@@ -1,7 +1,20 @@
-"""The engine: requests in, tokens out. ``step()`` is schedule -> run -> postprocess."""
+"""The engine: requests in, tokens out. ``step()`` is schedule -> run -> postprocess.
+
+Overlap schedule: a step is launched (JAX dispatches it asynchronously) and its results are
+read during the *next* ``step()`` call, so the host prepares step N+1 while the device runs
+step N. When step N is a plain decode step, step N+1 is even scheduled before N's tokens are
+known: each request carries its unread token as a placeholder (``Req.pending``) that the
+device fills in from N's sampled ids. That look-ahead is taken only when nothing in it can
+depend on N's results: no request waiting (no admission), a free page in every pool for
+each running request (no eviction of running state, no retraction), and room below the
+context length. A request that finishes at N (a stop token, a stop string) has then been
+run once more at N+1; that extra token is discarded, so outputs are the same as without
+overlap. ``disable_overlap_schedule`` reads every step before scheduling the next.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -38,6 +51,16 @@ log = logging.getLogger(__name__)
 STALL_STEPS = 100  # steps with work queued, nothing in flight and nothing scheduled
 
 
+@dataclasses.dataclass
+class Launched:
+    """A step on the device whose results nobody has read yet."""
+
+    plan: StepPlan
+    out: object  # SamplingOutputs of device arrays
+    ids: object  # its sampled ids padded to max_seqs (the next step's feed)
+    first_rows: list[int]
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, model: CausalLM | None = None, tokenizer: Tokenizer | None = None):
         if model is None:
@@ -56,6 +79,7 @@ class Engine:
             num_pages={g: pools["full" if g == "full" else "swa"].size for g in groups},
             page_size=P,
             num_state_slots=pools["mamba"].size if "mamba" in pools else 0,
+            max_seqs=BatchBuilder.max_seqs_for(cfg.max_running_requests),
         )
         host, transfer = None, None
         if cfg.enable_hierarchical_cache:
@@ -84,6 +108,7 @@ class Engine:
         self.requests: dict[str, Req] = {}
         self._keys = itertools.count()
         self._idle_steps = 0
+        self._inflight: Launched | None = None
         self.broken: BaseException | None = None  # a failed step's cause, until recover()
         self._rng = random.Random(cfg.random_seed)
         self.stats = {
@@ -168,7 +193,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -179,24 +204,58 @@ class Engine:
         queued but nothing could be scheduled for ``STALL_STEPS`` steps."""
         if self.broken is not None:
             self.recover()
+        prev, self._inflight = self._inflight, None
+        touched: list[Req] = []
+        if prev is not None and not self._can_run_ahead(prev):
+            touched, prev = self._complete(prev), None
         try:
             plan = self.scheduler.schedule()
         except OutOfMemory as e:  # the request cannot fit even alone: fail it, not the engine
             self.scheduler.running.remove(e.req)
             self.adapter.release(e.req)
             self._finish(e.req, {"type": "abort", "message": str(e)})
-            return [e.req]
+            return touched + [e.req]
         except Exception as e:  # e.g. an L2 -> L1 load (it donates the device cache)
             self._step_failed(e)
-        if plan is None:
+        if plan is not None:
+            self._idle_steps = 0
+            try:
+                self._inflight = self._launch(plan, prev)
+            except Exception as e:
+                self._step_failed(e)
+        if prev is not None:
+            touched = self._complete(prev)
+        elif plan is None and not touched:
             self._idle(0.01)
-            return []
-        self._idle_steps = 0
+        return touched
+
+    def _can_run_ahead(self, prev: Launched) -> bool:
+        """Whether the next step can be planned before ``prev``'s tokens are read."""
+        running = self.scheduler.running
+        if self.cfg.disable_overlap_schedule or self.scheduler.waiting or not prev.plan.decode_only:
+            return False
+        if len(prev.plan.items) != len(running) or any(i.req not in running for i in prev.plan.items):
+            return False
+        if any(r.seq_len + 1 >= self.context_len for r in running):
+            return False
+        return all(p.num_free >= len(running) for k, p in self.prefix_cache.pools.items() if k != "mamba")
+
+    def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
+        feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
+        batch, sampling, copies, top, first_rows = self.builder.build(plan, feed_from=feed_from)
+        out, ids = self.runner.launch(batch, sampling, copies, top, None if prev is None else prev.ids)
+        self.stats["steps"] += 1
+        for item in plan.items:  # the state after this step, as far as the host can know it
+            item.req.num_computed = item.end
+            if item.samples:
+                item.req.pending += 1
+        return Launched(plan, out, ids, first_rows)
+
+    def _complete(self, launched: Launched) -> list[Req]:
+        """Read a launched step's results and apply them."""
         try:
-            batch, sampling, copies, top, first_rows = self.builder.build(plan)
-            out = self.runner.step(batch, sampling, copies, top)
-            self.stats["steps"] += 1
-            touched = self._postprocess(plan, out, first_rows)
+            out = self.runner.fetch(launched.out)
+            touched = self._postprocess(launched.plan, out, launched.first_rows)
             if self.prefix_cache.host:
                 self.prefix_cache.backup_pending()  # write policy: device -> host (-> L3)
         except Exception as e:
@@ -226,6 +285,7 @@ class Engine:
             len(self.scheduler.running),
         )
         failed = []
+        self._inflight = None
         for req in list(self.scheduler.running):
             self.scheduler.running.remove(req)
             self.adapter.release(req)  # nothing goes to the tree: its device pages are suspect
@@ -259,11 +319,13 @@ class Engine:
         now = time.monotonic()
         for s, item in enumerate(plan.items):
             req = item.req
-            req.num_computed = item.end
+            if req.status is not Status.RUNNING:
+                continue  # aborted, or finished a step earlier (an overlap step's extra token)
             if item.wants_input_logprobs:
                 self._record_input_logprobs(req, item, out, first_rows[s])
             finished = None
             if item.samples:
+                req.pending -= 1
                 if len(req.output_ids) >= req.sampling.max_new_tokens:
                     finished = {"type": "length", "length": req.sampling.max_new_tokens}
                 else:
@@ -280,6 +342,7 @@ class Engine:
                 touched.append(req)
             if finished:
                 self.scheduler.running.remove(req)
+                req.num_computed, req.pending = item.end, 0  # a step after this one is void
                 self.adapter.finish(req)
                 self._finish(req, finished)
             else:

@@ -8,6 +8,8 @@ import time
 
 from hicache_jax.sampling_params import SamplingParams
 
+PLACEHOLDER = 0  # fill_ids' stand-in for a token still on the device (never fed: see plan.py)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -15,7 +17,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself: compared (and removed from lists) by identity
 class Req:
     rid: str
     input_ids: list[int]
@@ -50,6 +52,9 @@ class Req:
     swa_locked: list = dataclasses.field(default_factory=list)  # nodes whose SWA page it pins
     num_inserted_pages: int = 0  # pages of fill_ids already in the tree
     retractions: int = 0
+    # Tokens sampled by a step still in flight (the overlap schedule): their ids are on the
+    # device, so ``fill_ids`` holds a placeholder for each until the step's results are read.
+    pending: int = 0
 
     # Logprobs.
     input_logprobs: dict = dataclasses.field(default_factory=dict)  # position -> (lp, top)
@@ -58,7 +63,12 @@ class Req:
 
     @property
     def fill_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
+        return self.input_ids + self.output_ids + [PLACEHOLDER] * self.pending
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the sequence so far: prompt, outputs, and outputs still in flight."""
+        return len(self.input_ids) + len(self.output_ids) + self.pending
 
     @property
     def input_len(self) -> int:
@@ -67,7 +77,7 @@ class Req:
     @property
     def remaining(self) -> int:
         """Tokens still to feed before the next token can be sampled."""
-        return len(self.input_ids) + len(self.output_ids) - self.num_computed
+        return self.seq_len - self.num_computed
 
     @property
     def finished(self) -> bool:

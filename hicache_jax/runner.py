@@ -2,6 +2,11 @@
 
 A step is ``restore snapshots -> forward -> take snapshots -> sample``, all inside one
 jit, so logits never leave the device and Mamba state copies need no extra dispatch.
+
+``launch`` only dispatches (JAX runs it asynchronously) and ``fetch`` reads the results,
+so the engine can schedule the next step while this one runs. A step may take input tokens
+that the previous step sampled and nobody has read yet (``ForwardBatch.feed_rows``): every
+step returns its sampled ids padded to ``max_seqs`` and takes the previous step's, on device.
 """
 
 from __future__ import annotations
@@ -50,16 +55,71 @@ def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
     return tuple(out)
 
 
+class _Structure:
+    """The model's graph and parameter tree as one static jit argument. Interned, so it
+    hashes by identity: hashing a Flax graphdef on every call costs milliseconds."""
+
+    _interned: dict = {}
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+
+    @classmethod
+    def of(cls, graphdef, treedef) -> _Structure:
+        return cls._interned.setdefault((graphdef, treedef), cls(graphdef, treedef))
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, *, num_pages: dict[str, int], page_size: int, num_state_slots: int):
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        num_pages: dict[str, int],
+        page_size: int,
+        num_state_slots: int,
+        max_seqs: int = 1,
+    ):
         self.model = model
         self.cfg = model.cfg
         self.page_size = page_size
         self.has_mamba = "mamba" in self.cfg.layer_kinds
         self.graphdef, self.params = nnx.split(model)
+        # Flat leaves: flattening an nnx.State on every call costs milliseconds per step.
+        self._leaves, treedef = jax.tree_util.tree_flatten(self.params)
+        self._structure = _Structure.of(self.graphdef, treedef)
         self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
         self.cache = model.allocate_cache(**self._cache_shape)
+        self._no_ids = jnp.zeros((max_seqs,), jnp.int32)
         self._compiled_before = _step_jit._cache_size()
+
+    def launch(
+        self,
+        batch: ForwardBatch,
+        sampling: SamplingInputs,
+        copies: StateCopies,
+        top_logprobs: int,
+        prev_ids: jax.Array | None = None,
+    ) -> tuple[SamplingOutputs, jax.Array]:
+        """Dispatch a step; returns its outputs and its sampled ids padded to ``max_seqs``
+        (the next step's ``prev_ids``), both still on the device."""
+        if batch.feed_rows is None:
+            batch = dataclasses.replace(batch, feed_rows=np.full(batch.input_ids.shape, -1, np.int32))
+        self.cache, out, ids = _step_jit(
+            self._leaves,
+            self.cache,
+            batch,
+            sampling,
+            copies,
+            self._no_ids if prev_ids is None else prev_ids,
+            structure=self._structure,
+            top_logprobs=top_logprobs,
+        )
+        return out, ids
+
+    @staticmethod
+    def fetch(out: SamplingOutputs) -> SamplingOutputs:
+        """Wait for a launched step and bring its outputs to the host."""
+        return jax.tree_util.tree_map(np.asarray, out)
 
     def step(
         self,
@@ -68,16 +128,8 @@ class ModelRunner:
         copies: StateCopies,
         top_logprobs: int,
     ) -> SamplingOutputs:
-        self.cache, out = _step_jit(
-            self.params,
-            self.cache,
-            batch,
-            sampling,
-            copies,
-            graphdef=self.graphdef,
-            top_logprobs=top_logprobs,
-        )
-        return jax.tree_util.tree_map(np.asarray, out)
+        """Launch and wait."""
+        return self.fetch(self.launch(batch, sampling, copies, top_logprobs)[0])
 
     def reset_cache(self) -> None:
         """Fresh device cache arrays (after a failed step consumed the donated ones)."""
@@ -97,11 +149,17 @@ class ModelRunner:
         return b
 
 
-def _step(params, cache, batch, sampling, copies, *, graphdef, top_logprobs):
+def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_logprobs):
+    fed = prev_ids[jnp.maximum(batch.feed_rows, 0)]
+    ids = jnp.where(batch.feed_rows >= 0, fed, batch.input_ids)
+    batch = dataclasses.replace(batch, input_ids=ids, feed_rows=None)
+    params = jax.tree_util.tree_unflatten(structure.treedef, leaves)
     cache = copy_states(cache, copies.before_src, copies.before_dst)
-    cache, logits = nnx.merge(graphdef, params)(cache, batch)
+    cache, logits = nnx.merge(structure.graphdef, params)(cache, batch)
     cache = copy_states(cache, copies.after_src, copies.after_dst)
-    return cache, sample(logits, sampling, top_logprobs)
+    out = sample(logits, sampling, top_logprobs)
+    n = min(out.next_ids.shape[0], prev_ids.shape[0])
+    return cache, out, jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
 
 
-_step_jit = jax.jit(_step, static_argnames=("graphdef", "top_logprobs"), donate_argnums=(1,))
+_step_jit = jax.jit(_step, static_argnames=("structure", "top_logprobs"), donate_argnums=(1,))

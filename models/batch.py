@@ -47,6 +47,9 @@ class ForwardBatch:
     state_slots: jax.Array  # [S] int32, Mamba state slot per sequence (-1: none)
     has_initial_state: jax.Array  # [S] bool: read the slot's state (else start from zero)
     logits_indices: jax.Array  # [R] int32: token rows whose logits the step returns
+    # [T] int32 or None: -1 where ``input_ids`` holds the token, else the row of the previous
+    # step's sampled ids to feed (the overlap schedule; the runner resolves it on device).
+    feed_rows: jax.Array | None = None
     # Static: every sequence contributes exactly one token (lets Mamba take the
     # one-step recurrence instead of the chunked scan).
     decode_only: bool = False
@@ -65,6 +68,7 @@ jax.tree_util.register_dataclass(
         "state_slots",
         "has_initial_state",
         "logits_indices",
+        "feed_rows",
     ],
     meta_fields=["decode_only"],
 )

@@ -26,14 +26,16 @@ class WorkItem:
     start: int  # first token (index into fill_ids) fed this step
     end: int  # one past the last
     has_initial_state: bool = False
+    # Whether the step samples this request's next token: fixed when planned, because the
+    # request's length grows by that token (``Req.pending``) as soon as the step launches.
+    samples: bool = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.samples = self.end == self.req.seq_len
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
-
-    @property
-    def samples(self) -> bool:
-        return self.end == len(self.req.input_ids) + len(self.req.output_ids)
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -73,6 +75,12 @@ class BatchBuilder:
         self.max_running = max_running
         self.buckets = token_buckets(max_prefill + max_running)
         self.max_pages = max_pages
+        self.max_seqs = self.max_seqs_for(max_running)
+
+    @staticmethod
+    def max_seqs_for(max_running: int) -> int:
+        """The most sequences any step holds (decode buckets round up to a power of two)."""
+        return max(max_running, 1 << (max_running - 1).bit_length())
 
     def shapes(self, plan: StepPlan) -> tuple[int, int, int]:
         """(T, S, R) for a plan."""
@@ -93,10 +101,15 @@ class BatchBuilder:
         return decode + prefill
 
     def build(
-        self, plan: StepPlan, shape: tuple[int, int, int, bool] | None = None
+        self,
+        plan: StepPlan,
+        shape: tuple[int, int, int, bool] | None = None,
+        feed_from: dict[Req, int] | None = None,
     ) -> tuple[ForwardBatch, SamplingInputs, StateCopies, int, list[int]]:
         """Device inputs, the top-logprobs width, and each item's first row in T.
-        ``shape`` forces (T, S, R, decode_only) (warm-up builds empty batches of each)."""
+        ``shape`` forces (T, S, R, decode_only) (warm-up builds empty batches of each).
+        ``feed_from``: requests whose next input token is still on the device, sampled by
+        the step in flight at the given row (``ForwardBatch.feed_rows``)."""
         T, S, R = shape[:3] if shape else self.shapes(plan)
         decode_only = shape[3] if shape else plan.decode_only
         P = self.P
@@ -108,6 +121,7 @@ class BatchBuilder:
         slots = {g: np.full(T, -1, np.int32) for g in self.groups}
         state_slots = np.full(S, -1, np.int32)
         has_init = np.zeros(S, bool)
+        feed = np.full(T, -1, np.int32)
         targets = np.full(R, -1, np.int32)
         s_inputs = {
             "temperature": np.zeros(S, np.float32),
@@ -125,6 +139,8 @@ class BatchBuilder:
             fill = r.fill_ids
             n = item.num_tokens
             ids[t : t + n] = fill[item.start : item.end]
+            if r.pending:  # the last token fed is still on the device
+                feed[t + n - 1] = feed_from[r]
             p = np.arange(item.start, item.end)
             pos[t : t + n] = p
             for g, pages in (("full", r.full_pages), ("swa", r.swa_pages)):
@@ -144,7 +160,7 @@ class BatchBuilder:
             s_inputs["top_k"][s] = sp.top_k
             s_inputs["min_p"][s] = sp.min_p
             s_inputs["seeds"][s] = r.seed
-            s_inputs["counters"][s] = len(r.output_ids)
+            s_inputs["counters"][s] = len(r.output_ids) + r.pending
             last_rows[s] = (t + n - 1) if R == T else s
             if R == T:
                 nxt = fill[item.start + 1 : item.end + 1]  # row q scores token q+1
@@ -169,6 +185,7 @@ class BatchBuilder:
             state_slots=state_slots,
             has_initial_state=has_init,
             logits_indices=logits_rows,
+            feed_rows=feed,
             decode_only=decode_only,
         )
         sampling = SamplingInputs(last_rows=last_rows, targets=targets, **s_inputs)

@@ -81,7 +81,7 @@ class Scheduler:
         """Where this step's chunk of ``req`` ends: its budget, the next multiple of
         ``chunked_prefill_size``, and (Mamba) the prompt's last page boundary, so a state
         snapshot lands exactly where the same prompt's match will want one."""
-        total = len(req.input_ids) + len(req.output_ids)
+        total = req.seq_len
         chunk = self.cfg.chunked_prefill_size
         end = min(total, start + budget, (start // chunk + 1) * chunk)
         if self.adapter.has_mamba:

@@ -48,7 +48,7 @@ def test_failed_step_fails_running_rebuilds_and_serves_exactly(monkeypatch):
         engine.add_request(input_ids=_tokens(s, 40), sampling_params={"max_new_tokens": 4}) for s in (2, 3)
     ]
     engine.step()  # both running now
-    fail_once(monkeypatch, engine.runner, "step")
+    fail_once(monkeypatch, engine.runner, "launch")
     with pytest.raises(StepFailed) as e:
         engine.step()
     assert sorted(e.value.failed) == sorted(rids)
@@ -104,7 +104,7 @@ def test_server_unhealthy_until_rebuilt_then_serves(monkeypatch):
     with TestClient(app) as client:
         want = client.post("/generate", json=body).json()["output_ids"]
         assert client.post("/flush_cache").status_code == 200
-        fail_once(monkeypatch, engine.runner, "step")
+        fail_once(monkeypatch, engine.runner, "launch")
         recovered = {"ok": False}
         real_recover = engine.recover
 
