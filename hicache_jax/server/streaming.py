@@ -116,13 +116,14 @@ class CumulativeStream:
         fixed = {k: meta.pop(k) for k in INPUT_LOGPROB_KEYS if k in meta}
         if fixed:
             self._fixed = b", " + _encode(fixed)[1:-1]
-        parts = [b'data: {"text": ', b"null" if self._text is None else b'"' + self._text + b'"']
-        parts += [b', "output_ids": ', self._ids.encoded(), b', "meta_info": ', _encode(meta)[:-1]]
+        text = [b"null"] if self._text is None else [b'"', self._text, b'"']
+        parts = [b'data: {"text": ', *text, b', "output_ids": ', *self._ids.parts()]
+        parts += [b', "meta_info": ', _encode(meta)[:-1]]
         for key, value in (("output_token_logprobs", self._logprobs), ("output_top_logprobs", self._tops)):
             if value is not None:
-                parts += [b', "', key.encode(), b'": ', value.encoded()]
+                parts += [b', "', key.encode(), b'": ', *value.parts()]
         parts += [self._fixed, b"}}\n\n"]
-        return b"".join(parts)
+        return b"".join(parts)  # the one copy of the output's bytes
 
 
 INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs")
@@ -144,5 +145,5 @@ class _JsonList:
                 self._body += b", "
             self._body += _encode(items)[1:-1]
 
-    def encoded(self) -> bytes:
-        return b"[" + self._body + b"]"
+    def parts(self) -> tuple[bytes, bytearray, bytes]:
+        return b"[", self._body, b"]"
