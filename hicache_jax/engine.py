@@ -36,7 +36,7 @@ from hicache_jax.flush_result import FlushResult
 from hicache_jax.models.batch import page_group
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
-from hicache_jax.outputs import format_output, output_text
+from hicache_jax.outputs import OutputDelta, OutputStream, format_output, output_text
 from hicache_jax.request import Req, Status
 from hicache_jax.runner import ModelRunner
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
@@ -367,7 +367,11 @@ class Engine:
         if not sp.ignore_eos and tok in self.model.cfg.eos_token_ids:
             return {"type": "stop", "matched": tok}
         if sp.stop and self.tokenizer.has_text:
-            text = self.tokenizer.decode(req.output_ids[-64:], skip_special_tokens=False) or ""
+            # A new match ends in the newest token. A character is at most 4 UTF-8 bytes and
+            # a token at least one, so the last 4 tokens per character hold any match (one
+            # more in front: a window's first token may lose its leading space).
+            window = 4 * max(len(s) for s in sp.stop) + 1
+            text = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False) or ""
             for s in sp.stop:
                 if s in text:
                     return {"type": "stop", "matched": s}
@@ -391,8 +395,10 @@ class Engine:
     def output(self, rid: str) -> dict:
         return format_output(self.requests[rid], self.tokenizer)
 
-    def pop_output(self, rid: str) -> dict:
-        out = self.output(rid)
+    def pop_output(self, rid: str, stream: OutputStream | None = None) -> dict | OutputDelta:
+        """A finished (or aborted) request's output, and forget the request. With the
+        ``stream`` that followed it: only the last delta, O(new tokens)."""
+        out = self.output(rid) if stream is None else stream.next(self.requests[rid])
         del self.requests[rid]
         return out
 

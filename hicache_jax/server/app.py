@@ -22,7 +22,7 @@ from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_api import router as openai_router
 from hicache_jax.server.protocol import GenerateRequest, parse_body
 from hicache_jax.server.state import ServerState
-from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, Watch, sse
+from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, CumulativeStream, Watch, sse
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancer probes)
 
@@ -125,10 +125,12 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _stream(watch: Watch) -> AsyncIterator[bytes]:
-    """SGLang's stream: each event carries the text and ids so far, then ``[DONE]``."""
+    """SGLang's stream: each event carries the text and ids so far, then ``[DONE]``. The
+    engine loop sends deltas; ``CumulativeStream`` adds them up."""
+    events = CumulativeStream()
     try:
         async for upd in watch.updates(watch.sinks[0]):
-            yield sse(upd.out)
+            yield events.event(upd.out)
     except ApiError as e:  # headers already sent: report in-band
         yield sse({"error": {"message": e.message, "type": "server_error", "code": e.status}})
     except ClientGone:

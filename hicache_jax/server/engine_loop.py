@@ -9,6 +9,9 @@ of ``messages.py``, put on a queue; answers come back through ``Reply`` futures 
          ^                                                    |
          +------ Reply (accepted / flushed / metrics) --------+
          +------ Sink  (Update per step, final output) -------+
+
+A streaming request's updates are ``OutputDelta``s: what is new since the previous one, so a
+step costs O(new tokens) whatever the output's length. Other requests get one whole output.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 
 from hicache_jax.failures import StepFailed
 from hicache_jax.flush_result import FlushResult
+from hicache_jax.outputs import OutputDelta, OutputStream
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.server.errors import ApiError
 from hicache_jax.server.messages import (
@@ -47,6 +51,7 @@ class EngineLoop:
         self.engine = engine
         self._queue: queue.Queue[Message] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
+        self._streams: dict[str, OutputStream] = {}  # streaming requests, by rid
         self._flushes: list[Flush] = []
         self._held: list[Generate] = []  # arrived while a flush waits
         self._stop = threading.Event()
@@ -189,9 +194,11 @@ class EngineLoop:
             kind = type(e) if isinstance(e, InvalidRequest) else InvalidRequest
             msg.reply.set(kind(f"{where}{e}"))
             return
-        for sink, rid in zip(msg.sinks, added):
+        for sink, rid, kwargs in zip(msg.sinks, added, msg.requests):
             sink.rid = rid  # the engine's name for it (the same, unless the client sent none)
             self._sinks[rid] = sink
+            if kwargs.get("stream"):
+                self._streams[rid] = OutputStream(self.engine.requests[rid], self.engine.tokenizer)
         msg.reply.set(None)
 
     def _abort(self, rid: str, sink: Sink) -> None:
@@ -203,7 +210,9 @@ class EngineLoop:
         if req is None or req.finished:  # else the abort was refused: _step delivers it later
             del self._sinks[rid]
             if req is not None:
-                sink.put(Update(self.engine.pop_output(rid), finished=True))
+                sink.put(Update(self._pop(rid), finished=True))
+            else:
+                self._streams.pop(rid, None)
 
     def _step(self) -> bool:
         """One engine step and its outputs delivered; False if it produced nothing."""
@@ -227,14 +236,18 @@ class EngineLoop:
         while self._tokens and now - self._tokens[0][0] > THROUGHPUT_WINDOW_S:
             self._tokens.popleft()
         for req in touched:
-            sink = self._sinks.get(req.rid)
-            if sink is not None and req.stream and not req.finished and len(req.output_ids) > req.streamed:
-                req.streamed = len(req.output_ids)
-                sink.put(Update(self.engine.output(req.rid), finished=False))
+            sink, stream = self._sinks.get(req.rid), self._streams.get(req.rid)
+            if sink is not None and stream is not None and not req.finished and stream.has_news(req):
+                sink.put(Update(stream.next(req), finished=False))
         # Every finished request is popped here, touched this step or not.
         for rid in [r for r in self._sinks if self.engine.requests[r].finished]:
-            self._sinks.pop(rid).put(Update(self.engine.pop_output(rid), finished=True))
+            self._sinks.pop(rid).put(Update(self._pop(rid), finished=True))
         return bool(touched)
+
+    def _pop(self, rid: str) -> dict | OutputDelta:
+        """A finished request's last update: its whole output, or a streaming one's last delta."""
+        stream = self._streams.pop(rid, None)
+        return self.engine.pop_output(rid) if stream is None else self.engine.pop_output(rid, stream)
 
     def _recover(self) -> None:
         """Rebuild a broken engine; unhealthy until it works (retried every 0.5 s)."""
@@ -250,6 +263,7 @@ class EngineLoop:
     def _fail(self, rids: list[str], message: str) -> None:
         for rid in rids:
             sink = self._sinks.pop(rid, None)
+            self._streams.pop(rid, None)
             if rid in self.engine.requests:
                 self.engine.pop_output(rid)
             if sink is not None:
@@ -265,6 +279,7 @@ class EngineLoop:
                 self.healthy = False
             sink.put(Failure(message))
         self._sinks.clear()
+        self._streams.clear()
 
     def _flush(self) -> None:
         t0 = time.perf_counter()

@@ -9,6 +9,8 @@ import asyncio
 import dataclasses
 from typing import Any
 
+from hicache_jax.outputs import OutputDelta
+
 
 # ---- plumbing back to asyncio ----------------------------------------------------------------
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -38,9 +40,10 @@ class Reply:
 
 @dataclasses.dataclass
 class Update:
-    """One request's output so far (``engine.output`` dict); ``finished`` on the last one."""
+    """A request's output: a streaming request's ``OutputDelta`` (what is new since its previous
+    update), else the whole output dict, once. ``finished`` on the last one."""
 
-    out: dict
+    out: dict | OutputDelta
     finished: bool
 
 
@@ -52,17 +55,18 @@ class Failure:
 
 
 def _partial(event) -> bool:
-    return isinstance(event, Update) and not event.finished
+    return isinstance(event, Update) and not event.finished and isinstance(event.out, OutputDelta)
 
 
 class _Coalescing(asyncio.Queue):
-    """A non-final ``Update`` replaces one still unread: each carries the whole output so
-    far, so a slow reader loses nothing and the queue never holds more than a few events
-    (a stalled streaming client cannot make the server hold every intermediate output)."""
+    """A non-final delta joins the one still unread (``OutputDelta.extend``: texts and ids
+    concatenated, newest counters), so a slow reader loses nothing and the queue never holds
+    more than a few events: a stalled streaming client holds one growing delta, never one
+    event per step."""
 
     def _put(self, item) -> None:  # asyncio.Queue's hook for how items are stored
         if self._queue and _partial(item) and _partial(self._queue[-1]):
-            self._queue[-1] = item
+            self._queue[-1].out.extend(item.out)
         else:
             self._queue.append(item)
 

@@ -21,7 +21,7 @@ from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hicache_jax.server.protocol import parse_body
 from hicache_jax.server.state import ServerState
-from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, TextDelta, Watch, sse
+from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, Watch, sse
 
 router = APIRouter()
 
@@ -36,13 +36,12 @@ def _check_model(state: ServerState, model: str) -> None:
 
 
 # ---- response pieces -----------------------------------------------------------------------------
-def finish_reason(out: dict) -> str | None:
-    reason = out["meta_info"].get("finish_reason")
+def finish_reason(meta: dict) -> str | None:
+    reason = meta.get("finish_reason")
     return None if reason is None else reason.get("type")
 
 
-def usage(outs: list[dict]) -> dict:
-    metas = [o["meta_info"] for o in outs]
+def usage(metas: list[dict]) -> dict:
     prompt = sum(m["prompt_tokens"] for m in metas)
     completion = sum(m["completion_tokens"] for m in metas)
     details = {
@@ -63,11 +62,14 @@ def _token(triple) -> str:
     return triple[2] if triple[2] is not None else f"<{triple[1]}>"
 
 
-def completion_logprobs(out: dict, start: int, offset: int) -> dict:
-    """Legacy completions format for output tokens [start:], text offsets from ``offset``."""
-    meta = out["meta_info"]
-    triples = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [None] * (start + len(triples)))[start:]
+def _logprobs(meta: dict) -> tuple[list, list | None]:
+    """A whole output's logprob triples and top logprobs."""
+    return meta.get("output_token_logprobs", []), meta.get("output_top_logprobs")
+
+
+def completion_logprobs(triples: list, tops: list | None, offset: int) -> dict:
+    """Legacy completions format for these output tokens, text offsets from ``offset``."""
+    tops = tops if tops is not None else [None] * len(triples)
     tokens = [_token(t) for t in triples]
     offsets = []
     for tok in tokens:
@@ -81,10 +83,8 @@ def completion_logprobs(out: dict, start: int, offset: int) -> dict:
     }
 
 
-def chat_logprobs(out: dict, start: int) -> dict:
-    meta = out["meta_info"]
-    triples = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [None] * (start + len(triples)))[start:]
+def chat_logprobs(triples: list, tops: list | None) -> dict:
+    tops = tops if tops is not None else [None] * len(triples)
 
     def entry(t):
         tok = _token(t)
@@ -136,12 +136,12 @@ async def completions(request: Request) -> Response:
     ]
     created = int(time.time())
 
-    def choice(i: int, out: dict, text: str, start: int, offset: int) -> dict:
+    def choice(i: int, text: str, logprobs: tuple, offset: int, reason: str | None) -> dict:
         return {
             "index": i,
             "text": text,
-            "logprobs": completion_logprobs(out, start, offset) if want_lp else None,
-            "finish_reason": finish_reason(out),
+            "logprobs": completion_logprobs(*logprobs, offset) if want_lp else None,
+            "finish_reason": reason,
         }
 
     def frame(rid: str, choices: list, **extra) -> dict:
@@ -155,22 +155,25 @@ async def completions(request: Request) -> Response:
         )
 
     async def chunks(watch: Watch) -> AsyncIterator[bytes]:
-        sink, delta, n_tok = watch.sinks[0], TextDelta(body.stop_strings()), 0
+        sink, sent = watch.sinks[0], 0  # characters sent so far
         async for upd in watch.updates(sink):
-            offset = len(delta.sent)
-            text = delta.update(upd.out["text"], upd.finished)
-            n = len(upd.out["output_ids"])
-            if text or upd.finished or (want_lp and n > n_tok):
-                c = choice(0, upd.out, text, n_tok, offset)
-                c["finish_reason"] = finish_reason(upd.out) if upd.finished else None
+            delta = upd.out  # what is new since the previous update
+            text = delta.text or ""
+            if text or upd.finished or (want_lp and delta.output_ids):
+                reason = finish_reason(delta.meta) if upd.finished else None
+                c = choice(0, text, (delta.logprobs or [], delta.top_logprobs), sent, reason)
                 yield sse(frame(sink.rid, [c]))
-                n_tok = n
+            sent += len(text)
             if upd.finished and body.include_usage:
-                yield sse(frame(sink.rid, [], usage=usage([upd.out])))
+                yield sse(frame(sink.rid, [], usage=usage([delta.meta])))
 
     async def whole(outs: list[dict]) -> dict:
-        choices = [choice(i, o, o["text"] or "", 0, 0) for i, o in enumerate(outs)]
-        return frame(reqs[0]["rid"], choices, usage=usage(outs))
+        metas = [o["meta_info"] for o in outs]
+        choices = [
+            choice(i, o["text"] or "", _logprobs(m), 0, finish_reason(m))
+            for i, (o, m) in enumerate(zip(outs, metas))
+        ]
+        return frame(reqs[0]["rid"], choices, usage=usage(metas))
 
     return await _respond(s, request, reqs, body.stream, chunks, whole)
 
@@ -199,7 +202,7 @@ async def chat_completions(request: Request) -> Response:
         return dict(id=rid, object=obj, created=created, model=s.served_model_name, choices=choices, **extra)
 
     async def chunks(watch: Watch) -> AsyncIterator[bytes]:
-        sink, delta, n_tok = watch.sinks[0], TextDelta(body.stop_strings()), 0
+        sink = watch.sinks[0]
         first = {
             "index": 0,
             "delta": {"role": "assistant", "content": ""},
@@ -208,29 +211,30 @@ async def chat_completions(request: Request) -> Response:
         }
         yield sse(frame([first], "chat.completion.chunk"))
         async for upd in watch.updates(sink):
-            text = delta.update(upd.out["text"], upd.finished)
-            n = len(upd.out["output_ids"])
-            if text or upd.finished or (body.logprobs and n > n_tok):
+            delta = upd.out  # what is new since the previous update
+            text = delta.text or ""
+            if text or upd.finished or (body.logprobs and delta.output_ids):
                 c = {
                     "index": 0,
                     "delta": {"content": text} if text else {},
-                    "logprobs": chat_logprobs(upd.out, n_tok) if body.logprobs else None,
-                    "finish_reason": finish_reason(upd.out) if upd.finished else None,
+                    "logprobs": chat_logprobs(delta.logprobs or [], delta.top_logprobs)
+                    if body.logprobs
+                    else None,
+                    "finish_reason": finish_reason(delta.meta) if upd.finished else None,
                 }
                 yield sse(frame([c], "chat.completion.chunk"))
-                n_tok = n
             if upd.finished and body.include_usage:
-                yield sse(frame([], "chat.completion.chunk", usage=usage([upd.out])))
+                yield sse(frame([], "chat.completion.chunk", usage=usage([delta.meta])))
 
     async def whole(outs: list[dict]) -> dict:
-        out = outs[0]
+        out, meta = outs[0], outs[0]["meta_info"]
         c = {
             "index": 0,
             "message": {"role": "assistant", "content": out["text"] or ""},
-            "logprobs": chat_logprobs(out, 0) if body.logprobs else None,
-            "finish_reason": finish_reason(out),
+            "logprobs": chat_logprobs(*_logprobs(meta)) if body.logprobs else None,
+            "finish_reason": finish_reason(meta),
         }
-        return frame([c], "chat.completion", usage=usage(outs))
+        return frame([c], "chat.completion", usage=usage([meta]))
 
     return await _respond(s, request, [req], body.stream, chunks, whole)
 

@@ -1,4 +1,5 @@
-"""Waiting on engine output from a handler: SSE framing, client disconnects, text deltas.
+"""Waiting on engine output from a handler: SSE framing, client disconnects, SGLang's
+cumulative stream built from deltas.
 
 A client that goes away must not leave its request running (it holds KV pages), streaming
 or not. uvicorn never cancels a handler whose client left, so every wait here races the
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from hicache_jax.outputs import OutputDelta
 from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.errors import ApiError
 from hicache_jax.server.messages import Failure, Sink, Update
@@ -66,9 +68,11 @@ class Watch:
         outs = []
         for sink in self.sinks:
             event = await self.next(sink)
-            while not event.finished:  # a streaming request waited on as a whole
+            out = event.out
+            while not event.finished:  # a streaming request waited on as a whole: join its deltas
                 event = await self.next(sink)
-            outs.append(event.out)
+                out.extend(event.out)
+            outs.append(out.as_dict() if isinstance(out, OutputDelta) else out)
         return outs
 
     def close(self) -> None:
@@ -79,28 +83,67 @@ class Watch:
                 sink.done = True
 
 
-class TextDelta:
-    """Turns cumulative output text into increments for streaming clients.
+class CumulativeStream:
+    """SGLang's ``/generate`` stream, where every event carries the output so far (text,
+    ``output_ids``, logprobs), built from deltas.
 
-    Held back until safe: a trailing U+FFFD (a multi-byte character cut between tokens) and
-    any tail that could still grow into a stop string (which the final text drops)."""
+    The event grows with the output, but only its bytes are copied again: each part is kept
+    JSON-encoded and only the delta is encoded (JSON escapes each character on its own, so
+    encoded pieces concatenate), so an event never re-encodes or re-decodes the output."""
 
-    def __init__(self, stop: tuple[str, ...] = ()):
-        self.sent = ""
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.stop = stop
+    def __init__(self) -> None:
+        self._text: bytearray | None = bytearray()
+        self._ids = _JsonList()
+        self._logprobs: _JsonList | None = None
+        self._tops: _JsonList | None = None
+        self._fixed = b""  # meta entries sent once and then repeated (input logprobs)
 
-    def update(self, text: str | None, finished: bool) -> str:
-        text = text or ""
-        if not finished:
-            for s in self.stop:
-                cut = text.find(s)
-                if cut >= 0:
-                    text = text[:cut]
-            text = text.rstrip("\ufffd")
-            if self.hold:
-                text = text[: max(len(self.sent), len(text) - self.hold)]
-        if not text.startswith(self.sent):
-            return ""  # never take back what a client has; the final text only ever trims
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
+    def event(self, delta: OutputDelta) -> bytes:
+        """The SSE event for the output up to and including ``delta``."""
+        if delta.pieces is None:
+            self._text = None
+        elif self._text is not None:
+            for piece in delta.pieces:
+                self._text += _encode(piece)[1:-1]
+        self._ids.extend(delta.output_ids)
+        if delta.logprobs is not None:
+            self._logprobs = self._logprobs or _JsonList()
+            self._logprobs.extend(delta.logprobs)
+        if delta.top_logprobs is not None:
+            self._tops = self._tops or _JsonList()
+            self._tops.extend(delta.top_logprobs)
+        meta = dict(delta.meta)
+        fixed = {k: meta.pop(k) for k in INPUT_LOGPROB_KEYS if k in meta}
+        if fixed:
+            self._fixed = b", " + _encode(fixed)[1:-1]
+        text = [b"null"] if self._text is None else [b'"', self._text, b'"']
+        parts = [b'data: {"text": ', *text, b', "output_ids": ', *self._ids.parts()]
+        parts += [b', "meta_info": ', _encode(meta)[:-1]]
+        for key, value in (("output_token_logprobs", self._logprobs), ("output_top_logprobs", self._tops)):
+            if value is not None:
+                parts += [b', "', key.encode(), b'": ', *value.parts()]
+        parts += [self._fixed, b"}}\n\n"]
+        return b"".join(parts)  # the one copy of the output's bytes
+
+
+INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs")
+
+
+def _encode(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False).encode()
+
+
+class _JsonList:
+    """A JSON array that only grows, kept encoded."""
+
+    def __init__(self) -> None:
+        self._body = bytearray()
+
+    def extend(self, items: list) -> None:
+        if items:
+            if self._body:
+                self._body += b", "
+            self._body += _encode(items)[1:-1]
+
+    def parts(self) -> tuple[bytes, bytearray, bytes]:
+        return b"[", self._body, b"]"
