@@ -113,6 +113,7 @@ class Engine:
         self._rng = random.Random(cfg.random_seed)
         self.stats = {
             "steps": 0,
+            "overlapped_steps": 0,  # planned before the previous step's tokens were read
             "requests_finished": 0,
             "prompt_tokens": 0,
             "generated_tokens": 0,
@@ -219,6 +220,7 @@ class Engine:
             self._step_failed(e)
         if plan is not None:
             self._idle_steps = 0
+            self.stats["overlapped_steps"] += prev is not None
             try:
                 self._inflight = self._launch(plan, prev)
             except Exception as e:
