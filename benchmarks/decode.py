@@ -12,6 +12,8 @@ runner alone. Two floors, both from yardsticks measured in the same run:
   written) over the copy bandwidth (benchmarks/bandwidth.py);
 - compute: the step's FLOPs (benchmarks/floors.py) over the best float32 matmul rate.
 
+``engine ms`` is a step with the overlap schedule (the host plans step N+1 while the device
+runs step N), ``no-overlap`` the same engine reading each step before planning the next.
 ``ratio`` is the engine step over the larger floor. ``--profile_dir`` captures a
 ``jax.profiler`` trace of a few engine steps per row and prints the ops that dominate.
 """
@@ -19,6 +21,7 @@ runner alone. Two floors, both from yardsticks measured in the same run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -55,7 +58,7 @@ def bench(
             page_size=16,
             chunked_prefill_size=max(512, context),
             max_running_requests=max(batch, 1),
-            max_total_tokens=batch * (context + 2 * steps + batch + 64) + 1024,
+            max_total_tokens=batch * (context + 6 * steps + batch + 64) + 1024,
             warmup=True,  # every decode batch shape compiled before timing
         )
     )
@@ -64,7 +67,7 @@ def bench(
         engine.add_request(
             input_ids=rng.randint(3, 500, context).tolist(),
             # Long enough that nobody finishes (and shrinks the batch) while we time.
-            sampling_params={"max_new_tokens": 2 * steps + batch + 16, "ignore_eos": True, "temperature": 0},
+            sampling_params={"max_new_tokens": 6 * steps + batch + 16, "ignore_eos": True, "temperature": 0},
         )
     sched = engine.scheduler
     while sched.waiting or any(r.remaining > 1 or not r.output_ids for r in sched.running):
@@ -72,13 +75,22 @@ def bench(
     compiled = engine.runner.num_compiled()
     for _ in range(3):
         engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    engine_step = (time.perf_counter() - t0) / steps
+    # The same engine with and without the overlap schedule, alternated; best of two each.
+    timed = {True: [], False: []}
+    for _ in range(2):
+        for overlap in (True, False):
+            engine.cfg = dataclasses.replace(engine.cfg, disable_overlap_schedule=not overlap)
+            engine.step()  # the switch itself (the first step after it cannot look ahead)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            timed[overlap].append((time.perf_counter() - t0) / steps)
+    engine.cfg = dataclasses.replace(engine.cfg, disable_overlap_schedule=False)
+    engine_step, serial_step = min(timed[True]), min(timed[False])
     assert engine.runner.num_compiled() == compiled, "a compile inside the timed steps"
     assert len(engine.scheduler.running) == batch
     # The runner alone, on the same decode batch shape.
+    engine.sync()
     plan = engine.scheduler.schedule()
     inputs = engine.builder.build(plan)
     engine.runner.step(*inputs[:4])
@@ -86,7 +98,7 @@ def bench(
     for _ in range(steps):
         engine.runner.step(*inputs[:4])
     runner_step = (time.perf_counter() - t0) / steps
-    mid = context + steps  # the context halfway through the timed steps, roughly
+    mid = context + 3 * steps  # the context halfway through the timed steps, roughly
     mem = step_bytes(engine, batch, mid) / bandwidth
     compute = step_flops(engine.model.cfg, [(1, mid)] * batch) / rate
     if profile_dir:
@@ -103,6 +115,7 @@ def bench(
         "batch": batch,
         "tokens_per_s": batch / engine_step,
         "engine_step_ms": 1e3 * engine_step,
+        "serial_step_ms": 1e3 * serial_step,
         "runner_step_ms": 1e3 * runner_step,
         "mem_floor_ms": 1e3 * mem,
         "compute_floor_ms": 1e3 * compute,
@@ -123,14 +136,14 @@ def main():
         f"device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.2f} GB/s (read + write); "
         f"matmul {rate / 1e9:.1f} GFLOP/s (float32)"
     )
-    cols = ("preset", "B", "tok/s", "engine ms", "runner ms", "mem ms", "flop ms", "ratio")
-    print(" ".join(f"{c:>{w}}" for c, w in zip(cols, (8, 3, 9, 10, 10, 9, 9, 7))))
+    cols = ("preset", "B", "tok/s", "engine ms", "no-overlap", "runner ms", "mem ms", "flop ms", "ratio")
+    print(" ".join(f"{c:>{w}}" for c, w in zip(cols, (8, 3, 9, 10, 10, 10, 9, 9, 7))))
     for preset in args.presets.split(","):
         for b in (int(x) for x in args.batches.split(",")):
             r = bench(preset, b, args.context, args.steps, bw, rate, args.profile_dir)
             print(
                 f"{preset:>8} {b:>3} {r['tokens_per_s']:>9.1f} {r['engine_step_ms']:>10.2f} "
-                f"{r['runner_step_ms']:>10.2f} {r['mem_floor_ms']:>9.3f} "
+                f"{r['serial_step_ms']:>10.2f} {r['runner_step_ms']:>10.2f} {r['mem_floor_ms']:>9.3f} "
                 f"{r['compute_floor_ms']:>9.3f} {r['ratio']:>7.1f}"
             )
 

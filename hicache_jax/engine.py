@@ -231,6 +231,11 @@ class Engine:
             self._idle(0.01)
         return touched
 
+    def sync(self) -> list[Req]:
+        """Read the step in flight, if any (its requests as ``step`` returns them)."""
+        prev, self._inflight = self._inflight, None
+        return self._complete(prev) if prev is not None else []
+
     def _can_run_ahead(self, prev: Launched) -> bool:
         """Whether the next step can be planned before ``prev``'s tokens are read."""
         running = self.scheduler.running
