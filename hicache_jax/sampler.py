@@ -5,6 +5,34 @@ Each sequence row carries its own settings; a row's random key is
 same tokens whether it runs alone, in a crowd, or after being retracted and resumed.
 Logprobs are those of the model's raw distribution (``log_softmax(logits)``), as SGLang
 reports them, whatever temperature or filters the sampling uses.
+
+Tokens are chosen without sorting the vocabulary, and are the same tokens for the same keys
+as the full-sort definition in ``sampler_reference.py`` (the tests hold the two together):
+
+- Greedy rows (temperature < 1e-5) take the argmax of the raw logits. A batch of greedy
+  rows only runs nothing else (``lax.cond``).
+- Every other row divides by its temperature and reads its top-k and top-p cut off its
+  C + 1 largest values (``lax.top_k``; C = ``CANDIDATES``, at most V - 1). Together the two
+  cuts are one threshold: ``x < thr`` is masked, then min-p and the draw run on the whole
+  [V] vector with the reference's own code, O(V) each. The same filtered vector and the same
+  key give the same ``categorical`` draw, ``argmax(x + gumbel(key, [V]))``: the Gumbel noise
+  covers the whole vocabulary, as in the reference.
+- Rows with neither top-k (-1, or >= V) nor top-p (1) need no candidates: pure temperature
+  and min-p-only sampling never sort.
+- The C + 1 values settle a row's cut exactly when
+    * top_k is off or in 1..C;
+    * top-p, when on, stops inside the candidates: always with top_k in 1..C; with top_k
+      off, when the C largest probabilities sum to at least top_p;
+    * no value equal to the cut lies outside the candidates (value C + 1 is below it);
+    * no live candidate's cumulative probability is within ``TOP_P_MARGIN`` of top_p. The
+      bounded sums differ from the sorted full-vocabulary ones by float32 rounding only
+      (at most ~4e-7 seen at V = 32000), so a row that close might cut one token apart.
+  Any other row (top_k in C+1..V-1, a flat distribution under top-p, a tie at the cut)
+  gets the reference's full sort, for that row alone (``lax.map`` with a ``lax.cond`` per
+  row, entered only when some row needs it): it costs what every row cost before.
+- On TPU, ``lax.approx_max_k`` would be a cheaper candidate step, but it may miss values,
+  so value C + 1 no longer bounds the rest and the checks above say nothing; swap it in
+  only where approximate top-k/top-p is acceptable.
 """
 
 from __future__ import annotations
@@ -13,6 +41,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from hicache_jax import sampler_reference as reference
+
+CANDIDATES = 256  # C: top-k up to C and top-p nuclei of up to C tokens skip the sort
+TOP_P_MARGIN = 2e-6  # a cumulative probability this close to top_p sends the row to the sort
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,24 +85,78 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _filtered_logits(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Temperature, then top-k, top-p and min-p masks; masked entries become -inf."""
-    V = logits.shape[-1]
-    x = logits / jnp.maximum(s.temperature, 1e-5)[:, None]
-    order = jnp.sort(x, axis=-1)[:, ::-1]  # [S, V] descending
-    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
-    kth = jnp.take_along_axis(order, (k - 1)[:, None], axis=-1)
-    x = jnp.where(x < kth, -jnp.inf, x)
-    probs_sorted = jax.nn.softmax(jnp.where(order < kth, -jnp.inf, order), axis=-1)
-    # top-p: keep the smallest prefix of the sorted distribution reaching top_p.
-    before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+def row_keys(s: SamplingInputs) -> jax.Array:
+    """[S] keys: ``fold_in(PRNGKey(seed), tokens generated so far)`` per row."""
+    return jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.PRNGKey(seed), n))(s.seeds, s.counters)
+
+
+def _threshold(x: jax.Array, s: SamplingInputs, c: int) -> tuple[jax.Array, jax.Array]:
+    """x [S, V] tempered logits -> (thr [S], full [S]): the full-sort reference's top-k and
+    top-p cut (mask ``x < thr``) read off the c + 1 largest values, and whether the row is
+    one the candidates cannot settle (see the module docstring)."""
+    V = x.shape[-1]
+    vals = jax.lax.top_k(x, c + 1)[0]  # [S, c+1] descending; vals[:, c] bounds the rest
+    m = vals[:, :1]
+    k_on = (s.top_k > 0) & (s.top_k < V)
+    k_in = k_on & (s.top_k <= c)
+    kth = jnp.take_along_axis(vals, jnp.clip(s.top_k - 1, 0, c)[:, None], axis=-1)[:, 0]
+    kth = jnp.where(k_in, kth, -jnp.inf)
+    live = vals >= kth[:, None]  # [S, c+1]
+    e = jnp.where(live, jnp.exp(vals - m), 0.0)
+    # top-p normaliser: the top-k survivors, or with top-k off the whole vocabulary (O(V)).
+    z = jnp.where(k_in, e[:, :c].sum(-1), jnp.exp(x - m).sum(-1))
+    p = e / z[:, None]
+    before = jnp.cumsum(p, axis=-1) - p
+    p_on = s.top_p < 1
     keep = before < s.top_p[:, None]
-    cutoff = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x < cutoff, -jnp.inf, x)
-    # min-p: drop tokens below min_p x the top probability.
-    probs = jax.nn.softmax(x, axis=-1)
-    x = jnp.where(probs < s.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x)
-    return x
+    last = c - jnp.argmax(keep[:, ::-1], axis=-1)  # last kept candidate
+    p_thr = jnp.where(p_on, jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0], -jnp.inf)
+    thr = jnp.maximum(kth, p_thr)
+    full = (
+        (k_on & ~k_in)  # top-k past the candidates
+        | (p_on & ~k_in & keep[:, c])  # top-p wants more mass than the candidates hold
+        | ((thr > -jnp.inf) & (vals[:, c] >= thr))  # a value tied with the cut lies outside
+        | (p_on & (live & (jnp.abs(before - s.top_p[:, None]) < TOP_P_MARGIN)).any(-1))
+    )
+    return thr, full
+
+
+def _per_row_reference(logits_s: jax.Array, s: SamplingInputs, x: jax.Array, full: jax.Array) -> jax.Array:
+    """Rows flagged ``full`` get the full-sort reference's filtered logits, one row at a
+    time (``lax.map`` keeps each ``lax.cond`` a real branch: only those rows pay a sort)."""
+
+    def row(a):
+        *settings, x_r, full_r = a
+        return jax.lax.cond(
+            full_r, lambda: reference.filtered_logits(*(v[None] for v in settings))[0], lambda: x_r
+        )
+
+    return jax.lax.map(row, (logits_s, s.temperature, s.top_p, s.top_k, s.min_p, x, full))
+
+
+def filtered_logits(logits_s: jax.Array, s: SamplingInputs, candidates: int = CANDIDATES) -> jax.Array:
+    """logits_s [S, V] -> [S, V]: the reference's ``filtered_logits`` for every row that
+    is not greedy (greedy rows' entries are left unspecified), without a full sort."""
+    greedy_row = s.temperature < 1e-5
+    c = max(min(candidates, logits_s.shape[-1] - 1), 0)
+    x = logits_s / jnp.maximum(s.temperature, 1e-5)[:, None]
+    thr, full = _threshold(x, s, c)
+    full &= ~greedy_row
+    x = jnp.where(x < thr[:, None], -jnp.inf, x)
+    x = jax.lax.cond((~greedy_row & (s.min_p > 0)).any(), reference.min_p_mask, lambda x, _: x, x, s.min_p)
+    return jax.lax.cond(full.any(), _per_row_reference, lambda *a: a[2], logits_s, s, x, full)
+
+
+def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.Array:
+    """logits_s [S, V]; keys [S] -> [S] int32: the reference's tokens for the same keys."""
+    greedy_row = s.temperature < 1e-5
+    greedy = jnp.argmax(logits_s, axis=-1).astype(jnp.int32)
+
+    def draw():
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits_s, s)).astype(jnp.int32)
+        return jnp.where(greedy_row, greedy, drawn)
+
+    return jax.lax.cond(greedy_row.all(), lambda: greedy, draw)
 
 
 def sample(logits: jax.Array, s: SamplingInputs, top_logprobs: int) -> SamplingOutputs:
@@ -77,10 +164,7 @@ def sample(logits: jax.Array, s: SamplingInputs, top_logprobs: int) -> SamplingO
     logp_rows = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
     logits_s = logits[s.last_rows]  # [S, V]
     logp_s = logp_rows[s.last_rows]
-    greedy = jnp.argmax(logits_s, axis=-1)
-    keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.PRNGKey(seed), n))(s.seeds, s.counters)
-    drawn = jax.vmap(jax.random.categorical)(keys, _filtered_logits(logits_s, s))
-    next_ids = jnp.where(s.temperature < 1e-5, greedy, drawn).astype(jnp.int32)
+    next_ids = next_tokens(logits_s, s, row_keys(s))
     next_lp = jnp.take_along_axis(logp_s, next_ids[:, None], axis=-1)[:, 0]
     target_lp = jnp.take_along_axis(logp_rows, jnp.maximum(s.targets, 0)[:, None], axis=-1)[:, 0]
     K = top_logprobs
