@@ -96,6 +96,9 @@ def _threshold(x: jax.Array, s: SamplingInputs, c: int) -> tuple[jax.Array, jax.
     one the candidates cannot settle (see the module docstring)."""
     V = x.shape[-1]
     vals = jax.lax.top_k(x, c + 1)[0]  # [S, c+1] descending; vals[:, c] bounds the rest
+    # XLA:CPU folds a slice of top_k's values into a slice of a full sort (30x slower at
+    # V = 32000); the barrier keeps TopK whole.
+    vals = jax.lax.optimization_barrier(vals)
     m = vals[:, :1]
     k_on = (s.top_k > 0) & (s.top_k < V)
     k_in = k_on & (s.top_k <= c)
@@ -106,7 +109,10 @@ def _threshold(x: jax.Array, s: SamplingInputs, c: int) -> tuple[jax.Array, jax.
     # top-p normaliser: the top-k survivors, or with top-k off the whole vocabulary (O(V)).
     z = jnp.where(k_in, e[:, :c].sum(-1), jnp.exp(x - m).sum(-1))
     p = e / z[:, None]
-    before = jnp.cumsum(p, axis=-1) - p
+    # Probability ahead of each candidate. A triangular matmul, not cumsum: the sums agree to
+    # float32 rounding either way, and XLA:CPU compiles cumsum's scan far more slowly.
+    ahead = jnp.triu(jnp.ones((c + 1, c + 1), p.dtype), 1)  # [c+1, c+1]: j before i
+    before = jnp.matmul(p, ahead, precision=jax.lax.Precision.HIGHEST)  # [S, c+1]
     p_on = s.top_p < 1
     keep = before < s.top_p[:, None]
     last = c - jnp.argmax(keep[:, ::-1], axis=-1)  # last kept candidate
@@ -121,17 +127,26 @@ def _threshold(x: jax.Array, s: SamplingInputs, c: int) -> tuple[jax.Array, jax.
     return thr, full
 
 
-def _per_row_reference(logits_s: jax.Array, s: SamplingInputs, x: jax.Array, full: jax.Array) -> jax.Array:
-    """Rows flagged ``full`` get the full-sort reference's filtered logits, one row at a
-    time (``lax.map`` keeps each ``lax.cond`` a real branch: only those rows pay a sort)."""
+def _sort_rows(logits_s: jax.Array, s: SamplingInputs, x: jax.Array, full: jax.Array) -> jax.Array:
+    """Rows flagged ``full`` get the full-sort reference's filtered logits, one row at a time:
+    the loop runs once per flagged row, so only those rows pay a sort. The ``cond`` matters:
+    with one row the slices are the whole arrays, and XLA hoists the loop-invariant sort
+    out of the loop, where it would run every step."""
 
-    def row(a):
-        *settings, x_r, full_r = a
-        return jax.lax.cond(
-            full_r, lambda: reference.filtered_logits(*(v[None] for v in settings))[0], lambda: x_r
-        )
+    def one(v, r):
+        return jax.lax.dynamic_slice_in_dim(v, r, 1)  # row r as a batch of one
 
-    return jax.lax.map(row, (logits_s, s.temperature, s.top_p, s.top_k, s.min_p, x, full))
+    def body(carry):
+        x, todo = carry
+        r = jnp.argmax(todo)
+        settings = (logits_s, s.temperature, s.top_p, s.top_k, s.min_p)
+        row = reference.filtered_logits(*(one(v, r) for v in settings))  # [1, V]
+        return jax.lax.dynamic_update_slice_in_dim(x, row, r, 0), todo.at[r].set(False)
+
+    def loop(x, full):
+        return jax.lax.while_loop(lambda carry: carry[1].any(), body, (x, full))[0]
+
+    return jax.lax.cond(full.any(), loop, lambda x, _: x, x, full)
 
 
 def filtered_logits(logits_s: jax.Array, s: SamplingInputs, candidates: int = CANDIDATES) -> jax.Array:
@@ -141,10 +156,18 @@ def filtered_logits(logits_s: jax.Array, s: SamplingInputs, candidates: int = CA
     c = max(min(candidates, logits_s.shape[-1] - 1), 0)
     x = logits_s / jnp.maximum(s.temperature, 1e-5)[:, None]
     thr, full = _threshold(x, s, c)
-    full &= ~greedy_row
-    x = jnp.where(x < thr[:, None], -jnp.inf, x)
-    x = jax.lax.cond((~greedy_row & (s.min_p > 0)).any(), reference.min_p_mask, lambda x, _: x, x, s.min_p)
-    return jax.lax.cond(full.any(), _per_row_reference, lambda *a: a[2], logits_s, s, x, full)
+    x = reference.min_p_mask(jnp.where(x < thr[:, None], -jnp.inf, x), s.min_p)
+    return _sort_rows(logits_s, s, x, full & ~greedy_row)
+
+
+def _draw(keys: jax.Array, x: jax.Array) -> jax.Array:
+    """keys [S]; x [S, V] -> [S]: ``vmap(jax.random.categorical)(keys, x)``, the same tokens
+    (the same Gumbel noise, ties to the first index) about 3x faster on XLA:CPU, whose fused
+    argmax reduce evaluates the noise's logs unvectorised."""
+    V = x.shape[-1]
+    y = jax.vmap(lambda k: jax.random.gumbel(k, (V,), x.dtype))(keys) + x
+    top = y.max(axis=-1, keepdims=True)
+    return jnp.min(jnp.where(y == top, jnp.arange(V), V - 1), axis=-1)
 
 
 def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.Array:
@@ -153,7 +176,7 @@ def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.
     greedy = jnp.argmax(logits_s, axis=-1).astype(jnp.int32)
 
     def draw():
-        drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits_s, s)).astype(jnp.int32)
+        drawn = _draw(keys, filtered_logits(logits_s, s)).astype(jnp.int32)
         return jnp.where(greedy_row, greedy, drawn)
 
     return jax.lax.cond(greedy_row.all(), lambda: greedy, draw)
