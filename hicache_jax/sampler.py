@@ -23,13 +23,14 @@ as the full-sort definition in ``sampler_reference.py`` (the tests hold the two 
     * top_k is off or in 1..C;
     * top-p, when on, stops inside the candidates: always with top_k in 1..C; with top_k
       off, when the C largest probabilities sum to at least top_p;
-    * no value equal to the cut lies outside the candidates (value C + 1 is below it);
+    * no value tied with the top-k cut (top-k off: the top-p cut) lies outside the
+      candidates (value C + 1 is below it);
     * no live candidate's cumulative probability is within ``TOP_P_MARGIN`` of top_p. The
       bounded sums differ from the sorted full-vocabulary ones by float32 rounding only
-      (at most ~4e-7 seen at V = 32000), so a row that close might cut one token apart.
+      (under 1e-6 seen at V = 1024 to 152064), so a row that close might cut one token apart.
   Any other row (top_k in C+1..V-1, a flat distribution under top-p, a tie at the cut)
-  gets the reference's full sort, for that row alone (``lax.map`` with a ``lax.cond`` per
-  row, entered only when some row needs it): it costs what every row cost before.
+  gets the reference's full sort, for that row alone (a ``while_loop`` over the flagged
+  rows, behind a ``lax.cond``): it costs what every row cost before.
 - On TPU, ``lax.approx_max_k`` would be a cheaper candidate step, but it may miss values,
   so value C + 1 no longer bounds the rest and the checks above say nothing; swap it in
   only where approximate top-k/top-p is acceptable.
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 from hicache_jax import sampler_reference as reference
 
 CANDIDATES = 256  # C: top-k up to C and top-p nuclei of up to C tokens skip the sort
-TOP_P_MARGIN = 2e-6  # a cumulative probability this close to top_p sends the row to the sort
+TOP_P_MARGIN = 4e-6  # a cumulative probability this close to top_p sends the row to the sort
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,19 +110,19 @@ def _threshold(x: jax.Array, s: SamplingInputs, c: int) -> tuple[jax.Array, jax.
     # top-p normaliser: the top-k survivors, or with top-k off the whole vocabulary (O(V)).
     z = jnp.where(k_in, e[:, :c].sum(-1), jnp.exp(x - m).sum(-1))
     p = e / z[:, None]
-    # Probability ahead of each candidate. A triangular matmul, not cumsum: the sums agree to
-    # float32 rounding either way, and XLA:CPU compiles cumsum's scan far more slowly.
-    ahead = jnp.triu(jnp.ones((c + 1, c + 1), p.dtype), 1)  # [c+1, c+1]: j before i
-    before = jnp.matmul(p, ahead, precision=jax.lax.Precision.HIGHEST)  # [S, c+1]
+    before = jnp.cumsum(p, axis=-1) - p  # as the reference computes it (a matmul: 3x the error)
     p_on = s.top_p < 1
     keep = before < s.top_p[:, None]
     last = c - jnp.argmax(keep[:, ::-1], axis=-1)  # last kept candidate
     p_thr = jnp.where(p_on, jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0], -jnp.inf)
     thr = jnp.maximum(kth, p_thr)
+    # A value tied with the top-k cut outside the candidates would change the kept set and
+    # the top-p normaliser; with top-k off, one tied with the top-p cut, the kept set.
+    tie_at = jnp.where(k_in, kth, thr)
     full = (
         (k_on & ~k_in)  # top-k past the candidates
         | (p_on & ~k_in & keep[:, c])  # top-p wants more mass than the candidates hold
-        | ((thr > -jnp.inf) & (vals[:, c] >= thr))  # a value tied with the cut lies outside
+        | ((tie_at > -jnp.inf) & (vals[:, c] >= tie_at))  # ties past the candidates
         | (p_on & (live & (jnp.abs(before - s.top_p[:, None]) < TOP_P_MARGIN)).any(-1))
     )
     return thr, full
@@ -167,7 +168,7 @@ def _draw(keys: jax.Array, x: jax.Array) -> jax.Array:
     V = x.shape[-1]
     y = jax.vmap(lambda k: jax.random.gumbel(k, (V,), x.dtype))(keys) + x
     top = y.max(axis=-1, keepdims=True)
-    return jnp.min(jnp.where(y == top, jnp.arange(V), V - 1), axis=-1)
+    return jnp.min(jnp.where(y == top, jnp.arange(V), V - 1), axis=-1)  # NaN logits: V - 1
 
 
 def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.Array:

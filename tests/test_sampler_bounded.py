@@ -119,13 +119,14 @@ def test_sort_only_for_rows_the_candidates_cannot_settle():
         (("sampled", 1.0, C + 1, 1.0, 0.0, 1.5, False), True),  # top-k past C
         (("sampled", 1.0, -1, 0.9, 0.0, 0.3, False), True),  # top-p, flat: C holds too little
         (("sampled", 1.0, 250, 1.0, 0.0, 0.3, True), None),  # the cut's tie group passes C
+        (("sampled", 1.0, 250, 0.5, 0.0, 0.3, True), None),  # same, top-p cutting above it
     ]
     rows = [r for r, _ in cases] + [cases[0][0]] * (S - len(cases))
     logits, s = make(rows, seed=7)
     logits_s = logits[s.last_rows]
     tempered = np.asarray(logits_s) / s.temperature[:, None]
     spills = [(x >= np.sort(x)[::-1][k - 1]).sum() > C for x, k in zip(tempered, s.top_k)]
-    assert not spills[5] and spills[8]
+    assert not spills[5] and spills[8] and spills[9]
     want = [w if w is not None else spills[i] for i, (_, w) in enumerate(cases)]
     full = np.asarray(threshold_jit(tempered, s)[1])
     assert full.tolist() == want + [False] * (S - len(cases))
