@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hicache_jax import compiles
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
@@ -59,7 +60,7 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
         self.cache = model.allocate_cache(**self._cache_shape)
-        self._compiled_before = _step_jit._cache_size()
+        self._compiled_before = compiles.total(STEP_PROGRAM)
 
     def step(
         self,
@@ -68,16 +69,21 @@ class ModelRunner:
         copies: StateCopies,
         top_logprobs: int,
     ) -> SamplingOutputs:
-        self.cache, out = _step_jit(
-            self.params,
-            self.cache,
-            batch,
-            sampling,
-            copies,
-            graphdef=self.graphdef,
-            top_logprobs=top_logprobs,
-        )
+        self.cache, out = _step_jit(*self._step_args(batch, sampling, copies), **self._static(top_logprobs))
         return jax.tree_util.tree_map(np.asarray, out)
+
+    def lower_step(
+        self, batch: ForwardBatch, sampling: SamplingInputs, copies: StateCopies, top_logprobs: int
+    ) -> jax.stages.Lowered:
+        """The program ``step`` runs for inputs of these shapes, lowered: warm-up compiles
+        it, and the jit's call path then finds it compiled."""
+        return _step_jit.lower(*self._step_args(batch, sampling, copies), **self._static(top_logprobs))
+
+    def _step_args(self, batch, sampling, copies) -> tuple:
+        return self.params, self.cache, batch, sampling, copies
+
+    def _static(self, top_logprobs: int) -> dict:
+        return {"graphdef": self.graphdef, "top_logprobs": top_logprobs}
 
     def reset_cache(self) -> None:
         """Fresh device cache arrays (after a failed step consumed the donated ones)."""
@@ -87,13 +93,13 @@ class ModelRunner:
         """Step programs compiled since this runner was made (the JIT-hygiene test watches
         it). The jit is shared by every runner of the process, so engines of the same model
         structure and shapes reuse each other's programs."""
-        return _step_jit._cache_size() - self._compiled_before
+        return compiles.total(STEP_PROGRAM) - self._compiled_before
 
     def kv_bytes_per_token(self) -> int:
         b = 0
         for entry in self.cache:
-            if not isinstance(entry, MambaState):
-                b += 2 * entry.k[0, 0].size * entry.k.dtype.itemsize
+            if not isinstance(entry, MambaState):  # shape arithmetic: indexing would compile
+                b += 2 * int(np.prod(entry.k.shape[2:])) * entry.k.dtype.itemsize
         return b
 
 
@@ -104,4 +110,5 @@ def _step(params, cache, batch, sampling, copies, *, graphdef, top_logprobs):
     return cache, sample(logits, sampling, top_logprobs)
 
 
+STEP_PROGRAM = "jit(_step)"  # the name compile events carry
 _step_jit = jax.jit(_step, static_argnames=("graphdef", "top_logprobs"), donate_argnums=(1,))
