@@ -71,10 +71,10 @@ def _run(engine, reqs) -> list[dict]:
 def test_serving_after_warmup_compiles_nothing(tmp_path):
     cfg = EngineConfig(
         preset="tiny-mamba",  # Mamba + full attention: state copies, page and state transfers
-        page_size=P,
-        chunked_prefill_size=16,
-        max_running_requests=3,
-        max_total_tokens=32 * P,
+        page_size=8,  # chunks of one page: a single prefill bucket (T = 8 + 2), few programs
+        chunked_prefill_size=8,
+        max_running_requests=2,
+        max_total_tokens=16 * 8,
         enable_hierarchical_cache=True,
         hicache_ratio=4.0,
         hicache_storage_backend="tensorstore",
@@ -85,15 +85,15 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
     )
     engine = Engine(cfg)
     rng = np.random.RandomState(0)
-    first = list(_requests(rng, [150, 5, 70, 33, 120, 17]))
+    first = list(_requests(rng, [100, 5, 50, 27, 90, 13]))
     logprobs = dict(return_logprob=True, logprob_start_len=3, top_logprobs_num=4)
     try:
         with compiles.Watch() as watch:
-            outs = _run(engine, first)  # 1..3 running, long and short prompts, chunked
+            outs = _run(engine, first)  # 1..2 running, long and short prompts, chunked
             outs += _run(engine, _requests(rng, [40]))  # alone
-            outs += _run(engine, _requests(rng, [90, 9], **logprobs))  # input and top logprobs
-            outs += _run(engine, _requests(rng, [60], return_logprob=True))  # output logprobs only
-            outs += _run(engine, _requests(rng, [130, 110, 100]))  # evicts `first` from the device
+            outs += _run(engine, _requests(rng, [70, 9], **logprobs))  # input and top logprobs
+            outs += _run(engine, _requests(rng, [45], return_logprob=True))  # output logprobs only
+            outs += _run(engine, _requests(rng, [100, 80, 70]))  # evicts `first` from the device
             outs += _run(engine, first[:3])  # L2 hits: host -> device loads
             host_hits = engine.stats["cached_tokens_host"]
             assert engine.flush_cache()  # drains L3 writes, empties L1 and L2
