@@ -90,9 +90,10 @@ class ModelRunner:
         self.cache = self.model.allocate_cache(**self._cache_shape)
 
     def num_compiled(self) -> int:
-        """Step programs compiled since this runner was made (the JIT-hygiene test watches
-        it). The jit is shared by every runner of the process, so engines of the same model
-        structure and shapes reuse each other's programs."""
+        """Step programs compiled since this runner was made (``benchmarks/decode.py`` checks
+        that its timed steps compile nothing). The jit is shared by every runner of the
+        process, so engines of the same model structure and shapes reuse each other's
+        programs, and a compile in another engine counts here too."""
         return compiles.total(STEP_PROGRAM) - self._compiled_before
 
     def kv_bytes_per_token(self) -> int:

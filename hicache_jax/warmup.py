@@ -51,15 +51,18 @@ def warmup(
 ) -> WarmupReport:
     t0 = time.perf_counter()
     before = compiles.total()
-    n = 0
     with concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool:
-        futures = []
-        for _, lowered in _lowered(runner, builder, transfer):
-            futures.append(pool.submit(lowered.compile))
-            n += 1
-        for f in futures:
-            f.result()  # raises the first failure
-    report = WarmupReport(programs=n, compiled=compiles.total() - before, seconds=time.perf_counter() - t0)
+        futures = {
+            name: pool.submit(lowered.compile) for name, lowered in _lowered(runner, builder, transfer)
+        }
+        for name, f in futures.items():
+            try:
+                f.result()
+            except Exception as e:
+                raise RuntimeError(f"warm-up: compiling {name} failed: {e}") from e
+    report = WarmupReport(
+        programs=len(futures), compiled=compiles.total() - before, seconds=time.perf_counter() - t0
+    )
     log.info("warm-up: %d programs (%d compiled) in %.1fs", report.programs, report.compiled, report.seconds)
     return report
 
