@@ -45,6 +45,7 @@ from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
 from hicache_jax.transfer import PageTransfer
 from hicache_jax.validation import validate_cache_salt, validate_prompt, validate_rid
+from hicache_jax.warmup import WarmupReport, warmup
 
 log = logging.getLogger(__name__)
 
@@ -471,11 +472,7 @@ class Engine:
     def check_integrity(self) -> None:
         self.prefix_cache.check_integrity(self.adapter.held(self.scheduler.running))
 
-    def warmup(self) -> None:
-        """Compile the step for every shape bucket, so serving never stops to compile.
-        Each warm-up batch is empty (``num_seqs = 0``): nothing is read or written."""
-        t0 = time.perf_counter()
-        for shape in self.builder.warmup_shapes():
-            batch, sampling, copies, top, _ = self.builder.build(StepPlan(items=[]), shape)
-            self.runner.step(batch, sampling, copies, top)
-        log.info("warm-up: %d step programs in %.1fs", self.runner.num_compiled(), time.perf_counter() - t0)
+    def warmup(self) -> WarmupReport:
+        """Compile every program serving can run (see warmup.py), so no request waits for a
+        compile. Nothing runs: no cache page is read or written."""
+        return warmup(self.runner, self.builder, self.prefix_cache.transfer)

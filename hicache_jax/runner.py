@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hicache_jax import compiles
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
@@ -90,7 +91,7 @@ class ModelRunner:
         self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
         self.cache = model.allocate_cache(**self._cache_shape)
         self._no_ids = jnp.zeros((max_seqs,), jnp.int32)
-        self._compiled_before = _step_jit._cache_size()
+        self._compiled_before = compiles.total(STEP_PROGRAM)
 
     def launch(
         self,
@@ -102,18 +103,8 @@ class ModelRunner:
     ) -> tuple[SamplingOutputs, jax.Array]:
         """Dispatch a step; returns its outputs and its sampled ids padded to ``max_seqs``
         (the next step's ``prev_ids``), both still on the device."""
-        if batch.feed_rows is None:
-            batch = dataclasses.replace(batch, feed_rows=np.full(batch.input_ids.shape, -1, np.int32))
-        self.cache, out, ids = _step_jit(
-            self._leaves,
-            self.cache,
-            batch,
-            sampling,
-            copies,
-            self._no_ids if prev_ids is None else prev_ids,
-            structure=self._structure,
-            top_logprobs=top_logprobs,
-        )
+        args = self._step_args(batch, sampling, copies, prev_ids)
+        self.cache, out, ids = _step_jit(*args, **self._static(top_logprobs))
         return out, ids
 
     @staticmethod
@@ -131,21 +122,38 @@ class ModelRunner:
         """Launch and wait."""
         return self.fetch(self.launch(batch, sampling, copies, top_logprobs)[0])
 
+    def lower_step(
+        self, batch: ForwardBatch, sampling: SamplingInputs, copies: StateCopies, top_logprobs: int
+    ) -> jax.stages.Lowered:
+        """The program ``step`` runs for inputs of these shapes, lowered: warm-up compiles
+        it, and the jit's call path then finds it compiled."""
+        return _step_jit.lower(*self._step_args(batch, sampling, copies), **self._static(top_logprobs))
+
+    def _step_args(self, batch, sampling, copies, prev_ids=None) -> tuple:
+        if batch.feed_rows is None:
+            batch = dataclasses.replace(batch, feed_rows=np.full(batch.input_ids.shape, -1, np.int32))
+        prev_ids = self._no_ids if prev_ids is None else prev_ids
+        return self._leaves, self.cache, batch, sampling, copies, prev_ids
+
+    def _static(self, top_logprobs: int) -> dict:
+        return {"structure": self._structure, "top_logprobs": top_logprobs}
+
     def reset_cache(self) -> None:
         """Fresh device cache arrays (after a failed step consumed the donated ones)."""
         self.cache = self.model.allocate_cache(**self._cache_shape)
 
     def num_compiled(self) -> int:
-        """Step programs compiled since this runner was made (the JIT-hygiene test watches
-        it). The jit is shared by every runner of the process, so engines of the same model
-        structure and shapes reuse each other's programs."""
-        return _step_jit._cache_size() - self._compiled_before
+        """Step programs compiled since this runner was made (``benchmarks/decode.py`` checks
+        that its timed steps compile nothing). The jit is shared by every runner of the
+        process, so engines of the same model structure and shapes reuse each other's
+        programs, and a compile in another engine counts here too."""
+        return compiles.total(STEP_PROGRAM) - self._compiled_before
 
     def kv_bytes_per_token(self) -> int:
         b = 0
         for entry in self.cache:
-            if not isinstance(entry, MambaState):
-                b += 2 * entry.k[0, 0].size * entry.k.dtype.itemsize
+            if not isinstance(entry, MambaState):  # shape arithmetic: indexing would compile
+                b += 2 * int(np.prod(entry.k.shape[2:])) * entry.k.dtype.itemsize
         return b
 
 
@@ -162,4 +170,5 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_lo
     return cache, out, jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
 
 
+STEP_PROGRAM = "jit(_step)"  # the name compile events carry
 _step_jit = jax.jit(_step, static_argnames=("structure", "top_logprobs"), donate_argnums=(1,))

@@ -1,10 +1,14 @@
 """Page copies between the device cache and host (L2) pools, in the host pools' layout.
 
-The number of pages per call is padded to a power of two so a handful of programs
-serve every transfer; padding reads page 0 and writes nowhere.
+A call moves its pages in chunks of at most ``max_pages(kind)`` (a power of two, chosen
+so one chunk holds at most ``CHUNK_BYTES`` of page data); each chunk is padded to a power
+of two >= ``MIN_PAGES``. So a few programs per kind serve every transfer, and warm-up
+can compile all of them (``lower_all``). Padding reads page 0 and writes nowhere.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -12,20 +16,27 @@ import numpy as np
 
 from hicache_jax.models.cache import MambaState
 
+MIN_PAGES = 8
+CHUNK_BYTES = 64 << 20  # most page data one program call moves (bounds its device buffer)
+
 
 def _bucket(n: int) -> int:
-    return max(8, 1 << (n - 1).bit_length())
+    return max(MIN_PAGES, 1 << (n - 1).bit_length())
 
 
 class PageTransfer:
-    def __init__(self, runner):
+    def __init__(self, runner, chunk_bytes: int = CHUNK_BYTES):
         self.runner = runner
+        self.chunk_bytes = chunk_bytes
         kinds = runner.cfg.layer_kinds
         self.layers = {
             "full": [i for i, k in enumerate(kinds) if k == "attention"],
             "swa": [i for i, k in enumerate(kinds) if k == "sliding"],
             "mamba": [i for i, k in enumerate(kinds) if k == "mamba"],
         }
+
+    def kinds(self) -> list[str]:
+        return [k for k, layers in self.layers.items() if layers]
 
     def layout(self, kind: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Shapes of one host row of ``kind`` (see host_pool.py)."""
@@ -38,21 +49,61 @@ class PageTransfer:
             }
         return {"kv": ((len(layers), 2) + first.k.shape[1:], first.k.dtype)}
 
+    def max_pages(self, kind: str) -> int:
+        """Pages per chunk: no more than the device holds, nor than ``chunk_bytes``."""
+        first = self.runner.cache[self.layers[kind][0]]
+        on_device = (first.ssm if kind == "mamba" else first.k).shape[0]
+        row = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in self.layout(kind).values())
+        by_bytes = 1 << (max(1, self.chunk_bytes // row).bit_length() - 1)  # largest power of two
+        return max(MIN_PAGES, min(_bucket(max(1, on_device)), by_bytes))
+
+    def buckets(self, kind: str) -> list[int]:
+        """Every padded chunk size a transfer of ``kind`` can use."""
+        out, b = [], MIN_PAGES
+        while b <= self.max_pages(kind):
+            out.append(b)
+            b *= 2
+        return out
+
     def read(self, kind: str, idx: list[int]) -> dict[str, np.ndarray]:
+        m = self.max_pages(kind)
+        parts = [self._read(kind, idx[i : i + m]) for i in range(0, max(1, len(idx)), m)]
+        if len(parts) == 1:
+            return parts[0]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def write(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
+        m = self.max_pages(kind)
+        for i in range(0, len(idx), m):
+            self._write(kind, idx[i : i + m], {k: v[i : i + m] for k, v in data.items()})
+
+    def _read(self, kind: str, idx: list[int]) -> dict[str, np.ndarray]:
         n = len(idx)
         padded = np.zeros(_bucket(n), np.int32)
         padded[:n] = idx
-        out = _gather_jit(self.runner.cache, padded, layers=tuple(self.layers[kind]), mamba=kind == "mamba")
+        out = _gather_jit(self.runner.cache, padded, **self._static(kind))
         return {k: np.asarray(v)[:n] for k, v in out.items()}
 
-    def write(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
+    def _write(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
         n, b = len(idx), _bucket(len(idx))
         padded = np.full(b, np.iinfo(np.int32).max, np.int32)  # out of range: dropped
         padded[:n] = idx
         full = {k: np.concatenate([v, np.zeros((b - n,) + v.shape[1:], v.dtype)]) for k, v in data.items()}
-        self.runner.cache = _scatter_jit(
-            self.runner.cache, padded, full, layers=tuple(self.layers[kind]), mamba=kind == "mamba"
-        )
+        self.runner.cache = _scatter_jit(self.runner.cache, padded, full, **self._static(kind))
+
+    def _static(self, kind: str) -> dict:
+        return {"layers": tuple(self.layers[kind]), "mamba": kind == "mamba"}
+
+    def lower_all(self) -> Iterator[tuple[str, jax.stages.Lowered]]:
+        """(name, lowered program) for every gather and scatter a transfer can run."""
+        for kind in self.kinds():
+            layout = self.layout(kind)
+            for b in self.buckets(kind):
+                idx = jax.ShapeDtypeStruct((b,), np.int32)
+                data = {k: jax.ShapeDtypeStruct((b,) + s, d) for k, (s, d) in layout.items()}
+                static = self._static(kind)
+                yield f"read {kind} x{b}", _gather_jit.lower(self.runner.cache, idx, **static)
+                yield f"write {kind} x{b}", _scatter_jit.lower(self.runner.cache, idx, data, **static)
 
 
 def _gather(cache, idx, *, layers, mamba):

@@ -4,7 +4,10 @@ Shapes come from a few buckets so steady-state serving never recompiles:
 
 - decode-only steps: ``S`` = the next power of two >= the number of sequences, ``T = S``;
 - steps with prefill: ``T`` from a short geometric list, ``S = max_running_requests``;
-- logits rows: one per sequence, or one per token when a request wants input logprobs.
+- logits rows: one per sequence, or one per token when a request wants input logprobs;
+- top logprobs: none, or ``MAX_TOP_LOGPROBS`` when a request wants any.
+
+``warmup_programs`` lists every combination, so warm-up can compile them all.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from hicache_jax.request import Req
 from hicache_jax.runner import StateCopies
 from hicache_jax.sampler import SamplingInputs
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS
+
+TOP_WIDTHS = (0, MAX_TOP_LOGPROBS)  # top logprobs a step computes: none, or the most a request may ask
 
 
 @dataclasses.dataclass
@@ -84,9 +89,8 @@ class BatchBuilder:
 
     def shapes(self, plan: StepPlan) -> tuple[int, int, int]:
         """(T, S, R) for a plan."""
-        n = len(plan.items)
         if plan.decode_only:
-            S = 1 << (n - 1).bit_length()
+            S = self._decode_seqs(len(plan.items))
             T = S
         else:
             S = self.max_running
@@ -94,11 +98,21 @@ class BatchBuilder:
         R = T if any(i.wants_input_logprobs for i in plan.items) else S
         return T, S, R
 
+    @staticmethod
+    def _decode_seqs(n: int) -> int:
+        return 1 << (n - 1).bit_length()
+
     def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
-        """Every (T, S, R, decode_only) a step without input logprobs can take."""
-        decode = [(1 << i,) * 3 + (True,) for i in range((self.max_running - 1).bit_length() + 1)]
-        prefill = [(T, self.max_running, self.max_running, False) for T in self.buckets]
-        return decode + prefill
+        """Every (T, S, R, decode_only) ``shapes`` can return (R = T: input logprobs)."""
+        decode = sorted({self._decode_seqs(n) for n in range(1, self.max_running + 1)})
+        out = [(S, S, S, True) for S in decode]
+        for T in self.buckets:
+            out += [(T, self.max_running, R, False) for R in sorted({self.max_running, T})]
+        return out
+
+    def warmup_programs(self) -> list[tuple[tuple[int, int, int, bool], int]]:
+        """Every (shape, top-logprobs width) a step can run with."""
+        return [(shape, top) for shape in self.warmup_shapes() for top in TOP_WIDTHS]
 
     def build(
         self,
@@ -190,11 +204,8 @@ class BatchBuilder:
         )
         sampling = SamplingInputs(last_rows=last_rows, targets=targets, **s_inputs)
         copies = self._copies(plan)
-        top = (
-            MAX_TOP_LOGPROBS
-            if any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items)
-            else 0
-        )
+        wants_top = any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items)
+        top = TOP_WIDTHS[wants_top]
         return batch, sampling, copies, top, first_rows
 
     def _copies(self, plan: StepPlan) -> StateCopies:

@@ -1,0 +1,79 @@
+"""Warm-up: compile every program serving can run, before the first request.
+
+Serving runs two families of programs, each over a bounded set of shapes:
+
+- the step (``runner.py``): one program per ``BatchBuilder.warmup_programs()`` entry
+  (decode and prefill buckets, per-token logits rows for input logprobs, with and without
+  top logprobs); Mamba state copies run inside it;
+- page transfers (``transfer.py``, with a host tier): a gather (device -> host: backups)
+  and a scatter (host -> device: L2 hits, and L3 hits, which land in the host pool first)
+  per page kind and chunk bucket.
+
+Nothing else touches the device while serving. Programs are lowered one at a time
+(tracing holds the GIL) and compiled on a thread pool (the backend compiler releases it);
+the jits' call paths then find them compiled. Nothing is executed, so warm-up reads and
+writes no cache page.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+
+from hicache_jax import compiles
+from hicache_jax.runner import ModelRunner
+from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
+from hicache_jax.transfer import PageTransfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    programs: int  # programs warm-up asked for
+    compiled: int  # of them, compiled now (the rest were compiled before in this process)
+    seconds: float
+
+
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def warmup(
+    runner: ModelRunner,
+    builder: BatchBuilder,
+    transfer: PageTransfer | None = None,
+    *,
+    workers: int | None = None,
+) -> WarmupReport:
+    t0 = time.perf_counter()
+    before = compiles.total()
+    with concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool:
+        futures = {
+            name: pool.submit(lowered.compile) for name, lowered in _lowered(runner, builder, transfer)
+        }
+        for name, f in futures.items():
+            try:
+                f.result()
+            except Exception as e:
+                raise RuntimeError(f"warm-up: compiling {name} failed: {e}") from e
+    report = WarmupReport(
+        programs=len(futures), compiled=compiles.total() - before, seconds=time.perf_counter() - t0
+    )
+    log.info("warm-up: %d programs (%d compiled) in %.1fs", report.programs, report.compiled, report.seconds)
+    return report
+
+
+def _lowered(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer | None):
+    """(name, lowered program) for every program serving can run, lowered lazily."""
+    for shape, top in builder.warmup_programs():
+        batch, sampling, copies, _, _ = builder.build(StepPlan(items=[]), shape)
+        yield (
+            f"step T={shape[0]} S={shape[1]} R={shape[2]} top={top}",
+            runner.lower_step(batch, sampling, copies, top),
+        )
+    if transfer is not None:
+        yield from transfer.lower_all()
