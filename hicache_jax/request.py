@@ -15,7 +15,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself: lists of them compare by identity
 class Req:
     rid: str
     input_ids: list[int]

@@ -61,7 +61,7 @@ def test_swa_tombstones_block_ends_but_not_passage():
 
     def tombstone(j):  # page j holds tokens 4j..4j+3
         c.pools["swa"].free([path[j].swa])
-        path[j].swa = None
+        c._set(path[j], "swa", None)
 
     tombstone(3)
     assert c.match(seq, 24).end == 20  # end 20 reads 16..19 (page 4): passes page 3
@@ -105,9 +105,9 @@ def test_a_page_without_host_copy_goes_with_its_host_only_subtree():
     c.insert(seq, None, 3, pages)
     a, b, cc = c.tree().walk(seq, 3)
     for node in (b, cc):  # B and C have host copies; A has none (its backup was skipped)
-        (node.host_full,) = host["full"].index.alloc(1)
+        c._set_host(node, "full", host["full"].index.alloc(1)[0])
     c.pools["full"].free([b.full])
-    b.full = None  # B lives on the host only
+    c._set(b, "full", None)  # B lives on the host only
     assert c.evict("full", 2) == 2  # C's device page, then A with B
     assert c.pools["full"].num_free == 3 and c.tree().walk(seq, 3) == []
     c.check_integrity()
