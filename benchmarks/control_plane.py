@@ -19,8 +19,10 @@ per-step cost depends on the step's work, not on how many pages are cached.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
+import pstats
 import resource
 import statistics
 import sys
@@ -98,7 +100,7 @@ def count_nodes(cache: PrefixCache) -> int:
     return sum(1 for _ in cache.nodes())
 
 
-def run(size: int, steps: int, warmup: int, running: int, seed: int) -> dict:
+def run(size: int, steps: int, warmup: int, running: int, seed: int, profile: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     prompt_pages, shared_pages, out_lo, out_hi = 32, 16, 128, 384
     # Room for the running requests (prompt + output on average) and 1024 pages of cache.
@@ -133,12 +135,15 @@ def run(size: int, steps: int, warmup: int, running: int, seed: int) -> dict:
 
     for _ in range(running + 8):
         arrive()
-    times = []
+    times, cpu = [], []
+    prof = cProfile.Profile() if profile else None
     for step in range(warmup + steps):
+        if prof is not None and step == warmup:
+            prof.enable()
         while len(sched.waiting) < 8:
             arrive()
         toks = rng.integers(3, 50000, 2 * running).tolist()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         plan = sched.schedule()
         for s, item in enumerate(plan.items):  # the engine's postprocess, minus the model
             req = item.req
@@ -153,6 +158,10 @@ def run(size: int, steps: int, warmup: int, running: int, seed: int) -> dict:
         cache.backup_pending()
         if step >= warmup:
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+    if prof is not None:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     nodes = count_nodes(cache)
     held = adapter.held(sched.running)
     cache.check_integrity(held)
@@ -165,6 +174,7 @@ def run(size: int, steps: int, warmup: int, running: int, seed: int) -> dict:
         "running": len(sched.running),
         "fill_s": fill_s,
         "mean_ms": statistics.fmean(ms),
+        "cpu_ms": statistics.fmean(cpu) * 1e3,
         "p90_ms": sorted(ms)[int(0.9 * (len(ms) - 1))],
         "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
@@ -177,18 +187,20 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200, help="untimed steps first (reach steady state)")
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="profile the timed steps (cProfile)")
     args = ap.parse_args()
     rows = []
     print(f"python {sys.version.split()[0]}, pid {os.getpid()}", flush=True)
     for size in [int(s) for s in args.sizes.split(",")]:
         gc.collect()
-        r = run(size, args.steps, args.warmup, args.running, args.seed)
+        r = run(size, args.steps, args.warmup, args.running, args.seed, args.profile)
         rows.append(r)
         base = rows[0]["mean_ms"]
         print(
             f"size {r['size']:>8}  nodes {r['nodes']:>8}  running {r['running']}  "
             f"free dev/host {r['device_free']}/{r['host_free']}  fill {r['fill_s']:.1f}s  "
-            f"step mean {r['mean_ms']:.3f} ms  p90 {r['p90_ms']:.3f} ms  x{r['mean_ms'] / base:.2f}  "
+            f"step mean {r['mean_ms']:.3f} ms  p90 {r['p90_ms']:.3f} ms  cpu {r['cpu_ms']:.3f} ms  "
+            f"x{r['mean_ms'] / base:.2f}  "
             f"rss {r['max_rss_gb']:.2f} GB",
             flush=True,
         )

@@ -215,10 +215,9 @@ class PrefixCache:
         matched again without it). Device data below such a node keeps it in place: the
         subtree's deeper, more recently used pages are evicted first; the last of them
         makes it evictable (``dev_kids`` drops to zero), within the same call."""
-        queue = self._device[kind]
         freed = 0
         while freed < n:
-            node = queue.pop()
+            node = self._victim(kind)
             if node is None:
                 break
             if self.write_policy == "write_back" and getattr(node, "host_" + kind) is None:
@@ -232,19 +231,16 @@ class PrefixCache:
             freed += 1
         return freed
 
-    def evict_host(self, kind: str, n: int, keep: Node | None = None) -> int:
+    def evict_host(self, kind: str, n: int) -> int:
         """Free at least ``n`` host rows of ``kind``: copies of device data first, then
-        host-only pages, least recently used first in each; never ``keep``'s."""
+        host-only pages, least recently used first in each. (A node that asks for a row
+        holds none of that kind, so it is never a candidate.)"""
         pool = self.host[kind].index
-        copies, only = self._copies[kind], self._host_only_q[kind]
-        freed, kept = 0, None
+        freed = 0
         while freed < n:
-            node = copies.pop() or only.pop()
+            node = self._host_victim(kind)
             if node is None:
                 break
-            if node is keep:
-                kept = node
-                continue
             if kind == "full" and node.full is None:
                 self._remove(node)  # an unlocked leaf
             else:
@@ -252,14 +248,20 @@ class PrefixCache:
                 self._set_host(node, kind, None)
                 self._prune(node)
             freed += 1
-        if kept is not None:
-            self._offer(kept)
         return freed
 
-    def host_alloc(self, kind: str, n: int, keep: Node | None = None) -> list[int] | None:
+    def _victim(self, kind: str) -> Node | None:
+        """The least recently used evictable device page of ``kind``, taken off its queue."""
+        return self._device[kind].pop()
+
+    def _host_victim(self, kind: str) -> Node | None:
+        """The next host row of ``kind`` to drop, taken off its queue."""
+        return self._copies[kind].pop() or self._host_only_q[kind].pop()
+
+    def host_alloc(self, kind: str, n: int) -> list[int] | None:
         pool = self.host[kind].index
         if pool.num_free < n:
-            self.evict_host(kind, n - pool.num_free, keep)
+            self.evict_host(kind, n - pool.num_free)
         return pool.alloc(n)
 
     # ---- every change to a node's data goes through these (they keep the queues) -----------
@@ -386,8 +388,8 @@ class PrefixCache:
         for kind in self.host:
             todo = [n for n in nodes if getattr(n, kind) is not None and getattr(n, "host_" + kind) is None]
             rows = []
-            for n in todo:
-                got = self.host_alloc(kind, 1, keep=n)
+            for _ in todo:
+                got = self.host_alloc(kind, 1)
                 if got is None:
                     self.counters["backup_skipped"] += 1
                     break
@@ -459,7 +461,7 @@ class PrefixCache:
             for kind, arrays in data.get(j, {}).items():
                 if kind not in self.host or node.has(kind):
                     continue
-                row = self.host_alloc(kind, 1, keep=node)
+                row = self.host_alloc(kind, 1)
                 if row is None:
                     self._prune(node)
                     return stored
