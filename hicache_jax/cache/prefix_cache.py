@@ -27,6 +27,7 @@ check_integrity) walks everything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -80,7 +81,7 @@ class PrefixCache:
         queues += [(k, "host copy " + k, self._host_copy) for k in self.host]
         queues += [(k, "host only " + k, self._host_only) for k in self.host]
         self._queues = [
-            LruQueue(name, 1 << b, lambda n, kind=kind, f=f: f(n, kind))
+            LruQueue(name, 1 << b, functools.partial(f, kind=kind))
             for b, (kind, name, f) in enumerate(queues)
         ]
         self._all_bits = (1 << len(self._queues)) - 1

@@ -127,7 +127,7 @@ class RadixTree:
 
     def page_key(self, tokens: Sequence[int], page: int) -> tuple[int, ...]:
         P = self.page_size
-        return tuple(int(t) for t in tokens[page * P : (page + 1) * P])
+        return tuple(map(int, tokens[page * P : (page + 1) * P]))
 
     def walk(self, tokens: Sequence[int], max_pages: int, start: Node | None = None) -> list[Node]:
         """Existing nodes along ``tokens``' full pages (at most ``max_pages`` from the root),
