@@ -267,9 +267,11 @@ class PrefixCache:
 
     # ---- every change to a node's data goes through these (they keep the queues) -----------
     def _offer(self, node: Node) -> None:
-        if node.inq != self._all_bits:
+        inq = node.inq
+        if inq != self._all_bits:
             for q in self._queues:
-                q.offer(node)
+                if not inq & q.bit:
+                    q.offer(node)
 
     def _set(self, node: Node, kind: str, idx: int | None) -> None:
         """Set a device index (None: gone)."""
