@@ -16,20 +16,27 @@ Write policies decide when device data is copied to the host: ``write_through`` 
 node enters the tree, ``write_through_selective`` once it has been hit twice,
 ``write_back`` only when the device evicts it. Every completed copy is reported to
 ``on_backup`` (which queues the L3 write). Evicting zero pages is always safe.
+
+Nothing here scans the trees per request or per step: each pool's eviction order lives in
+``LruQueue``s (``lru.py``) that every change of a node's data, locks or children updates,
+and ``dev_kids`` counts, per node, the children with device full pages at or below them
+(what a page without a host copy waits for). Only maintenance (flush, drop_device,
+check_integrity) walks everything.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from hicache_jax.cache.host_pool import HostPool
+from hicache_jax.cache.lru import LruQueue
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
-from hicache_jax.cache.radix import Node, RadixTree, path_to
+from hicache_jax.cache.radix import Node, RadixTree
 
 KINDS = ("full", "swa", "mamba")
 
@@ -64,10 +71,23 @@ class PrefixCache:
         self.transfer = transfer
         self.write_policy = write_policy
         self.trees: dict[str | None, RadixTree] = {}
-        self._root_salt: dict[int, str | None] = {}  # id(tree.root) -> salt
         self.pending_backup: dict[int, Node] = {}  # id -> node, in insertion order
         self.on_backup: Callable[[Node, tuple[str, ...]], None] | None = None
         self.counters = {"host_loads": 0, "host_backups": 0, "backup_skipped": 0}
+        self.storage_rows = 0  # host rows of nodes L3 filled that no match used yet
+        # Eviction order, per pool: device pages, then host copies of device data (they go
+        # first) and host-only pages.
+        queues = [(k, k, self._evictable) for k in pools]
+        queues += [(k, "host copy " + k, self._host_copy) for k in self.host]
+        queues += [(k, "host only " + k, self._host_only) for k in self.host]
+        self._queues = [
+            LruQueue(name, 1 << b, functools.partial(f, kind=kind))
+            for b, (kind, name, f) in enumerate(queues)
+        ]
+        self._all_bits = (1 << len(self._queues)) - 1
+        self._device = {q.name: q for q in self._queues[: len(pools)]}
+        self._copies = {k: q for k, q in zip(self.host, self._queues[len(pools) :])}
+        self._host_only_q = {k: q for k, q in zip(self.host, self._queues[len(pools) + len(self.host) :])}
 
     # ---- trees (one per cache_salt: tenants never share pages) ----------------------------
     def tree(self, salt: str | None = None) -> RadixTree:
@@ -75,7 +95,6 @@ class PrefixCache:
         ``_unlink``), so a stream of one-off salts never accumulates trees."""
         if salt not in self.trees:
             self.trees[salt] = RadixTree(self.rules.page_size, salt)
-            self._root_salt[id(self.trees[salt].root)] = salt
         return self.trees[salt]
 
     def walk(self, tokens: Sequence[int], max_pages: int, salt: str | None = None) -> list[Node]:
@@ -84,9 +103,7 @@ class PrefixCache:
         return tree.walk(tokens, max_pages) if tree is not None else []
 
     def salt_of(self, node: Node) -> str | None:
-        while not node.is_root:
-            node = node.parent
-        return self._root_salt[id(node)]
+        return node.tree.salt
 
     def nodes(self) -> Iterator[Node]:
         for t in list(self.trees.values()):
@@ -152,10 +169,10 @@ class PrefixCache:
             rows = [getattr(n, "host_" + kind) for n in nodes]
             self.transfer.write(kind, got[kind], self.host[kind].read(rows))
             for n, i in zip(nodes, got[kind]):
-                setattr(n, kind, i)
+                self._set(n, kind, i)
             self.counters["host_loads"] += len(nodes)
         for n in match.nodes:
-            n.from_storage = False
+            self._set_from_storage(n, False)
         match.loads = []
         return True
 
@@ -176,8 +193,20 @@ class PrefixCache:
         if kind == "full" and node.host_full is None and node.children:
             if self.write_policy == "write_back" and "full" in self.host:
                 return True  # backed up on eviction, then only its device page goes
-            return not _device_below(node)  # goes with its host-only subtree
+            return not node.dev_kids  # goes with its host-only subtree
         return True
+
+    @staticmethod
+    def _host_copy(node: Node, kind: str) -> bool:
+        """A host copy of data the device still holds: the first to go."""
+        return getattr(node, "host_" + kind) is not None and getattr(node, kind) is not None
+
+    @staticmethod
+    def _host_only(node: Node, kind: str) -> bool:
+        """The only copy: a full page goes only as an unlocked leaf."""
+        if getattr(node, "host_" + kind) is None or getattr(node, kind) is not None:
+            return False
+        return kind != "full" or not (node.children or node.lock_ref)
 
     def evict(self, kind: str, n: int) -> int:
         """Free at least ``n`` device indices of ``kind`` if unlocked nodes allow.
@@ -185,69 +214,102 @@ class PrefixCache:
         A full-attention page without a host copy is the only copy: it goes with its node,
         and with the node's subtree, which then holds host copies only (they could never be
         matched again without it). Device data below such a node keeps it in place: the
-        subtree's deeper, more recently used pages are evicted first."""
-        if n <= 0:
-            return 0
-        heap = [(x.last_access, id(x), x) for x in self.nodes() if self._evictable(x, kind)]
-        heapq.heapify(heap)
+        subtree's deeper, more recently used pages are evicted first; the last of them
+        makes it evictable (``dev_kids`` drops to zero), within the same call."""
         freed = 0
-        while heap and freed < n:
-            _, _, node = heapq.heappop(heap)
-            if node.parent is None or not self._evictable(node, kind):
-                continue  # gone with a subtree, or changed since it was queued
+        while freed < n:
+            node = self._victim(kind)
+            if node is None:
+                break
             if self.write_policy == "write_back" and getattr(node, "host_" + kind) is None:
                 self._backup([node])
-            parent = node.parent
             if kind == "full" and node.host_full is None:
                 self._remove_subtree(node)
             else:
                 self.pools[kind].free([getattr(node, kind)])
-                setattr(node, kind, None)
+                self._set(node, kind, None)
                 self._prune(node)
             freed += 1
-            if kind == "full":  # the nearest device page above may be a leaf of L1 now
-                while not parent.is_root and parent.full is None:
-                    parent = parent.parent
-                if not parent.is_root and self._evictable(parent, kind):
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
-    def evict_host(self, kind: str, n: int, keep: Node | None = None) -> int:
+    def evict_host(self, kind: str, n: int) -> int:
+        """Free at least ``n`` host rows of ``kind``: copies of device data first, then
+        host-only pages, least recently used first in each. (A node that asks for a row
+        holds none of that kind, so it is never a candidate.)"""
         pool = self.host[kind].index
-        cands = []
-        for x in self.nodes():
-            if getattr(x, "host_" + kind) is None or x is keep:
-                continue
-            if getattr(x, kind) is None and kind == "full" and (x.children or x.lock_ref):
-                continue  # the only copy of a page others hang below
-            cands.append((getattr(x, kind) is None, x.last_access, id(x), x))  # copies go first
-        heapq.heapify(cands)
         freed = 0
-        while cands and freed < n:
-            _, _, _, node = heapq.heappop(cands)
-            parent = node.parent
+        while freed < n:
+            node = self._host_victim(kind)
+            if node is None:
+                break
             if kind == "full" and node.full is None:
-                if node.children or node.lock_ref:
-                    continue
-                self._remove(node)
+                self._remove(node)  # an unlocked leaf
             else:
                 pool.free([getattr(node, "host_" + kind)])
-                setattr(node, "host_" + kind, None)
+                self._set_host(node, kind, None)
                 self._prune(node)
             freed += 1
-            if kind == "full" and not parent.is_root and parent.host_full is not None and parent.full is None:
-                if not parent.children and not parent.lock_ref:
-                    heapq.heappush(cands, (True, parent.last_access, id(parent), parent))
         return freed
 
-    def host_alloc(self, kind: str, n: int, keep: Node | None = None) -> list[int] | None:
+    def _victim(self, kind: str) -> Node | None:
+        """The least recently used evictable device page of ``kind``, taken off its queue."""
+        return self._device[kind].pop()
+
+    def _host_victim(self, kind: str) -> Node | None:
+        """The next host row of ``kind`` to drop, taken off its queue."""
+        return self._copies[kind].pop() or self._host_only_q[kind].pop()
+
+    def host_alloc(self, kind: str, n: int) -> list[int] | None:
         pool = self.host[kind].index
         if pool.num_free < n:
-            self.evict_host(kind, n - pool.num_free, keep)
+            self.evict_host(kind, n - pool.num_free)
         return pool.alloc(n)
+
+    # ---- every change to a node's data goes through these (they keep the queues) -----------
+    def _offer(self, node: Node) -> None:
+        inq = node.inq
+        if inq != self._all_bits:
+            for q in self._queues:
+                if not inq & q.bit:
+                    q.offer(node)
+
+    def _set(self, node: Node, kind: str, idx: int | None) -> None:
+        """Set a device index (None: gone)."""
+        was = getattr(node, kind) is not None
+        setattr(node, kind, idx)
+        if kind == "full" and was != (idx is not None) and not node.dev_kids:
+            self._hot_changed(node.parent, 1 if idx is not None else -1)
+        self._offer(node)
+
+    def _set_host(self, node: Node, kind: str, row: int | None) -> None:
+        """Set a host row (None: gone)."""
+        if node.from_storage:
+            self.storage_rows += (row is not None) - (getattr(node, "host_" + kind) is not None)
+        setattr(node, "host_" + kind, row)
+        self._offer(node)
+
+    def _set_from_storage(self, node: Node, value: bool) -> None:
+        if node.from_storage != value:
+            held = sum(getattr(node, "host_" + k) is not None for k in self.host)
+            self.storage_rows += held if value else -held
+            node.from_storage = value
+
+    def _hot_changed(self, node: Node, delta: int) -> None:
+        """A child of ``node`` started (+1) or stopped (-1) holding a device full page at or
+        below it: update ``dev_kids`` up to the first node whose own state stays."""
+        while not node.is_root:
+            node.dev_kids += delta
+            if node.full is not None:
+                if not node.dev_kids:  # nothing on the device below it any more
+                    self._device["full"].offer(node)
+                return
+            if node.dev_kids != (delta > 0):  # not 0 -> 1 or 1 -> 0: its state stays
+                return
+            node = node.parent
 
     def _remove(self, node: Node) -> None:
         """Drop a leaf with everything it holds."""
+        parent, had_full = node.parent, node.full is not None
         for kind in KINDS:
             idx = getattr(node, kind)
             if idx is not None:
@@ -257,15 +319,23 @@ class PrefixCache:
             if hidx is not None:
                 self.host[kind].index.free([hidx])
                 setattr(node, "host_" + kind, None)
+                self.storage_rows -= node.from_storage
         self._unlink(node)
+        if had_full:
+            self._hot_changed(parent, -1)
 
     def _unlink(self, node: Node) -> None:
         """Take an unlocked leaf out of its tree; drop the tree if that emptied it."""
         self.pending_backup.pop(id(node), None)
         parent = node.parent
         node.tree_remove()
-        if parent.is_root and not parent.children:
-            del self.trees[self._root_salt.pop(id(parent))]
+        if node.inq:
+            for q in self._queues:
+                q.forget(node)
+        if not parent.is_root:
+            self._offer(parent)  # a leaf now
+        elif not parent.children:
+            del self.trees[parent.tree.salt]
 
     def _remove_subtree(self, node: Node) -> None:
         """Drop an unlocked node with everything below it, in every tier."""
@@ -284,6 +354,21 @@ class PrefixCache:
             parent = node.parent
             self._unlink(node)
             node = parent
+
+    def _rebuild_index(self) -> None:
+        """Recount ``dev_kids`` and ``storage_rows`` and refill the queues from the trees
+        (after a bulk change: flush, drop_device)."""
+        for q in self._queues:
+            q.clear()
+        self.storage_rows = 0
+        everything = [n for t in self.trees.values() for n in t.post_order()]
+        for n in everything:
+            n.inq = 0
+            n.dev_kids = sum(c.full is not None or c.dev_kids > 0 for c in n.children.values())
+            if n.from_storage:
+                self.storage_rows += sum(getattr(n, "host_" + k) is not None for k in self.host)
+        for n in everything:
+            self._offer(n)
 
     # ---- host backups ------------------------------------------------------------------------
     def _want_backup(self, node: Node) -> None:
@@ -306,8 +391,8 @@ class PrefixCache:
         for kind in self.host:
             todo = [n for n in nodes if getattr(n, kind) is not None and getattr(n, "host_" + kind) is None]
             rows = []
-            for n in todo:
-                got = self.host_alloc(kind, 1, keep=n)
+            for _ in todo:
+                got = self.host_alloc(kind, 1)
                 if got is None:
                     self.counters["backup_skipped"] += 1
                     break
@@ -318,7 +403,7 @@ class PrefixCache:
             data = self.transfer.read(kind, [getattr(n, kind) for n in todo])
             self.host[kind].write(rows, data)
             for n, r in zip(todo, rows):
-                setattr(n, "host_" + kind, r)
+                self._set_host(n, kind, r)
                 done.setdefault(id(n), []).append(kind)
             self.counters["host_backups"] += len(todo)
         if self.on_backup:
@@ -343,17 +428,19 @@ class PrefixCache:
         tree = self.tree(salt)
         node = start or tree.root
         taken: dict[str, set[int]] = {k: set() for k in pages}
+        path = []
         for j in range(node.depth, num_pages):
             key = tree.page_key(tokens, j)
             child = node.children.get(key) or tree.add_child(node, key)
             for kind, idx in pages.items():
                 if idx[j] is not None and getattr(child, kind) is None:
-                    setattr(child, kind, idx[j])
+                    self._set(child, kind, idx[j])
                     taken[kind].add(j)
                     if self.write_policy == "write_through":
                         self._want_backup(child)
+            path.append(child)
             node = child
-        RadixTree.touch(path_to(node)[start.depth if start else 0 :])
+        RadixTree.touch(path)
         return node, taken
 
     def insert_host(
@@ -369,6 +456,7 @@ class PrefixCache:
         tree = self.tree(salt)
         node = tree.root
         stored = 0
+        path = []
         for j in range(num_pages):
             key = tree.page_key(tokens, j)
             node = node.children.get(key) or tree.add_child(node, key)
@@ -376,15 +464,16 @@ class PrefixCache:
             for kind, arrays in data.get(j, {}).items():
                 if kind not in self.host or node.has(kind):
                     continue
-                row = self.host_alloc(kind, 1, keep=node)
+                row = self.host_alloc(kind, 1)
                 if row is None:
                     self._prune(node)
                     return stored
                 self.host[kind].write(row, {k: v[None] for k, v in arrays.items()})
-                setattr(node, "host_" + kind, row[0])
-                node.from_storage = True
+                self._set_host(node, kind, row[0])
+                self._set_from_storage(node, True)
                 stored += 1
-        RadixTree.touch(path_to(node))
+            path.append(node)
+        RadixTree.touch(path)
         return stored
 
     def lock(self, node: Node | None) -> None:
@@ -393,8 +482,14 @@ class PrefixCache:
 
     def unlock(self, node: Node | None) -> None:
         if node is not None:
-            RadixTree.unlock(node)
+            for n in RadixTree.unlock(node):
+                self._offer(n)
             self._prune(node)
+
+    def relock(self, old: Node | None, new: Node) -> None:
+        """Move a lock from ``old`` down to its descendant ``new`` (lock(new), unlock(old)
+        in the cost of the pages between them)."""
+        RadixTree.lock(new, above=old)
 
     def swa_lock(self, nodes) -> None:
         for n in nodes:
@@ -405,18 +500,18 @@ class PrefixCache:
             if n.swa_lock <= 0:
                 raise RuntimeError(f"swa-unlocking {n} below zero")
             n.swa_lock -= 1
+            if not n.swa_lock and n.swa is not None:
+                self._device["swa"].offer(n)
 
     # ---- maintenance ------------------------------------------------------------------------
     def flush(self) -> None:
         """Drop every unlocked node, device and host (everything when no request runs)."""
-        changed = True
-        while changed:
-            changed = False
-            for node in list(self.nodes()):
+        for tree in list(self.trees.values()):
+            for node in tree.post_order():  # a node's children go before it
                 if not node.children and not node.lock_ref and not node.swa_lock:
                     self._remove(node)
-                    changed = True
         self.pending_backup.clear()
+        self._rebuild_index()
 
     def drop_device(self) -> None:
         """Forget every device index (the device cache was lost): device pools reset, nodes
@@ -430,9 +525,10 @@ class PrefixCache:
             pool.reset()
         self.pending_backup.clear()
         for tree in list(self.trees.values()):
-            for node in sorted(tree.nodes(), key=lambda n: -n.depth):  # leaves first
+            for node in tree.post_order():
                 if node.empty and not node.children:
                     self._unlink(node)
+        self._rebuild_index()
 
     def indices(self) -> dict[str, list[int]]:
         """Every device and host index the trees hold, by pool."""
@@ -455,6 +551,14 @@ class PrefixCache:
         a tree or by ``held_outside`` (the running requests)."""
         for t in self.trees.values():
             t.check_integrity()
+        everything = list(self.nodes())
+        for q in self._queues:
+            q.check(everything)
+        rows = sum(
+            getattr(n, "host_" + k) is not None for n in everything if n.from_storage for k in self.host
+        )
+        if rows != self.storage_rows:
+            raise AssertionError(f"storage_rows {self.storage_rows}, but nodes from L3 hold {rows} host rows")
         held_outside = held_outside or {}
         owned = self.indices()
         all_pools = dict(self.pools) | {"host_" + k: h.index for k, h in self.host.items()}
@@ -468,14 +572,3 @@ class PrefixCache:
                 leaked = sorted(pool.used() - set(owners))[:8]
                 unalloc = sorted(set(owners) - pool.used())[:8]
                 raise AssertionError(f"{pool.name}: leaked {leaked}, owned but not allocated {unalloc}")
-
-
-def _device_below(node: Node) -> bool:
-    """Whether any node under ``node`` still holds a device full-attention page."""
-    stack = list(node.children.values())
-    while stack:
-        x = stack.pop()
-        if x.full is not None:
-            return True
-        stack.extend(x.children.values())
-    return False

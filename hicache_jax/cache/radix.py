@@ -18,6 +18,9 @@ is never evicted and keeps its full KV and snapshot. ``swa_lock`` counts running
 whose sliding window covers the node: only those pin its SWA page, so a long prompt's
 older SWA pages become evictable while the request still runs. The tree holds indices
 only; pools free them.
+
+Every operation here costs the path it walks, never the size of the tree: eviction order
+is kept by the prefix cache's LRU queues (``lru.py``), which use ``inq`` and ``dev_kids``.
 """
 
 from __future__ import annotations
@@ -46,11 +49,15 @@ class Node:
         "hit_count",
         "hash",
         "from_storage",
+        "tree",
+        "inq",
+        "dev_kids",
     )
 
-    def __init__(self, key: tuple[int, ...], parent: Node | None):
+    def __init__(self, key: tuple[int, ...], parent: Node | None, tree: RadixTree | None = None):
         self.key = key
         self.parent = parent
+        self.tree = tree if parent is None else parent.tree  # the tree it was made in
         self.children: dict[tuple[int, ...], Node] = {}
         self.full: int | None = None
         self.swa: int | None = None
@@ -65,6 +72,8 @@ class Node:
         self.swa_lock = 0
         self.last_access = next(_clock)
         self.depth = 0 if parent is None else parent.depth + 1  # pages from the root
+        self.inq = 0  # bit per LRU queue that holds an entry for it (lru.LruQueue)
+        self.dev_kids = 0  # children whose subtree (child included) holds a device full page
 
     @property
     def is_root(self) -> bool:
@@ -114,11 +123,11 @@ class RadixTree:
     def __init__(self, page_size: int, salt: str | None = None):
         self.page_size = page_size
         self.salt = salt  # the tenant (cache_salt) whose prefixes this tree holds
-        self.root = Node((), None)
+        self.root = Node((), None, self)
 
     def page_key(self, tokens: Sequence[int], page: int) -> tuple[int, ...]:
         P = self.page_size
-        return tuple(int(t) for t in tokens[page * P : (page + 1) * P])
+        return tuple(map(int, tokens[page * P : (page + 1) * P]))
 
     def walk(self, tokens: Sequence[int], max_pages: int, start: Node | None = None) -> list[Node]:
         """Existing nodes along ``tokens``' full pages (at most ``max_pages`` from the root),
@@ -146,18 +155,32 @@ class RadixTree:
             n.last_access = tick
 
     @staticmethod
-    def lock(node: Node) -> None:
-        while not node.is_root:
-            node.lock_ref += 1
+    def lock(node: Node, above: Node | None = None) -> None:
+        """Lock ``node`` and its ancestors, stopping below ``above`` (an ancestor that is
+        locked already: moving a lock down a path costs only the pages in between)."""
+        path = []
+        while node is not above:
+            if node.is_root:
+                if above is None:
+                    break
+                raise RuntimeError(f"{above} is not an ancestor of the node to lock")
+            path.append(node)
             node = node.parent
+        for n in path:
+            n.lock_ref += 1
 
     @staticmethod
-    def unlock(node: Node) -> None:
+    def unlock(node: Node) -> list[Node]:
+        """Unlock ``node`` and its ancestors; returns those no request locks any more."""
+        freed = []
         while not node.is_root:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlocking {node} below zero")
             node.lock_ref -= 1
+            if not node.lock_ref:
+                freed.append(node)
             node = node.parent
+        return freed
 
     def nodes(self) -> Iterator[Node]:
         stack = list(self.root.children.values())
@@ -165,6 +188,15 @@ class RadixTree:
             n = stack.pop()
             yield n
             stack.extend(n.children.values())
+
+    def post_order(self) -> list[Node]:
+        """Every node (root excluded), each after all of its children."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out[::-1]
 
     def check_integrity(self) -> None:
         for n in self.nodes():
@@ -175,3 +207,8 @@ class RadixTree:
                 raise AssertionError(f"{n}: lock_ref {n.lock_ref} < children's {child_locks}")
             if n.depth != n.parent.depth + 1 or n.parent.children.get(n.key) is not n:
                 raise AssertionError(f"{n}: broken parent link")
+            if n.tree is not self:
+                raise AssertionError(f"{n}: names another tree")
+            hot = sum(c.full is not None or c.dev_kids > 0 for c in n.children.values())
+            if n.dev_kids != hot:
+                raise AssertionError(f"{n}: dev_kids {n.dev_kids}, but {hot} children hold device pages")

@@ -112,7 +112,6 @@ class StorageTier:
         self._progress = threading.Event()  # set whenever a prefetch finishes
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="l3-plan")
         self._reserved = 0  # host rows reserved by tasks in self.tasks (scheduler thread only)
-        self._landed: dict[int, Node] = {}  # id -> node whose host rows a prefetch brought
         self._closed = False
         self.counters = {
             "prefetch_issued": 0,
@@ -311,7 +310,6 @@ class StorageTier:
                 stored = self.cache.insert_host(
                     task.tokens, task.salt, task.data, task.hashes, task.end // self.rules.page_size
                 )
-                self._track_landed(task)
                 self.counters["prefetch_completed"] += 1
                 self.counters["prefetch_pages"] += stored
             elif task.status == "below_threshold":
@@ -325,12 +323,6 @@ class StorageTier:
         self._reserved -= task.rows
         if task.status == "pending" and task.handle is not None:
             task.handle.cancel()
-
-    def _track_landed(self, task: PrefetchTask) -> None:
-        path = self.cache.walk(task.tokens, task.end // self.rules.page_size, task.salt)
-        for node in path:
-            if node.from_storage:
-                self._landed[id(node)] = node
 
     def ready(self, key: str) -> bool:
         """Whether the request may be scheduled now, by the prefetch policy
@@ -356,18 +348,9 @@ class StorageTier:
 
     def prefetched_rows(self) -> int:
         """Host rows held for prefetches: reserved by tasks in flight, plus rows they
-        brought that no request has used yet (the rate limit). Costs O(those rows)."""
-        return self._reserved + self._landed_rows()
-
-    def _landed_rows(self) -> int:
-        rows = 0
-        for nid, node in list(self._landed.items()):
-            held = sum(getattr(node, "host_" + k) is not None for k in self.kinds)
-            if not node.from_storage or not held:
-                del self._landed[nid]  # used by a request, or evicted
-            else:
-                rows += held
-        return rows
+        brought that no request has used yet (the rate limit; the cache keeps that count
+        as rows come and go, so this costs nothing)."""
+        return self._reserved + self.cache.storage_rows
 
     # ---- maintenance ---------------------------------------------------------------------------
     def drain(self, timeout: float | None = None) -> StorageDrain:
@@ -382,7 +365,6 @@ class StorageTier:
         abandoned = sum(t.status == "pending" for t in self.tasks.values())
         for key, task in list(self.tasks.items()):
             self._drop(key, task)
-        self._landed.clear()  # the caller clears L2
         self.counters["prefetch_abandoned"] += abandoned
         writes = self.client.drain(max(0.0, deadline - time.monotonic()))
         if abandoned or writes.pending:
@@ -408,7 +390,7 @@ class StorageTier:
         out = dict(self.counters)
         out.update({f"l3_{k}": v for k, v in self.client.stats().items()})
         out["prefetch_host_rows_in_flight"] = self._reserved
-        out["prefetch_host_rows_used"] = self._landed_rows()
+        out["prefetch_host_rows_used"] = self.cache.storage_rows
         out.update({f"storage_{k}": v for k, v in self.client.health().items()})
         return out
 

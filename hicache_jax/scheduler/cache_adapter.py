@@ -129,11 +129,11 @@ class CacheAdapter:
             slot = req.snapshots.pop(j)
             if j - 1 not in taken.get("mamba", ()):
                 self.cache.pools["mamba"].free([slot])  # the tree had one already
-        self.cache.lock(node)
-        self.cache.unlock(req.last_node)
+        self.cache.relock(req.last_node, node)  # node is at or below it: insert started there
         req.last_node = node
         req.num_inserted_pages = num_pages
-        self._relock_window(req, path_to(node))
+        if "swa" in self.cache.pools:
+            self._relock_window(req, path_to(node))
 
     def _relock_window(self, req: Req, path: list) -> None:
         """Pin the tree nodes inside the request's current window, and only those."""

@@ -94,7 +94,7 @@ class Scheduler:
         plan = StepPlan(items=[])
         budget = self.cfg.chunked_prefill_size
         for req in list(self.running):  # oldest first
-            if req not in self.running:
+            if req.status is not Status.RUNNING:
                 continue  # retracted this step to make room for an older request
             decode = req.remaining == 1
             if not decode and budget <= 0:

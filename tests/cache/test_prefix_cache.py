@@ -61,7 +61,7 @@ def test_swa_tombstones_block_ends_but_not_passage():
 
     def tombstone(j):  # page j holds tokens 4j..4j+3
         c.pools["swa"].free([path[j].swa])
-        path[j].swa = None
+        c._set(path[j], "swa", None)
 
     tombstone(3)
     assert c.match(seq, 24).end == 20  # end 20 reads 16..19 (page 4): passes page 3
@@ -105,9 +105,36 @@ def test_a_page_without_host_copy_goes_with_its_host_only_subtree():
     c.insert(seq, None, 3, pages)
     a, b, cc = c.tree().walk(seq, 3)
     for node in (b, cc):  # B and C have host copies; A has none (its backup was skipped)
-        (node.host_full,) = host["full"].index.alloc(1)
+        c._set_host(node, "full", host["full"].index.alloc(1)[0])
     c.pools["full"].free([b.full])
-    b.full = None  # B lives on the host only
+    c._set(b, "full", None)  # B lives on the host only
     assert c.evict("full", 2) == 2  # C's device page, then A with B
     assert c.pools["full"].num_free == 3 and c.tree().walk(seq, 3) == []
+    c.check_integrity()
+
+
+def test_nodes_passed_over_while_pinned_are_evictable_once_free():
+    """A node the eviction queue meets while it cannot go (a device page below a page
+    without host copy; a sliding-window lock) is evicted later, once it can."""
+    from hicache_jax.cache.host_pool import HostPool
+
+    rules = PrefixRules(page_size=P, has_full=True, sliding_window=5, has_mamba=False)
+    host = {"full": HostPool("full", 4, {"kv": ((1,), np.float32)})}
+    pools = {"full": IndexPool(4, "full"), "swa": IndexPool(4, "swa")}
+    c = PrefixCache(rules, pools, host=host, write_policy="write_through_selective")
+    seq = list(range(12))
+    a = put(c, seq, 1)  # A first: older than B, and no host copy
+    idx = {k: [None] + p.alloc(1) for k, p in pools.items()}
+    b, _ = c.insert(seq, a, 2, idx)
+    c._set_host(b, "full", host["full"].index.alloc(1)[0])
+    assert c.evict("full", 1) == 1 and b.full is None and a.full is not None  # A waited for B
+    assert c.evict("full", 1) == 1 and c.tree().walk(seq, 2) == []  # then A went, with B
+    c.check_integrity()
+
+    x, y = put(c, seq, 1), put(c, list(range(50, 54)), 1)  # X older than Y
+    c.swa_lock([x])
+    assert c.evict("swa", 1) == 1 and y.swa is None and x.swa is not None
+    c.swa_unlock([x])
+    c.check_integrity()
+    assert c.evict("swa", 1) == 1 and x.swa is None
     c.check_integrity()
