@@ -82,8 +82,9 @@ def _scores(qb: jax.Array, k: jax.Array) -> jax.Array:
     # Decode: XLA:CPU runs a G-row dot per KV head poorly, after moving every gathered page
     # head-major. Against a block-diagonal query (zero outside its own head) one dot covers
     # all heads and takes the pages as gathered, at Hkv x the (small) flops.
-    qx = jnp.einsum("bkigd,kh->bhdkig", qb, jnp.eye(Hkv, dtype=qb.dtype))
-    s = jnp.einsum("bce,ber->brc", k.reshape(nb, -1, Hkv * D), qx.reshape(nb, Hkv * D, Hkv * G))
+    # (Both operands contract their minor dim: XLA:CPU's fast dot path takes that form.)
+    qx = jnp.einsum("bkigd,kh->bkighd", qb, jnp.eye(Hkv, dtype=qb.dtype))
+    s = jnp.einsum("bre,bce->brc", qx.reshape(nb, Hkv * G, Hkv * D), k.reshape(nb, -1, Hkv * D))
     return s.reshape(nb, Hkv, Bq, G, -1)
 
 
@@ -179,30 +180,29 @@ def ragged_paged_attention(
     Bq = q_block
     kbp = kv_block_pages or max(1, 128 // k_pages.shape[1])
 
-    seq, start, rows, pos0, lo, hi = _query_blocks(cu_q_lens, kv_lens, num_seqs, T, Bq, sliding_window)
+    blocks = _query_blocks(cu_q_lens, kv_lens, num_seqs, T, Bq, sliding_window)
     chunk_bytes = 2 * kbp * math.prod(k_pages.shape[1:]) * 4  # a block's K and V chunk, f32
-    nb = min(seq.shape[0], max(1, kv_bytes_per_step() // chunk_bytes))  # blocks per step
-    NB = -(-seq.shape[0] // nb) * nb
-    pad = NB - seq.shape[0]  # more padding blocks, so steps tile the blocks evenly
-    seq, start, rows, pos0, lo, hi = (jnp.pad(x, (0, pad)) for x in (seq, start, rows, pos0, lo, hi))
-
-    i = jnp.arange(Bq)
-    row_ok = i[None, :] < rows[:, None]  # [NB, Bq]
-    q_rows = jnp.where(row_ok, start[:, None] + i[None, :], T)  # T: dropped
-    qb = q.at[jnp.minimum(q_rows, T - 1)].get().astype(jnp.float32) * sm_scale
-    qb = jnp.where(row_ok[:, :, None, None], qb, 0.0).reshape(NB, Bq, Hkv, G, D)
-    qb = qb.transpose(0, 2, 1, 3, 4)  # [NB, Hkv, Bq, G, D]
+    nb = min(blocks[0].shape[0], max(1, kv_bytes_per_step() // chunk_bytes))  # blocks per step
+    pad = -blocks[0].shape[0] % nb  # padding blocks, so the steps tile the blocks evenly
+    blocks = [jnp.pad(x, (0, pad)) for x in blocks]
+    out = jnp.zeros((T, Hq, D), q.dtype)
+    q = q.astype(jnp.float32) * sm_scale
 
     def step(n, out):
-        qs, ss, p0, l0, h0 = (lax.dynamic_slice_in_dim(x, n * nb, nb) for x in (qb, seq, pos0, lo, hi))
+        # Per-block buffers hold one step's blocks only: padding blocks past the real ones
+        # (up to S of them) never gather, compute or scatter anything.
+        seq, start, rows, pos0, lo, hi = (lax.dynamic_slice_in_dim(x, n * nb, nb) for x in blocks)
+        i = jnp.arange(Bq)
+        q_rows = jnp.where(i < rows[:, None], start[:, None] + i, T)  # [nb, Bq]; T: none
+        qb = q.at[q_rows].get(mode="fill", fill_value=0.0).reshape(nb, Bq, Hkv, G, D)
+        qb = qb.transpose(0, 2, 1, 3, 4)  # [nb, Hkv, Bq, G, D]
         kw = dict(kbp=kbp, sliding_window=sliding_window, soft_cap=soft_cap)
-        o = _attend_blocks(qs, page_tables[ss], p0, l0, h0, k_pages, v_pages, **kw)
-        return lax.dynamic_update_slice_in_dim(out, o, n * nb, axis=0)
+        o = _attend_blocks(qb, page_tables[seq], pos0, lo, hi, k_pages, v_pages, **kw)
+        o = o.transpose(0, 2, 1, 3, 4).reshape(nb * Bq, Hq, D).astype(out.dtype)
+        return out.at[q_rows.reshape(-1)].set(o, mode="drop")
 
-    n_real = jnp.sum(rows > 0)  # real blocks come first
-    out = lax.fori_loop(0, (n_real + nb - 1) // nb, step, jnp.zeros_like(qb))
-    out = out.transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D).astype(q.dtype)
-    return jnp.zeros((T, Hq, D), q.dtype).at[q_rows.reshape(-1)].set(out, mode="drop")
+    n_real = jnp.sum(blocks[2] > 0)  # blocks with rows; they come first
+    return lax.fori_loop(0, (n_real + nb - 1) // nb, step, out)
 
 
 def write_kv(
