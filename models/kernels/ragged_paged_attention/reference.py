@@ -3,20 +3,21 @@ backend that CPU serving runs.
 
 Queries of a mixed batch (prefill chunks and decode tokens) are cut into blocks of
 ``q_block`` rows that never cross a sequence boundary. Each block walks only the KV its own
-rows can see, ``kv_block_pages`` pages per step, with an online softmax; so the work follows
-each block's own span, not the longest sequence of the batch or the page pool::
+rows can see, ``kv_block_pages`` pages at a time, with an online softmax; so the work
+follows each block's own span, not the longest sequence of the batch or the page pool::
 
     sequence s:  kv positions  0 ........................ kv_len-1
                  new queries               q0 ........... kv_len-1   (q0 = kv_len - q_len)
     query at p sees keys  max(0, p - window + 1) .. p
 
-    block of rows at pos0 .. pos0+rows-1:  keys  lo = max(0, pos0 - window + 1) .. hi-1 = pos0+rows-1
-    its pages  lo // page_size ..  walked  [kbp pages][kbp pages][.. up to hi]
+    a block of rows at positions pos0 .. pos0+rows-1 sees keys lo .. hi-1,
+        lo = max(0, pos0 - window + 1),  hi = pos0 + rows
+    and walks its pages from lo // page_size on, kbp at a time, until it passes hi
 
-Blocks run a few at a time (``kv_bytes_per_step``); the real blocks come first, so padding
-blocks past them cost nothing. Pages outside every query's window, and slots past
-``kv_len``, are never mixed into the result (they may hold NaN); page-table entries before
-a block's first page are never read.
+Blocks run a few at a time (``kv_bytes_per_step``); the real blocks come first and steps
+past them are skipped, so padding blocks cost at most the rest of one step. Pages outside
+every query's window, and slots past ``kv_len``, are never mixed into the result (they may
+hold NaN); page-table entries before a block's first page are never read.
 """
 
 from __future__ import annotations
@@ -189,8 +190,8 @@ def ragged_paged_attention(
     q = q.astype(jnp.float32) * sm_scale
 
     def step(n, out):
-        # Per-block buffers hold one step's blocks only: padding blocks past the real ones
-        # (up to S of them) never gather, compute or scatter anything.
+        # Per-block buffers hold one step's blocks: padding blocks past the last step with
+        # real ones (up to S of them) never gather, compute or scatter anything.
         seq, start, rows, pos0, lo, hi = (lax.dynamic_slice_in_dim(x, n * nb, nb) for x in blocks)
         i = jnp.arange(Bq)
         q_rows = jnp.where(i < rows[:, None], start[:, None] + i, T)  # [nb, Bq]; T: none
