@@ -3,8 +3,10 @@
 The floor is the bytes a call must move (the K/V each sequence's queries can see, the queries
 once, the output once) divided by the copy bandwidth measured in the same run, so the printed
 ratio says how far the kernel is from memory-bound. The kernel is a Mosaic (TPU) kernel: on a
-GPU the ``xla`` reference is timed against the same floor instead; on CPU the kernel runs in
-interpret mode at a small size as a correctness check, and timings need an accelerator.
+GPU the ``xla`` reference is timed against the same floor instead. On CPU the kernel runs in
+interpret mode at a small size as a correctness check, and the ``xla`` backend (what CPU
+serving runs) is timed at the 100m preset's shapes: one decode layer at batch 1 to 64, and a
+prefill. Blocks are cut as the engine cuts them (``q_block`` 1 for a decode-only batch).
 
     python benchmarks/kernels.py
 """
@@ -21,6 +23,7 @@ import numpy as np
 from bandwidth import copy_bandwidth  # noqa: E402  (benchmarks/ is the script dir)
 
 from hicache_jax.models.kernels.ragged_paged_attention import kernel, reference
+from hicache_jax.models.layers.attention import PREFILL_Q_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,13 @@ ACCEL_CASES = (
     Case("decode 64 x 4096, page 16", _decode(64, 4096), page_size=16),
     Case("mixed 4 x 512-chunk + 60 decode", ((512, 2048),) * 4 + _decode(60, 4096)),
     Case("prefill 4 x 2048", ((2048, 2048),) * 4),
+)
+# The 100m preset: 12 query heads over 4 KV heads of 64, float32 on CPU, 16-token pages.
+_100M = dict(page_size=16, num_q_heads=12, num_kv_heads=4, head_dim=64, dtype="float32")
+CPU_TIMED_CASES = tuple(Case(f"100m decode {b} x 257", _decode(b, 257), **_100M) for b in (1, 8, 32, 64)) + (
+    Case("100m decode 32 x 1024, window 512", _decode(32, 1024), window=512, **_100M),
+    Case("100m prefill 1 x 2048", ((2048, 2048),), **_100M),
+    Case("100m prefill 1 x 2048, window 512", ((2048, 2048),), window=512, **_100M),
 )
 CPU_CASES = (
     Case("mixed", ((1, 70), (30, 30), (20, 150), (1, 33)), 16, 8, 2, 32, None, "float32"),
@@ -94,42 +104,46 @@ def _median_seconds(fn, *args, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def _static(case: Case) -> dict:
-    return dict(sm_scale=case.head_dim**-0.5, sliding_window=case.window)
+def _static(case: Case, backend: str = "xla") -> dict:
+    decode = all(q == 1 for q, _ in case.seqs)
+    q_block = 1 if decode else PREFILL_Q_BLOCK[backend]
+    return dict(sm_scale=case.head_dim**-0.5, sliding_window=case.window, q_block=q_block)
 
 
-def time_case(case: Case, fn, bandwidth: float) -> str:
+def time_case(case: Case, fn, bandwidth: float, backend: str) -> str:
     inputs = make_inputs(case)
-    secs = _median_seconds(lambda: fn(**inputs, **_static(case)))
+    secs = _median_seconds(lambda: fn(**inputs, **_static(case, backend)))
     floor = floor_bytes(case) / bandwidth
     return f"{case.name:<36} {secs * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {secs / floor:6.2f}x"
 
 
 def check_interpret(case: Case) -> str:
     inputs = make_inputs(case)
-    want = reference.ragged_paged_attention(**inputs, **_static(case))
-    got = kernel.ragged_paged_attention(**inputs, **_static(case), interpret=True)
+    want = reference.ragged_paged_attention(**inputs, **_static(case, "pallas"))
+    got = kernel.ragged_paged_attention(**inputs, **_static(case, "pallas"), interpret=True)
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
     return f"{case.name:<36} {case.dtype:<9} max |pallas - reference| = {err:.2e}"
 
 
 def bench_attention() -> None:
     platform = jax.default_backend()
-    if platform == "cpu":
-        print("ragged paged attention: interpret-mode correctness on CPU")
-        for case in CPU_CASES:
-            print("  " + check_interpret(case))
-        print("  timings need an accelerator (TPU for the Pallas kernel)")
-        return
     bandwidth = copy_bandwidth()
-    print(f"ragged paged attention on {platform}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"ragged paged attention on {platform}: copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    if platform == "cpu":
+        print("  pallas kernel: interpret-mode correctness (timings need a TPU)")
+        for case in CPU_CASES:
+            print("    " + check_interpret(case))
+        print("  timing: xla backend")
+        for case in CPU_TIMED_CASES:
+            print("    " + time_case(case, reference.ragged_paged_attention, bandwidth, "xla"))
+        return
     if platform == "tpu":
-        fn, label = kernel.ragged_paged_attention, "pallas"
+        fn, backend = kernel.ragged_paged_attention, "pallas"
     else:  # the kernel is written for Mosaic TPU; time what this platform serves with
-        fn, label = reference.ragged_paged_attention, "xla reference (pallas kernel is TPU-only)"
-    print(f"  timing: {label}")
+        fn, backend = reference.ragged_paged_attention, "xla"
+    print(f"  timing: {backend}")
     for case in ACCEL_CASES:
-        print("  " + time_case(case, fn, bandwidth))
+        print("  " + time_case(case, fn, bandwidth, backend))
 
 
 def main() -> None:
