@@ -64,12 +64,10 @@ class StepPlan:
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    # Doubling: a short step (a continuation after a cached prefix) pads to at most 2x its
-    # tokens' matmuls, not 4x.
     out, b = [], 16
     while b < max_tokens:
         out.append(b)
-        b *= 2
+        b *= 4
     return out + [max_tokens]
 
 
