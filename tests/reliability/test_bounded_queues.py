@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from hicache_jax import LLM
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
+from hicache_jax.outputs import OutputDelta
 from hicache_jax.sampling_params import QueueFull
 from hicache_jax.server.app import create_app
 from hicache_jax.server.config import ServerConfig
@@ -65,14 +66,16 @@ def test_full_queue_is_a_503_and_queues_nothing():
 def test_stream_events_coalesce_for_a_slow_reader():
     async def scenario():
         sink = Sink("r")
-        for n in range(1, 1001):  # the engine produces 1000 partial outputs nobody reads yet
-            sink.put(Update({"output_ids": list(range(n))}, finished=False))
+        for n in range(1000):  # the engine produces 1000 deltas nobody reads yet
+            sink.put(Update(OutputDelta([f"t{n} "], [n], None, None, {"completion_tokens": n + 1}), False))
         sink.put(Update({"output_ids": list(range(1000))}, finished=True))
         sink.put(Failure("late"))  # never merged away: only partial updates coalesce
         await asyncio.sleep(0)  # let the engine thread's call_soon callbacks run
         assert sink.queue.qsize() == 3
-        first = await sink.queue.get()
-        assert not first.finished and len(first.out["output_ids"]) == 1000  # the latest
+        first = await sink.queue.get()  # every delta, joined in order
+        assert not first.finished and first.out.output_ids == list(range(1000))
+        assert first.out.text == "".join(f"t{n} " for n in range(1000))
+        assert first.out.meta["completion_tokens"] == 1000
         assert (await sink.queue.get()).finished
         assert isinstance(await sink.queue.get(), Failure)
 
