@@ -72,7 +72,7 @@ def _lowered(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer 
     for shape, top in builder.warmup_programs():
         batch, sampling, copies, _, _ = builder.build(StepPlan(items=[]), shape)
         yield (
-            f"step T={shape[0]} S={shape[1]} R={shape[2]} top={top}",
+            f"{'decode' if shape[3] else 'prefill'} step T={shape[0]} S={shape[1]} R={shape[2]} top={top}",
             runner.lower_step(batch, sampling, copies, top),
         )
     if transfer is not None:

@@ -61,10 +61,11 @@ def _requests(rng, lengths, **extra):
         )
 
 
-def _run(engine, reqs) -> list[dict]:
+def _run(engine, reqs, batch_sizes: set) -> list[dict]:
     rids = [engine.add_request(**r) for r in reqs]
     while engine.has_unfinished():
         engine.step()
+        batch_sizes.add(len(engine.scheduler.running))
     return [engine.pop_output(r) for r in rids]
 
 
@@ -86,24 +87,26 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
     engine = Engine(cfg)
     rng = np.random.RandomState(0)
     first = list(_requests(rng, [100, 5, 50, 27, 90, 13]))
+    sizes = set()
     logprobs = dict(return_logprob=True, logprob_start_len=3, top_logprobs_num=4)
     try:
         with compiles.Watch() as watch:
-            outs = _run(engine, first)  # 1..2 running, long and short prompts, chunked
-            outs += _run(engine, _requests(rng, [40]))  # alone
-            outs += _run(engine, _requests(rng, [70, 9], **logprobs))  # input and top logprobs
-            outs += _run(engine, _requests(rng, [45], return_logprob=True))  # output logprobs only
-            outs += _run(engine, _requests(rng, [100, 80, 70]))  # evicts `first` from the device
-            outs += _run(engine, first[:3])  # L2 hits: host -> device loads
+            outs = _run(engine, first, sizes)  # 1..2 running, long and short prompts, chunked
+            outs += _run(engine, _requests(rng, [40]), sizes)  # alone
+            outs += _run(engine, _requests(rng, [70, 9], **logprobs), sizes)  # input and top logprobs
+            outs += _run(engine, _requests(rng, [45], return_logprob=True), sizes)  # output logprobs only
+            outs += _run(engine, _requests(rng, [100, 80, 70]), sizes)  # evicts `first` from the device
+            outs += _run(engine, first[:3], sizes)  # L2 hits: host -> device loads
             host_hits = engine.stats["cached_tokens_host"]
             assert engine.flush_cache()  # drains L3 writes, empties L1 and L2
-            outs += _run(engine, first[3:])  # L3 hits: storage -> host -> device
+            outs += _run(engine, first[3:], sizes)  # L3 hits: storage -> host -> device
             engine.recover()  # what a failed step does: fresh device cache arrays
-            outs += _run(engine, [dict(first[0], **logprobs)])
+            outs += _run(engine, [dict(first[0], **logprobs)], sizes)
     finally:
         engine.close()
     assert not watch.new, f"compiled while serving: {dict(watch.new)}"
     # The stream did reach every path it claims to.
     assert host_hits > 0 and engine.stats["cached_tokens_storage"] > 0, engine.stats
     assert engine.prefix_cache.counters["host_backups"] > 0
+    assert {1, 2} <= sizes, sizes
     assert any(o["meta_info"].get("input_top_logprobs") for o in outs)
