@@ -30,7 +30,6 @@ from flax import nnx
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
-from hicache_jax.runner import _step_jit
 
 
 def matmul_rate(n: int = 2048, repeats: int = 3) -> float:
@@ -64,15 +63,15 @@ def analytic_flops(engine: Engine, new_tokens: int, cached: int, logit_rows: int
 
 
 class TimedRunner:
-    """Wraps ``runner.step``: the wall time and inputs of each call."""
+    """Wraps ``runner.launch`` and waits for the step: the wall time and inputs of each call."""
 
     def __init__(self, runner):
-        self.runner, self.step, self.calls = runner, runner.step, []
+        self.runner, self.launch, self.calls = runner, runner.launch, []
 
     def __call__(self, *inputs):
         t0 = time.perf_counter()
-        out = self.step(*inputs)  # returns host arrays: the step has finished
-        self.calls.append((time.perf_counter() - t0, inputs))
+        out = jax.block_until_ready(self.launch(*inputs))
+        self.calls.append((time.perf_counter() - t0, inputs[:4]))
         return out
 
 
@@ -92,10 +91,7 @@ def prefill(engine: Engine, timer: TimedRunner, ids: list[int]) -> tuple[float, 
 def compiled_flops(engine: Engine, inputs: tuple) -> float:
     runner = engine.runner
     batch, sampling, copies, top = inputs
-    lowered = _step_jit.lower(
-        runner.params, runner.cache, batch, sampling, copies, graphdef=runner.graphdef, top_logprobs=top
-    )
-    cost = lowered.compile().cost_analysis()
+    cost = runner.lower_step(batch, sampling, copies, top).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return float(cost["flops"])
 
@@ -131,7 +127,7 @@ def main():
         )
     )
     timer = TimedRunner(engine.runner)
-    engine.runner.step = timer
+    engine.runner.launch = timer
     rate = matmul_rate()
     print(f"device: {jax.devices()[0].device_kind}; float32 matmul {rate / 1e9:.1f} GFLOP/s")
     rng = np.random.default_rng(0)
