@@ -11,8 +11,8 @@ identical step):
   that prefills those tokens is timed. It should cost about ``--new`` tokens' worth of
   matmuls plus their attention over the cached context, not a long chunk's worth.
 
-The floor is the step's FLOPs over the float32 matmul rate measured in the same run (the
-best of a few 2048^3 matmuls). FLOPs are counted twice: analytically (the real tokens'
+The floor is the step's FLOPs over the float32 matmul rate measured in the same run
+(``floors.matmul_rate``, shared with decode.py). FLOPs are counted twice: analytically (the real tokens'
 matmuls, the logits of the sampled rows, and each token's attention over the keys it
 sees), and by XLA's ``cost_analysis`` of the compiled step (the padded shapes; it counts
 a ``while`` loop's body once, so the attention loops' trip counts are missing).
@@ -24,42 +24,11 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from floors import matmul_rate, step_flops  # benchmarks/ is the script's directory
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
-
-
-def matmul_rate(n: int = 2048, repeats: int = 3) -> float:
-    """float32 FLOP/s of an n^3 matmul (the best of ``repeats``)."""
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
-    mm = jax.jit(lambda x: x @ x)
-    mm(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mm(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def analytic_flops(engine: Engine, new_tokens: int, cached: int, logit_rows: int = 1) -> float:
-    """FLOPs of prefilling ``new_tokens`` after ``cached`` tokens of one sequence."""
-    cfg = engine.model.cfg
-    if "mamba" in cfg.layer_kinds:
-        raise ValueError("the analytic count covers attention layers only")
-    weights = 0  # matmul weights each token goes through
-    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(engine.model)):
-        if x.ndim == 2 and "layers" in jax.tree_util.keystr(path):
-            weights += x.size
-    flops = 2 * new_tokens * weights + 2 * logit_rows * cfg.vocab_size * cfg.hidden_size
-    pos = np.arange(cached, cached + new_tokens)
-    for kind in cfg.layer_kinds:
-        keys = np.minimum(pos + 1, cfg.sliding_window) if kind == "sliding" else pos + 1
-        flops += 4 * cfg.num_heads * cfg.head_dim * int(keys.sum())  # q.k and p.v
-    return float(flops)
 
 
 class TimedRunner:
@@ -99,7 +68,7 @@ def compiled_flops(engine: Engine, inputs: tuple) -> float:
 def report(name: str, seconds: float, new: int, cached: int, inputs: tuple, engine: Engine, rate: float):
     batch = inputs[0]
     T, S = batch.input_ids.shape[0], batch.kv_lens.shape[0]
-    analytic = analytic_flops(engine, new, cached)
+    analytic = step_flops(engine.model.cfg, [(new, cached + new)])
     compiled = compiled_flops(engine, inputs)
     floor = analytic / rate
     print(
