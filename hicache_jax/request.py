@@ -59,7 +59,6 @@ class Req:
     # Logprobs.
     input_logprobs: dict = dataclasses.field(default_factory=dict)  # position -> (lp, top)
     output_logprobs: list = dataclasses.field(default_factory=list)  # (lp, top) per output
-    streamed: int = 0  # outputs already delivered to a streaming client
 
     @property
     def fill_ids(self) -> list[int]:
