@@ -2,9 +2,9 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.xla_env import SERVER_JAX_CACHE, with_device_count
+
+os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -27,3 +27,14 @@ def checkpoint_dir(tmp_path_factory):
         return made[family]
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_compile_cache(tmp_path_factory):
+    """One persistent JAX compilation cache for every server process this run starts, shared by
+    all pytest-xdist workers (their base temp directories are siblings): only the first server
+    compiles. The test process itself keeps compiling in memory."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "server-jax-cache"
+    path.mkdir(exist_ok=True)
+    os.environ[SERVER_JAX_CACHE] = str(path)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.xla_env import without_device_count
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -20,7 +22,7 @@ def kernel_env(monkeypatch, tmp_path):
     and this interpreter's packages (the kernelspec's ``python`` is resolved to it)."""
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    flags = without_device_count(os.environ.get("XLA_FLAGS", ""))
     monkeypatch.setenv("XLA_FLAGS", flags)
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

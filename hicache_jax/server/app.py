@@ -3,6 +3,8 @@
 POST /generate          text | input_ids (single or batched), sampling_params, stream, ...
 GET|POST /flush_cache   wait for idle, clear L1 + L2 (L3 stays)
 POST /clear_storage     clear L3
+POST /pause_generation  stop stepping (requests are still accepted; aborts still free pages)
+POST /continue_generation  step again
 GET  /health  /get_model_info  /get_server_info  /metrics (Prometheus)
 """
 
@@ -104,6 +106,16 @@ def create_app(state: ServerState) -> FastAPI:
         if not ok:
             raise ApiError(400, message)
         return {"success": True, "message": message}
+
+    @app.post("/pause_generation")
+    async def pause_generation() -> dict:
+        await state.loop.pause(True)
+        return {"success": True, "message": "generation paused"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict:
+        await state.loop.pause(False)
+        return {"success": True, "message": "generation continued"}
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

@@ -35,6 +35,7 @@ from hicache_jax.server.messages import (
     Generate,
     GetMetrics,
     Message,
+    Pause,
     Reply,
     Sink,
     Update,
@@ -60,6 +61,7 @@ class EngineLoop:
         self.started = time.time()
         self.stats = {"aborted_requests": 0, "engine_errors": 0}
         self.healthy = True
+        self.paused = False  # /pause_generation: no step runs until /continue_generation
 
     # -- called from asyncio -------------------------------------------------------------------
     def start(self) -> None:
@@ -107,6 +109,13 @@ class EngineLoop:
         self.submit(GetMetrics(reply))
         return await reply
 
+    async def pause(self, paused: bool) -> None:
+        """Stop stepping (``True``) or resume (``False``); returns once the engine thread has
+        taken it, so no step starts after a pause returns."""
+        reply = Reply()
+        self.submit(Pause(paused, reply))
+        await reply
+
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         log.info("engine loop started")
@@ -128,13 +137,14 @@ class EngineLoop:
         while not self._stop.is_set():
             # Idle: sleep on the queue (the timeout only lets stop() be noticed). Requests
             # that only wait for L3 prefetches make steps that do nothing: nap, don't spin.
-            if not self.engine.has_unfinished():
+            busy = self.engine.has_unfinished() and not self.paused
+            if not busy:
                 self._drain(timeout=0.1)
             else:
                 self._drain(timeout=None if progressed else 0.001)
             if getattr(self.engine, "broken", None) is not None:
                 self._recover()
-            elif self.engine.has_unfinished():
+            elif self.engine.has_unfinished() and not self.paused:
                 progressed = self._step()
             if self._flushes and not self.engine.has_unfinished():
                 self._flush()
@@ -170,6 +180,11 @@ class EngineLoop:
                 reply.set(self._clear_storage())
             case GetMetrics(reply):
                 reply.set(self._metrics())
+            case Pause(paused, reply):
+                if paused != self.paused:
+                    log.info("generation %s", "paused" if paused else "continued")
+                self.paused = paused
+                reply.set(None)
 
     def _answer_failure(self, msg: Message, why: str) -> None:
         """Unblock whoever waits on a message whose handling raised."""
@@ -178,6 +193,8 @@ class EngineLoop:
                 reply.set((False, f"clear_storage failed: {why}"))
             case GetMetrics(reply):
                 reply.set({"engine_errors": self.stats["engine_errors"]})
+            case Pause(_, reply):
+                reply.set(None)
 
     def _add(self, msg: Generate) -> None:
         added: list[str] = []
@@ -311,6 +328,7 @@ class EngineLoop:
     def _metrics(self) -> dict:
         out = {k: v for k, v in self.engine.metrics().items() if isinstance(v, (int, float))}
         out.update(self.stats)
+        out["generation_paused"] = int(self.paused)
         if len(self._tokens) >= 2:
             (t0, n0), (t1, n1) = self._tokens[0], self._tokens[-1]
             out["gen_throughput"] = (n1 - n0) / max(t1 - t0, 1e-6)

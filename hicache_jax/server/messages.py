@@ -121,4 +121,14 @@ class GetMetrics:
     reply: Reply  # gets a dict of plain numbers
 
 
-Message = Generate | Abort | Flush | ClearStorage | GetMetrics
+@dataclasses.dataclass
+class Pause:
+    """Stop (``paused``) or resume stepping the engine. While paused, requests are accepted and
+    aborts and metrics are answered, but no step runs: running requests keep their pages and
+    produce nothing until the loop resumes."""
+
+    paused: bool
+    reply: Reply  # gets None
+
+
+Message = Generate | Abort | Flush | ClearStorage | GetMetrics | Pause

@@ -1,5 +1,6 @@
 """L3: the two-pass test for every family, the prefetch-end regression, two processes."""
 
+import json
 import os
 import subprocess
 import sys
@@ -52,11 +53,12 @@ def test_two_processes_share_one_l3(tmp_path):
     ids = prompt(seed=5)
     code = textwrap.dedent(
         f"""
+        import json
         from tests.cache.l3_helpers import hicache_llm, run
         llm = hicache_llm({str(spec)!r}, preset="tiny")
         out = run(llm, {ids!r})
         llm.engine.close()  # drains queued L3 writes
-        print(out["output_ids"])
+        print(json.dumps(out["output_ids"]))
         """
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -65,7 +67,7 @@ def test_two_processes_share_one_l3(tmp_path):
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    theirs = eval(done.stdout.strip().splitlines()[-1])
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
     llm = hicache_llm(spec, preset="tiny")
     mine = run(llm, ids)
     assert mine["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P

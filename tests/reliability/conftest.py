@@ -3,8 +3,8 @@ real servers, and the server shared with ``tests/server``.
 
 Every in-process engine here has the same shapes as ``tests/cache/l3_helpers.hicache_llm``
 with the tiny preset, so the step programs compile once per test process. The servers all
-run the same flags (L3 location and deadline aside) and share one persistent JAX
-compilation cache, so only the first one compiles.
+run the same flags (L3 location and deadline aside) and share the run's persistent JAX
+compilation cache (``tests/conftest.py``), so only the first one compiles.
 """
 
 from __future__ import annotations
@@ -48,22 +48,11 @@ def make_llm(tmp_path):
         llm.close()
 
 
-@pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory) -> dict[str, str]:
-    """Environment for the servers these tests start: one persistent compilation cache."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
-
-
 @pytest.fixture
-def start_server(compile_cache, monkeypatch, tmp_path):
+def start_server(tmp_path):
     """``start_server(l3_spec, *flags, name=...)`` -> a running server (all three tiers) on
-    that L3; stopped at the end of the test unless already dead."""
-    for key, value in compile_cache.items():
-        monkeypatch.setenv(key, value)  # Server copies os.environ into the child
+    that L3; stopped at the end of the test unless already dead. Every server of the run
+    shares one persistent compilation cache (``tests/conftest.py``)."""
     servers = []
 
     def start(spec, *flags: str, name: str = "server") -> Server:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from hicache_jax.bench.server_process import ServerError, ServerProcess, metrics
+from tests.xla_env import server_compile_cache_env, without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE_SIZE = 16
@@ -32,7 +33,8 @@ def server_env() -> dict:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     # tests/conftest.py asks for 8 emulated devices; one is faster for a single-device server.
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    env["XLA_FLAGS"] = without_device_count(env.get("XLA_FLAGS", ""))
+    env.update(server_compile_cache_env(os.environ))
     return env
 
 
