@@ -18,12 +18,13 @@ the sum over its requests). ``R`` could have been served up to the largest ``e``
   at the prompt's last page boundary and at its end when page-aligned, and at the last
   page boundary of ``S`` (the one rolling decode snapshot).
 
-*Earlier* means sent before ``R``'s first token came back: nothing sent later can have
-reached the server before it admitted ``R``. For requests sent one after another this is
-"sent before ``R``"; concurrent requests may serve each other either way round. A Mamba
-prefill chunk that the step's token budget cuts short can leave one more snapshot than
-the rule above counts, so on Mamba models under concurrent load the maximum is the one
-for requests whose chunks run whole.
+*Earlier* means sent before ``R``, or less than ``reorder_s`` (50 ms) after it: requests
+sent that close together may reach the server in either order. A request sent while an
+earlier one is still being prefilled counts that one's prompt although the engine can
+only hit it once its chunks are done, so under concurrent load the maximum is above what
+any cache can reach. A Mamba prefill chunk that the step's token budget cuts short can
+leave one more snapshot than the rule above counts, so on Mamba models under concurrent
+load the maximum is the one for requests whose chunks run whole.
 
 The maximum under the configured capacity replays the requests in the order they were
 sent through an LRU cache of ``capacity_pages`` pages (leaf pages first, as the radix
@@ -43,16 +44,16 @@ from collections.abc import Sequence
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 
 SEEN_BEFORE = -1  # the id of sequences from an earlier phase
+REORDER_S = 0.05  # sends closer than this may reach the server in either order
 
 
 @dataclasses.dataclass(frozen=True)
 class SeqRecord:
-    """One request as the theoretical maximum sees it (times in seconds, one clock)."""
+    """One request as the theoretical maximum sees it (``sent``: seconds, any origin)."""
 
     prompt: tuple[int, ...]
     output: tuple[int, ...]
     sent: float = 0.0
-    first_token: float = 0.0
 
 
 def snapshot_pages(rules: PrefixRules, prompt_len: int, total_len: int, chunk: int) -> set[int]:
@@ -158,7 +159,11 @@ class BlockTrie:
 
 
 def theoretical_max(
-    records: Sequence[SeqRecord], rules: PrefixRules, chunk: int, seen: Sequence[SeqRecord] = ()
+    records: Sequence[SeqRecord],
+    rules: PrefixRules,
+    chunk: int,
+    seen: Sequence[SeqRecord] = (),
+    reorder_s: float = REORDER_S,
 ) -> list[int]:
     """Per request, the longest prefix it could have been served from cache (unlimited
     capacity; ``seen``: sequences of an earlier phase, visible to every request)."""
@@ -168,7 +173,7 @@ def theoretical_max(
     # At equal times a send goes first: a maximum may only err upwards.
     events = sorted(
         [(r.sent, 0, i) for i, r in enumerate(records)]
-        + [(max(r.first_token, r.sent), 1, i) for i, r in enumerate(records)]
+        + [(r.sent + reorder_s, 1, i) for i, r in enumerate(records)]
     )
     out = [0] * len(records)
     for _, is_query, i in events:
