@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import os
 import shutil
+import time
 
 import httpx
 
@@ -101,6 +102,7 @@ class Runner:
         self.cfg = cfg
         self.progress = progress
         self.starts = 0
+        self.startup_s: dict[str, list[float]] = {}  # per configuration, each server start
 
     def run(self) -> dict:
         """``{config: {"label", "server", workload: [phase summaries]}}``."""
@@ -116,6 +118,7 @@ class Runner:
                 out[name] = self._workloads(server, cc, l3)
             finally:
                 server[0].close()
+            out[name]["startup_s"] = self.startup_s[name]
         return out
 
     # ---- servers -------------------------------------------------------------------------
@@ -128,7 +131,10 @@ class Runner:
         log = os.path.join(self.cfg.out_dir, "logs", f"{cc.name}-{self.starts}.log")
         env = dict(os.environ) | dict(self.cfg.server_env)
         self._desc(f"{cc.name}: starting server")
-        return [ServerProcess(flags, log_path=log, env=env, startup_timeout=self.cfg.startup_timeout_s)]
+        t0 = time.perf_counter()
+        server = ServerProcess(flags, log_path=log, env=env, startup_timeout=self.cfg.startup_timeout_s)
+        self.startup_s.setdefault(cc.name, []).append(time.perf_counter() - t0)
+        return [server]
 
     def _restart(self, server: list[ServerProcess], cc: CacheConfig, l3: str) -> None:
         server[0].close()
