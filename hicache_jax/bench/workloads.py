@@ -113,7 +113,10 @@ async def doc_qa(
     order = rng.permutation(np.repeat(np.arange(cfg.documents), cfg.questions))  # documents asked
     arrivals = np.cumsum(rng.exponential(1 / cfg.rate, len(order)))
     questions = [_tokens(rng, cfg.question_tokens, vocab) for _ in order]
-    asked = [int(np.sum(order[:k] == d)) for k, d in enumerate(order)]  # earlier questions on d
+    asked, count = [], [0] * cfg.documents  # questions on the same document before this one
+    for d in order:
+        asked.append(count[d])
+        count[d] += 1
 
     async def ask(k: int) -> Record:
         await client.sleep_until(float(arrivals[k]))
