@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shlex
 import sys
@@ -155,6 +156,7 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # absl logs at INFO: one line per request
     app.run(main)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 TIER_COLORS = {"device": "#1f77b4", "host": "#ff7f0e", "storage": "#2ca02c"}
+HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--")  # one per configuration and phase
 
 
 def plot_workload(results: dict, workload: str, path: str) -> str:
@@ -38,16 +39,20 @@ def plot_workload(results: dict, workload: str, path: str) -> str:
             pos = r["round"] + (i - (len(rows) - 1) / 2) * width
             bottom = 0
             for tier, color in TIER_COLORS.items():
-                ax_tier.bar(pos, r[tier], width, bottom=bottom, color=color, edgecolor="white", linewidth=0.3)
+                hatch = HATCHES[i % len(HATCHES)]
+                ax_tier.bar(pos, r[tier], width, bottom=bottom, color=color, hatch=hatch, edgecolor="white")
                 bottom += r[tier]
     ticks = sorted({r["round"] for _, ph in rows for r in ph["per_round"]})
     ax_tier.set_xticks(ticks, [str(t) for t in ticks])
-    ax_tier.set_xlabel("round (bars: " + ", ".join(n.replace("\n", " ") for n in names) + ")", fontsize=7)
+    ax_tier.set_xlabel("round")
     ax_tier.set_title("cached prompt tokens per tier")
-    ax_tier.legend(
-        handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in TIER_COLORS.values()],
-        labels=list(TIER_COLORS),
-    )
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TIER_COLORS.values()]
+    handles += [
+        plt.Rectangle((0, 0), 1, 1, facecolor="#bbbbbb", hatch=HATCHES[i % len(HATCHES)], edgecolor="white")
+        for i in range(len(rows))
+    ]
+    labels = list(TIER_COLORS) + [n.replace("\n", " ") for n in names]
+    ax_tier.legend(handles=handles, labels=labels, fontsize=7)
     fig.suptitle(workload.replace("_", " "))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -4,6 +4,9 @@ Throughput is tokens over the phase's wall time (first send to last reply). The 
 is cached prompt tokens over prompt tokens; ``max_hit_rate`` is the theoretical maximum
 (``theoretical.py``) and ``capacity_max_hit_rate`` the one under the server's configured
 capacity; ``achieved_over_max`` is cached tokens over the theoretical maximum.
+``prefilled_max_hit_rate`` counts only earlier sequences whose first token had come back
+when the request was sent: under concurrent load, the part of the maximum a cache can
+reach without waiting for prefills still running (a diagnostic, not a bound).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def summarize(
     seqs = [r.seq() for r in ok]
     best = theoretical_max(seqs, info.rules, info.chunk, seen=seen)
     best_cap = capacity_max(seqs, info.rules, info.chunk, info.capacity_pages, seen=seen_capacity)
+    # Only prompts already prefilled when a request was sent: the concurrency limit.
+    prefilled = theoretical_max(seqs, info.rules, info.chunk, seen, 0.0, [r.first_token for r in ok])
     prompt = sum(len(r.prompt) for r in ok)
     cached = sum(r.cached for r in ok)
     rounds = sorted({r.round for r in ok})
@@ -64,6 +69,8 @@ def summarize(
         "hit_rate": _ratio(cached, prompt),
         "max_hit_rate": _ratio(sum(best), prompt),
         "capacity_max_hit_rate": _ratio(sum(best_cap), prompt),
+        "prefilled_max_cached_tokens": sum(prefilled),
+        "prefilled_max_hit_rate": _ratio(sum(prefilled), prompt),
         "achieved_over_max": _ratio(cached, sum(best)),
         "achieved_over_capacity_max": _ratio(cached, sum(best_cap)),
         "requests_over_max": sum(r.cached > b for r, b in zip(ok, best)),
