@@ -4,9 +4,6 @@ Throughput is tokens over the phase's wall time (first send to last reply). The 
 is cached prompt tokens over prompt tokens; ``max_hit_rate`` is the theoretical maximum
 (``theoretical.py``) and ``capacity_max_hit_rate`` the one under the server's configured
 capacity; ``achieved_over_max`` is cached tokens over the theoretical maximum.
-``prefilled_max_hit_rate`` counts only earlier sequences whose first token had come back
-when the request was sent: under concurrent load, the part of the maximum a cache can
-reach without waiting for prefills still running (a diagnostic, not a bound).
 """
 
 from __future__ import annotations
@@ -45,8 +42,6 @@ def summarize(
     seqs = [r.seq() for r in ok]
     best = theoretical_max(seqs, info.rules, info.chunk, seen=seen)
     best_cap = capacity_max(seqs, info.rules, info.chunk, info.capacity_pages, seen=seen_capacity)
-    # Only prompts already prefilled when a request was sent: the concurrency limit.
-    prefilled = theoretical_max(seqs, info.rules, info.chunk, seen, 0.0, [r.first_token for r in ok])
     prompt = sum(len(r.prompt) for r in ok)
     cached = sum(r.cached for r in ok)
     rounds = sorted({r.round for r in ok})
@@ -69,8 +64,6 @@ def summarize(
         "hit_rate": _ratio(cached, prompt),
         "max_hit_rate": _ratio(sum(best), prompt),
         "capacity_max_hit_rate": _ratio(sum(best_cap), prompt),
-        "prefilled_max_cached_tokens": sum(prefilled),
-        "prefilled_max_hit_rate": _ratio(sum(prefilled), prompt),
         "achieved_over_max": _ratio(cached, sum(best)),
         "achieved_over_capacity_max": _ratio(cached, sum(best_cap)),
         "requests_over_max": sum(r.cached > b for r, b in zip(ok, best)),
@@ -125,8 +118,8 @@ def _restart_lines(results: dict) -> list[str]:
         phases = {ph["phase"]: ph for ph in cfg.get("warm_restart", [])}
         if "cold" in phases and "warm" in phases:
             cold, warm = phases["cold"]["ttft_ms"]["p50"], phases["warm"]["ttft_ms"]["p50"]
-            how = phases["warm"].get("restart", "?")
-            out.append(f"- {cfg['label']}: TTFT p50 after the {how} {_fmt(_ratio(warm, cold), 2)}x cold")
+            how = "process restart" if phases["warm"].get("restart") == "process" else "flush"
+            out.append(f"- {cfg['label']}: TTFT p50 after the {how}: {_fmt(_ratio(warm, cold), 2)}x cold")
     return ["", *out] if out else []
 
 

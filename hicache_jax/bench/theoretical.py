@@ -164,20 +164,15 @@ def theoretical_max(
     chunk: int,
     seen: Sequence[SeqRecord] = (),
     reorder_s: float = REORDER_S,
-    available: Sequence[float] | None = None,
 ) -> list[int]:
     """Per request, the longest prefix it could have been served from cache (unlimited
-    capacity; ``seen``: sequences of an earlier phase, visible to every request).
-    ``available[i]``: when request ``i``'s sequence becomes visible (default: when sent);
-    with the times its first token came back and ``reorder_s=0`` this counts only
-    prompts already prefilled, what a cache that never waits for a running prefill gets."""
+    capacity; ``seen``: sequences of an earlier phase, visible to every request)."""
     trie = BlockTrie(rules, chunk)
     for s in seen:
         trie.insert(s, SEEN_BEFORE)
-    avail = [r.sent for r in records] if available is None else available
     # At equal times a send goes first: a maximum may only err upwards.
     events = sorted(
-        [(avail[i], 0, i) for i in range(len(records))]
+        [(r.sent, 0, i) for i, r in enumerate(records)]
         + [(r.sent + reorder_s, 1, i) for i, r in enumerate(records)]
     )
     out = [0] * len(records)
