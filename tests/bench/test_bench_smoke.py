@@ -1,6 +1,7 @@
 """The benchmark end to end, as a user runs it (``python -m hicache_jax.bench``): every
 workload, trace replay included, on every cache configuration, each on a real server of
-the tiny preset, at the smallest sizes that still share prefixes. The child servers share
+the tiny preset, at the smallest sizes that still share prefixes (one-page chunks and two
+running requests keep the programs to compile few). The child servers share
 one JAX compilation cache, so only the first compiles."""
 
 import json
@@ -13,7 +14,7 @@ from tests.server.conftest import ROOT, server_env
 WORKLOADS = ("multi_turn", "doc_qa", "trace", "warm_restart")
 CACHED = ("l1", "l1l2", "l1l2l3")
 SERVER_FLAGS = (
-    "--flagfile=configs/cpu.flags --chunked_prefill_size=64 --max_running_requests=4 "
+    "--flagfile=configs/cpu.flags --chunked_prefill_size=16 --max_running_requests=2 "
     "--max_total_tokens=2048 --hicache_prefetch_threshold=16 "
     "--hicache_storage_prefetch_policy=wait_complete --log_level=warning"
 )
