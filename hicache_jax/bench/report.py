@@ -1,0 +1,132 @@
+"""From records to numbers: one summary per phase, and the Markdown tables.
+
+Throughput is tokens over the phase's wall time (first send to last reply). The hit rate
+is cached prompt tokens over prompt tokens; ``max_hit_rate`` is the theoretical maximum
+(``theoretical.py``) and ``capacity_max_hit_rate`` the one under the server's configured
+capacity; ``achieved_over_max`` is cached tokens over the theoretical maximum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicache_jax.bench.client import TIERS, Record, ServerInfo
+from hicache_jax.bench.theoretical import SeqRecord, capacity_max, theoretical_max
+
+QUANTILES = (50, 90, 99)
+
+
+def _quantiles_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{q}": None for q in QUANTILES}
+    return {f"p{q}": 1000 * float(np.percentile(values, q)) for q in QUANTILES}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def summarize(
+    phase: str,
+    records: list[Record],
+    seconds: float,
+    info: ServerInfo,
+    seen: Sequence[SeqRecord] = (),
+    seen_capacity: Sequence[SeqRecord] = (),
+) -> dict:
+    """``seen``: sequences of an earlier phase (the maximum counts hits on them);
+    ``seen_capacity``: those the configured cache still holds (L3 across a restart)."""
+    ok = [r for r in records if r.ok]
+    seqs = [r.seq() for r in ok]
+    best = theoretical_max(seqs, info.rules, info.chunk, seen=seen)
+    best_cap = capacity_max(seqs, info.rules, info.chunk, info.capacity_pages, seen=seen_capacity)
+    prompt = sum(len(r.prompt) for r in ok)
+    cached = sum(r.cached for r in ok)
+    rounds = sorted({r.round for r in ok})
+    return {
+        "phase": phase,
+        "requests": len(records),
+        "errors": [r.error for r in records if not r.ok][:5],
+        "num_errors": len(records) - len(ok),
+        "seconds": seconds,
+        "input_tokens": prompt,
+        "output_tokens": sum(len(r.output) for r in ok),
+        "input_tok_s": prompt / seconds if seconds else None,
+        "output_tok_s": sum(len(r.output) for r in ok) / seconds if seconds else None,
+        "ttft_ms": _quantiles_ms([r.ttft for r in ok]),
+        "tpot_ms": _quantiles_ms([t for r in ok if (t := r.tpot) is not None]),
+        "cached_tokens": cached,
+        "cached_tokens_per_tier": {t: sum(r.cached_tiers[t] for r in ok) for t in TIERS},
+        "max_cached_tokens": sum(best),
+        "capacity_max_cached_tokens": sum(best_cap),
+        "hit_rate": _ratio(cached, prompt),
+        "max_hit_rate": _ratio(sum(best), prompt),
+        "capacity_max_hit_rate": _ratio(sum(best_cap), prompt),
+        "achieved_over_max": _ratio(cached, sum(best)),
+        "achieved_over_capacity_max": _ratio(cached, sum(best_cap)),
+        "requests_over_max": sum(r.cached > b for r, b in zip(ok, best)),
+        "per_round": [
+            {
+                "round": k,
+                "requests": sum(r.round == k for r in ok),
+                "input_tokens": sum(len(r.prompt) for r in ok if r.round == k),
+                **{t: sum(r.cached_tiers[t] for r in ok if r.round == k) for t in TIERS},
+                "ttft_ms_p50": _quantiles_ms([r.ttft for r in ok if r.round == k])["p50"],
+            }
+            for k in rounds
+        ],
+    }
+
+
+def _fmt(x, digits: int = 0, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.{digits}f}%" if pct else f"{x:,.{digits}f}"
+
+
+HEADER = (
+    "| config | phase | in tok/s | out tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
+    "| cached device/host/storage | hit rate | max | max (capacity) | achieved/max |"
+)
+
+
+def markdown(results: dict, workload: str) -> str:
+    """One table for one workload: a row per configuration and phase."""
+    lines = [f"### {workload}", "", HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    for cfg in results.values():
+        for ph in cfg.get(workload, []):
+            t, p = ph["ttft_ms"], ph["tpot_ms"]
+            tiers = ph["cached_tokens_per_tier"]
+            lines.append(
+                f"| {cfg['label']} | {ph['phase']} "
+                f"| {_fmt(ph['input_tok_s'])} | {_fmt(ph['output_tok_s'], 1)} "
+                f"| {_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} "
+                f"| {_fmt(p['p50'], 1)} / {_fmt(p['p90'], 1)} / {_fmt(p['p99'], 1)} "
+                f"| {tiers['device']:,} / {tiers['host']:,} / {tiers['storage']:,} "
+                f"| {_fmt(ph['hit_rate'], 1, True)} | {_fmt(ph['max_hit_rate'], 1, True)} "
+                f"| {_fmt(ph['capacity_max_hit_rate'], 1, True)} | {_fmt(ph['achieved_over_max'], 2)} |"
+            )
+    lines += _restart_lines(results) if workload == "warm_restart" else []
+    return "\n".join(lines)
+
+
+def _restart_lines(results: dict) -> list[str]:
+    out = []
+    for cfg in results.values():
+        phases = {ph["phase"]: ph for ph in cfg.get("warm_restart", [])}
+        if "cold" in phases and "warm" in phases:
+            cold, warm = phases["cold"]["ttft_ms"]["p50"], phases["warm"]["ttft_ms"]["p50"]
+            how = "process restart" if phases["warm"].get("restart") == "process" else "flush"
+            out.append(f"- {cfg['label']}: TTFT p50 after the {how}: {_fmt(_ratio(warm, cold), 2)}x cold")
+    return ["", *out] if out else []
+
+
+def speedups(results: dict, workload: str, baseline: str = "none") -> dict[str, float | None]:
+    """Input-token throughput of each configuration over the baseline's."""
+    base = results.get(baseline, {}).get(workload)
+    if not base:
+        return {}
+    b = base[0]["input_tok_s"]
+    return {n: _ratio(cfg[workload][0]["input_tok_s"], b) for n, cfg in results.items() if workload in cfg}

@@ -1,0 +1,168 @@
+"""Workloads: what is sent, and when. Each is a frozen config and an async function that
+drives a ``BenchClient`` and returns its ``Record``s.
+
+- Multi-turn chat: ``clients`` conversations of ``rounds`` turns under one shared system
+  prompt. A client arrives after an exponential gap (Poisson arrivals at
+  ``arrival_rate``); each turn appends a user message to the history, sends it, appends
+  the model's actual reply, and thinks for an exponential time before the next turn.
+- Shared-prefix document QA: ``documents`` long documents, ``questions`` questions on
+  each, arriving as a Poisson stream in shuffled order. The warm-restart workload sends
+  one set of questions, restarts the server, and sends another on the same documents.
+- Trace replay: a Mooncake JSONL trace (``hicache_jax.traces``), each 512-token block
+  scaled to ``block_tokens`` tokens, sent at its timestamp times ``time_scale``.
+
+``seed`` picks every token, so a warm-up pass with another seed runs the same shapes on
+content that cannot hit the measured run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+
+import numpy as np
+
+from hicache_jax import traces
+from hicache_jax.bench.client import BenchClient, Record
+
+FIRST_ID = 3  # ids below are special in this project's presets (pad, bos, eos)
+
+
+def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(FIRST_ID, vocab, n).tolist()
+
+
+def _positive(cfg, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{type(cfg).__name__}.{name} must be > 0, got {getattr(cfg, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatConfig:
+    clients: int = 8
+    rounds: int = 4
+    system_tokens: int = 512
+    user_tokens: int = 64
+    output_tokens: int = 32
+    arrival_rate: float = 4.0  # clients per second
+    think_s: float = 0.5  # mean pause between a reply and the next turn
+
+    def __post_init__(self):
+        _positive(self, "clients", "rounds", "system_tokens", "user_tokens", "output_tokens", "arrival_rate")
+        if self.think_s < 0:
+            raise ValueError(f"ChatConfig.think_s must be >= 0, got {self.think_s}")
+
+    @property
+    def num_requests(self) -> int:
+        return self.clients * self.rounds
+
+
+async def multi_turn(client: BenchClient, cfg: ChatConfig, vocab: int, seed: int) -> list[Record]:
+    rng = np.random.default_rng(seed)
+    system = _tokens(rng, cfg.system_tokens, vocab)
+    starts = np.cumsum(rng.exponential(1 / cfg.arrival_rate, cfg.clients))
+    turns = [[_tokens(rng, cfg.user_tokens, vocab) for _ in range(cfg.rounds)] for _ in range(cfg.clients)]
+    thinks = rng.exponential(cfg.think_s, (cfg.clients, cfg.rounds)) if cfg.think_s else None
+
+    async def conversation(c: int) -> list[Record]:
+        await client.sleep_until(float(starts[c]))
+        history, out = list(system), []
+        for r in range(cfg.rounds):
+            history += turns[c][r]
+            rec = await client.generate(history, cfg.output_tokens, r)
+            out.append(rec)
+            if not rec.ok:
+                break  # the conversation cannot go on without the reply
+            history += rec.output
+            if thinks is not None:
+                await asyncio.sleep(float(thinks[c, r]))
+        return out
+
+    per_client = await asyncio.gather(*(conversation(c) for c in range(cfg.clients)))
+    return [rec for recs in per_client for rec in recs]
+
+
+@dataclasses.dataclass(frozen=True)
+class DocQAConfig:
+    documents: int = 4
+    questions: int = 8  # per document (per phase in the warm-restart workload)
+    doc_tokens: int = 1024
+    question_tokens: int = 32
+    output_tokens: int = 16
+    rate: float = 4.0  # requests per second
+
+    def __post_init__(self):
+        _positive(self, "documents", "questions", "doc_tokens", "question_tokens", "output_tokens", "rate")
+
+    @property
+    def num_requests(self) -> int:
+        return self.documents * self.questions
+
+
+async def doc_qa(
+    client: BenchClient, cfg: DocQAConfig, vocab: int, seed: int, question_seed: int | None = None
+) -> list[Record]:
+    """Questions on shared documents; ``question_seed`` (default ``seed``) picks the
+    questions and their order, ``seed`` the documents. A record's round counts the questions
+    asked on its document before it."""
+    docs_rng = np.random.default_rng(seed)
+    docs = [_tokens(docs_rng, cfg.doc_tokens, vocab) for _ in range(cfg.documents)]
+    rng = np.random.default_rng([seed, seed if question_seed is None else question_seed, 1])
+    order = rng.permutation(np.repeat(np.arange(cfg.documents), cfg.questions))  # documents asked
+    arrivals = np.cumsum(rng.exponential(1 / cfg.rate, len(order)))
+    questions = [_tokens(rng, cfg.question_tokens, vocab) for _ in order]
+    asked, count = [], [0] * cfg.documents  # questions on the same document before this one
+    for d in order:
+        asked.append(count[d])
+        count[d] += 1
+
+    async def ask(k: int) -> Record:
+        await client.sleep_until(float(arrivals[k]))
+        return await client.generate(docs[order[k]] + questions[k], cfg.output_tokens, asked[k])
+
+    return list(await asyncio.gather(*(ask(k) for k in range(len(order)))))
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+    path: str
+    block_tokens: int = 16  # tokens per trace block when replayed
+    time_scale: float = 1.0  # multiplies the trace's timestamps
+    max_requests: int | None = None
+    trace_block_tokens: int = traces.MOONCAKE_BLOCK_TOKENS  # tokens per block in the trace
+    rounds: int = 8  # the replay is cut into this many equal parts for per-round counts
+
+    def __post_init__(self):
+        _positive(self, "block_tokens", "trace_block_tokens", "rounds")
+        if self.time_scale < 0:
+            raise ValueError(f"TraceConfig.time_scale must be >= 0, got {self.time_scale}")
+
+    def requests(self) -> list[traces.TraceRequest]:
+        return traces.read_trace(self.path, self.max_requests)
+
+
+async def trace_replay(client: BenchClient, cfg: TraceConfig, vocab: int, seed: int) -> list[Record]:
+    reqs = cfg.requests()
+    if not reqs:
+        raise ValueError(f"{cfg.path}: the trace has no requests")
+    t_first = min(r.timestamp_ms for r in reqs)
+    offset = seed << 40  # another seed: other blocks, the same sharing structure
+    per_round = math.ceil(len(reqs) / cfg.rounds)
+
+    async def send(i: int, req: traces.TraceRequest) -> Record:
+        req = dataclasses.replace(req, hash_ids=tuple(h + offset for h in req.hash_ids))
+        ids = traces.prompt_ids(
+            req,
+            tokens_per_block=cfg.block_tokens,
+            vocab=(FIRST_ID, vocab),
+            block_tokens_in_trace=cfg.trace_block_tokens,
+        )
+        out = traces.scaled_output_length(
+            req, tokens_per_block=cfg.block_tokens, block_tokens_in_trace=cfg.trace_block_tokens
+        )
+        await client.sleep_until((req.timestamp_ms - t_first) / 1000 * cfg.time_scale)
+        return await client.generate(ids, out, i // per_round)
+
+    return list(await asyncio.gather(*(send(i, r) for i, r in enumerate(reqs))))

@@ -1,0 +1,76 @@
+"""The benchmark end to end, as a user runs it (``python -m hicache_jax.bench``): every
+workload, trace replay included, on every cache configuration, each on a real server of
+the tiny preset, at the smallest sizes that still share prefixes (one-page chunks and two
+running requests keep the programs to compile few). The child servers share
+one JAX compilation cache, so only the first compiles."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.server.conftest import ROOT, server_env
+
+WORKLOADS = ("multi_turn", "doc_qa", "trace", "warm_restart")
+CACHED = ("l1", "l1l2", "l1l2l3")
+SERVER_FLAGS = (
+    "--flagfile=configs/cpu.flags --chunked_prefill_size=16 --max_running_requests=2 "
+    "--max_total_tokens=2048 --hicache_prefetch_threshold=16 "
+    "--hicache_storage_prefetch_policy=wait_complete --log_level=warning"
+)
+SIZES = (
+    "--chat_clients=2 --chat_rounds=2 --chat_system_tokens=32 --chat_user_tokens=8 "
+    "--chat_output_tokens=3 --chat_arrival_rate=10 --chat_think_s=0.02 "
+    "--qa_documents=2 --qa_questions=2 --qa_doc_tokens=48 --qa_question_tokens=8 "
+    "--qa_output_tokens=2 --qa_rate=10 --restart_questions=1 "
+    "--max_requests=6 --trace_block_tokens=16 --trace_time_scale=0.01"
+)
+
+
+def test_every_workload_on_every_configuration(tmp_path):
+    out = tmp_path / "out"
+    env = server_env() | {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "hicache_jax.bench",
+        f"--out_dir={out}",
+        f"--server_flags={SERVER_FLAGS}",
+        f"--compilation_cache_dir={tmp_path / 'xla'}",
+        "--warmup_pass=false",
+        *SIZES.split(),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for w in WORKLOADS:
+        assert f"### {w}" in proc.stdout
+        assert os.path.getsize(out / f"{w}.png") > 1000
+    data = json.loads((out / "results.json").read_text())
+    results = data["results"]
+    assert list(results) == ["none", "l1", "l1l2", "l1l2l3"]
+    for name, cfg in results.items():
+        for w in WORKLOADS:
+            phases = cfg[w]
+            assert [p["phase"] for p in phases] == (["cold", "warm"] if w == "warm_restart" else ["run"])
+            for p in phases:
+                assert p["num_errors"] == 0, (name, w, p["errors"])
+                assert p["input_tok_s"] > 0 and p["output_tok_s"] > 0
+                assert p["ttft_ms"]["p50"] <= p["ttft_ms"]["p90"] <= p["ttft_ms"]["p99"]
+                assert p["tpot_ms"]["p50"] is not None
+                tiers = p["cached_tokens_per_tier"]
+                assert sum(tiers.values()) == p["cached_tokens"]
+                assert sum(r["requests"] for r in p["per_round"]) == p["requests"]
+                # No request, and so no configuration, beats the theoretical maximum.
+                assert p["requests_over_max"] == 0, (name, w, p)
+                assert p["cached_tokens"] <= p["max_cached_tokens"]
+                assert p["capacity_max_cached_tokens"] <= p["max_cached_tokens"]
+            if name == "none":
+                assert all(p["cached_tokens"] == 0 for p in phases)
+            elif w != "warm_restart":
+                assert phases[0]["cached_tokens"] > 0, (name, w)
+                assert phases[0]["achieved_over_max"] > 0
+    warm = results["l1l2l3"]["warm_restart"][1]
+    assert warm["restart"] == "process"
+    assert warm["cached_tokens_per_tier"]["storage"] > 0
+    for name in ("none", "l1", "l1l2"):  # nothing survives a restart without L3
+        assert results[name]["warm_restart"][1]["cached_tokens"] == 0
