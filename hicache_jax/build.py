@@ -25,6 +25,7 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
     kernels = KernelConfig(
         attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret
     )
+    kernels.check_platform()
     if cfg.model_path:
         from hicache_jax.models.loader import load_model
 

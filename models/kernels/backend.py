@@ -39,6 +39,21 @@ class KernelConfig:
     def attention_backend(self) -> str:
         return self.attention or default_backend()
 
+    def check_platform(self, platform: str | None = None) -> None:
+        """Refuse, at start-up, Pallas kernels that this platform cannot run: they are
+        written for TPU (Mosaic) and run elsewhere only in interpret mode. Without this, the
+        first step fails deep inside JAX ("Only interpret mode is supported on CPU backend")."""
+        platform = platform or jax.default_backend()
+        if platform == "tpu" or self.interpret:
+            return
+        for flag, backend in (("attention_backend", self.attention), ("ssd_backend", self.ssd)):
+            if backend == "pallas":
+                raise ValueError(
+                    f"--{flag}=pallas needs a TPU (its kernels are written for Mosaic); this is "
+                    f"{platform}. Use --{flag}=xla, or add --kernel_interpret to run the Pallas "
+                    "kernels in interpret mode (slow; meant for tests)"
+                )
+
     @property
     def ssd_backend(self) -> str:
         return self.ssd or default_backend()

@@ -43,3 +43,21 @@ def test_pallas_matches_xla(checkpoint_dir, family):
     for i, (x, p) in enumerate(zip(xla, pallas)):
         assert not np.isnan(p).any()
         np.testing.assert_allclose(p, x, rtol=0, atol=2e-5 * np.abs(x).max(), err_msg=f"step {i}")
+
+
+@pytest.mark.parametrize("flag", ["attention", "ssd"])
+def test_pallas_off_tpu_is_refused_at_start_up_naming_the_flag(flag):
+    kernels = KernelConfig(**{flag: "pallas"})
+    with pytest.raises(ValueError, match=f"--{flag}_backend=pallas needs a TPU.*--kernel_interpret"):
+        kernels.check_platform("cpu")
+    KernelConfig(**{flag: "pallas"}, interpret=True).check_platform("cpu")  # the tests' way
+    kernels.check_platform("tpu")
+    KernelConfig().check_platform("cpu")  # the platform default is xla off TPU
+
+
+def test_the_server_refuses_pallas_off_tpu_before_loading(tmp_path):
+    from hicache_jax.build import load_model_and_tokenizer
+    from hicache_jax.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--attention_backend=pallas needs a TPU"):
+        load_model_and_tokenizer(EngineConfig(preset="tiny", attention_backend="pallas"))
