@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
+import typing
 
 from absl import flags
 
@@ -56,10 +58,11 @@ class FlagError(ValueError):
     """Invalid or contradictory flags; the message names them."""
 
 
-def _kind(field: dataclasses.Field) -> str:
-    """'bool' | 'int' | 'float' | 'str' from the annotation (a string: postponed evaluation)."""
-    base = str(field.type).split("|")[0].strip()
-    return base if base in ("bool", "int", "float") else "str"
+def _kind(tp) -> str:
+    """'bool' | 'int' | 'float' | 'str' for a field's resolved type (``int | None`` -> int)."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    base = next((a for a in args if a is not type(None)), str)
+    return {bool: "bool", int: "int", float: "float"}.get(base, "str")
 
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
@@ -70,10 +73,11 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
         "float": flags.DEFINE_float,
         "str": flags.DEFINE_string,
     }
+    hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         if f.name not in fv:
             help_ = ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}")
-            define[_kind(f)](f.name, f.default, help_, flag_values=fv)
+            define[_kind(hints[f.name])](f.name, f.default, help_, flag_values=fv)
     server = {
         "host": (flags.DEFINE_string, "Interface to bind; 127.0.0.1 unless you mean to serve others."),
         "port": (flags.DEFINE_integer, "TCP port."),
