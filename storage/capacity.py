@@ -216,23 +216,41 @@ class Capacity:
             need = max(need, int(cfg.min_free_bytes / cfg.low_watermark) - free)
         return need
 
+    def sync(self) -> bool:
+        """Take the lease and bring the index up to date with the journal (False: another
+        server holds the lease). For tools; the thread does this in `tick`."""
+        with self._lock:
+            if not self.lease.acquire():
+                return False
+            if self.index is None:
+                self._load_index()
+            self._fold_journal()
+            return True
+
     def evict(self, nbytes: int) -> int:
         """Evict at least `nbytes` of least-recently-used pages (lease holder only); returns
-        the bytes removed. Pages that cannot be removed are skipped, marked and counted."""
+        the bytes removed."""
         if nbytes <= 0 or self.index is None:
             return 0
+        return self.remove(self.index.victims(nbytes))
+
+    def remove(self, victims: np.ndarray, progress: Callable[[int], None] | None = None) -> int:
+        """Delete the index rows `victims` in order, in batches, while we hold the lease;
+        returns the bytes removed. Pages that cannot be removed are skipped, marked and
+        counted. `progress(n)` is called after each batch with the pages it handled."""
         idx = self.index
-        victims = idx.victims(nbytes)
         removed = 0
         done, stuck = [], []
         for i in range(0, len(victims), self.cfg.delete_batch):
-            if not self.lease.held(margin=self.cfg.timeout_s):
-                break  # we may have lost the lease: stop rather than race a new holder
+            if not self.lease.held(margin=self.cfg.timeout_s) and not self.lease.acquire():
+                break  # we lost the lease: stop rather than race a new holder
             at = victims[i : i + self.cfg.delete_batch]
             ok = self._delete(idx.paths(at))
             done.append(at[ok])
             stuck.append(at[~ok])
             removed += int(idx.rows["size"][at[ok]].sum(dtype=np.int64))
+            if progress is not None:
+                progress(len(at))
         done_at = np.concatenate(done) if done else np.zeros(0, np.int64)
         stuck_at = np.concatenate(stuck) if stuck else np.zeros(0, np.int64)
         idx.mark_stuck(stuck_at)
@@ -250,6 +268,11 @@ class Capacity:
         self._dirty = True
         self._used = idx.total_bytes
         return removed
+
+    def checkpoint(self) -> None:
+        with self._lock:
+            self._checkpoint()
+            self._publish_usage()
 
     def _delete(self, paths: list[str]) -> np.ndarray:
         """Which of `paths` are gone: one call for the batch; if it fails, one per page.

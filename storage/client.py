@@ -238,7 +238,7 @@ class StorageClient:
             return self._decode_each(handle, batch, values, fingerprint, damaged, touched)
         finally:
             if touched and self.capacity is not None:
-                self.capacity.record(touched)
+                self.capacity.record(touched[::-1])  # deepest first: evicted before its prefix
 
     def _decode_each(self, handle, batch, values, fingerprint, damaged, touched) -> bool:
         for key, value in zip(batch, values, strict=True):
@@ -333,7 +333,8 @@ class StorageClient:
                 skipped = len(encoded) - len(todo)
                 self._remember_stored([k for k, _ in encoded])
                 if self.capacity is not None:
-                    self.capacity.record([(k, len(v)) for k, v in encoded], written_bytes=nbytes)
+                    touched = [(k, len(v)) for k, v in reversed(encoded)]  # deepest first, as on reads
+                    self.capacity.record(touched, written_bytes=nbytes)
             except L3Unavailable:
                 dropped = len(encoded)  # the breaker is open: a skipped backup, not an error
             except Exception as e:  # noqa: BLE001 - reported through the futures (the guard logged it)

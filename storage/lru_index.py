@@ -5,8 +5,9 @@ Held in memory by the lease holder only, as numpy rows sorted by `id` (~60 bytes
 O(segment log segment) plus one O(store) memory move; choosing victims is one O(store)
 partition; neither reads the store, so an eviction pass costs the deletes it makes.
 
-Order: oldest touch first. Within one segment, pages touched later get a slightly older
-score, so the deeper pages of a prefix (recorded after its earlier pages) go before them.
+Order: oldest touch first; within one segment, record order (later is newer). The client
+records each prefix deepest page first, so the deeper pages of a prefix go before its
+earlier ones.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hicache_jax.storage.layout import PagePath
 ROW = np.dtype(
     [
         ("id", "u8"),
-        ("score", "f8"),  # last touch (Unix seconds), nudged so deeper pages go first
+        ("score", "f8"),  # last touch (Unix seconds), plus a nudge for the order within a segment
         ("size", "u4"),
         ("ns", "u4"),
         ("kind", "u1"),
@@ -75,7 +76,7 @@ class LruIndex:
         new["kind"] = rec["kind"]
         new["ns"] = remap[rec["ns"]]
         new["size"] = rec["size"]
-        new["score"] = seg.t - _NUDGE * np.arange(len(rec))
+        new["score"] = seg.t + _NUDGE * np.arange(len(rec))
         new["id"] = _ids(rec["hash"], rec["kind"])
         self.merge(new)
 
