@@ -1,0 +1,181 @@
+"""L3 at scale: existence probes, reads, writes and one eviction pass as a store grows to
+millions of pages, on the `file` driver and on S3 (a local SeaweedFS).
+
+Pages are small state-sized values (`--value_bytes`, default 256 B) under the fleet layout
+(``pages/<namespace>/ab/cd/<hash>.kv``). The store is filled in batches; at each size in
+`--sizes` it measures, with the store otherwise idle:
+
+  probe   `exists` of 1,024 stored + 1,024 absent keys (per key)
+  read    `get` of 1,024 random stored pages (per page)
+  write   `put` of 1,024 new pages (per page; the fill rate is printed too)
+  evict   one eviction pass of 1,024 pages: victims from the LRU index + their deletes (per page)
+
+Each should be flat in the store's size; the closing line gives the probe cost at the
+largest size over the smallest (goal: <= 1.5). Writes a table, a JSON file and a PNG plot.
+
+    python benchmarks/l3_scale.py --stores file,s3 --sizes 10000,100000,1000000 --out /tmp/l3_scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from hicache_jax.storage.journal import encode_records
+from hicache_jax.storage.keys import Namespace
+from hicache_jax.storage.layout import page_path
+from hicache_jax.storage.lru_index import LruIndex
+from hicache_jax.storage.tensorstore_store import TensorStoreL3
+
+NS = Namespace("l3-scale-bench", "bfloat16", 16, 1)
+PROBES = 1024
+FILL_BATCH = 4096
+
+
+def _keys(rng: np.random.Generator, n: int) -> list[str]:
+    return [page_path(NS, h.tobytes(), "kv") for h in rng.integers(0, 256, (n, 32), dtype=np.uint8)]
+
+
+class Bench:
+    def __init__(self, store: TensorStoreL3, value_bytes: int, seed: int = 0):
+        self.store = store
+        self.value = os.urandom(value_bytes)
+        self.rng = np.random.default_rng(seed)
+        self.index = LruIndex()
+        self.keys: list[str] = []  # every stored key (sampled for probes and reads)
+        self.fill_s = 0.0
+
+    def fill_to(self, n: int, log) -> None:
+        while len(self.keys) < n:
+            batch = _keys(self.rng, min(FILL_BATCH, n - len(self.keys)))
+            t0 = time.perf_counter()
+            self.store.put([(k, self.value) for k in batch], force=True)
+            self.fill_s += time.perf_counter() - t0
+            self.index.fold(encode_records(time.time(), [(k, len(self.value)) for k in batch]))
+            self.keys += batch
+            if len(self.keys) % (FILL_BATCH * 25) < FILL_BATCH:
+                log(f"  {len(self.keys):>9,} pages, fill {len(self.keys) / self.fill_s:,.0f} pages/s")
+
+    def measure(self) -> dict:
+        pick = self.rng.choice(len(self.keys), PROBES, replace=False)
+        present = [self.keys[i] for i in pick]
+        absent = _keys(self.rng, PROBES)
+        out = {"pages": len(self.keys)}
+        t0 = time.perf_counter()
+        found = self.store.exists(present + absent)
+        out["probe_us"] = 1e6 * (time.perf_counter() - t0) / (2 * PROBES)
+        assert found == [True] * PROBES + [False] * PROBES
+        pick = self.rng.choice(len(self.keys), PROBES, replace=False)
+        t0 = time.perf_counter()
+        values = self.store.get([self.keys[i] for i in pick])
+        out["read_us"] = 1e6 * (time.perf_counter() - t0) / PROBES
+        assert all(v == self.value for v in values)
+        new = _keys(self.rng, PROBES)
+        t0 = time.perf_counter()
+        self.store.put([(k, self.value) for k in new], force=True)
+        out["write_us"] = 1e6 * (time.perf_counter() - t0) / PROBES
+        self.index.fold(encode_records(time.time(), [(k, len(self.value)) for k in new]))
+        self.keys += new
+        t0 = time.perf_counter()
+        victims = self.index.victims(PROBES * len(self.value))
+        paths = self.index.paths(victims)
+        self.store.delete(paths)
+        self.index.remove(victims)
+        out["evict_us"] = 1e6 * (time.perf_counter() - t0) / len(paths)
+        gone = set(paths)
+        self.keys = [k for k in self.keys if k not in gone]
+        out["fill_pages_per_s"] = len(self.keys) / self.fill_s
+        return out
+
+
+def _open(kind: str, workdir: str, log):
+    """(store, cleanup) for 'file' or 's3' (a SeaweedFS server started here)."""
+    if kind == "file":
+        path = os.path.join(workdir, "file-l3")
+        return TensorStoreL3(path, timeout_s=600), lambda: shutil.rmtree(path, ignore_errors=True)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.reliability.weed import Weed, require_weed
+
+    require_weed()
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "hicache-bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "hicache-bench")
+    weed = Weed(os.path.join(workdir, "weed"))
+    log(f"  SeaweedFS S3 at {weed.endpoint}")
+
+    def cleanup():
+        weed.kill()
+        shutil.rmtree(os.path.join(workdir, "weed"), ignore_errors=True)
+
+    return TensorStoreL3(weed.spec, timeout_s=600), cleanup
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    for ax, metric in zip(axes, ("probe_us", "read_us", "write_us", "evict_us")):
+        for store, rows in results.items():
+            ax.plot([r["pages"] for r in rows], [r[metric] for r in rows], "o-", label=store)
+        ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("pages in store")
+        ax.set_title(metric.replace("_us", " (us per page)"))
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stores", default="file,s3")
+    ap.add_argument("--sizes", default="10000,100000,1000000")
+    ap.add_argument("--value_bytes", type=int, default=256)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "l3_scale"))
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    results: dict[str, list[dict]] = {}
+    for kind in args.stores.split(","):
+        workdir = tempfile.mkdtemp(prefix=f"l3scale-{kind}-", dir=args.dir)
+        store, cleanup = _open(kind, workdir, log)
+        bench = Bench(store, args.value_bytes)
+        try:
+            for n in sizes:
+                bench.fill_to(n, log)
+                row = bench.measure()
+                log(f"{kind} {json.dumps({k: round(v, 1) for k, v in row.items()})}")
+                results.setdefault(kind, []).append(row)
+                with open(os.path.join(args.out, "l3_scale.json"), "w") as f:
+                    json.dump({"value_bytes": args.value_bytes, "results": results}, f, indent=1)
+        finally:
+            store.close()
+            cleanup()
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\n{'store':<6} {'pages':>10} {'probe us':>9} {'read us':>8} {'write us':>9} {'evict us':>9}")
+    for kind, rows in results.items():
+        for r in rows:
+            print(
+                f"{kind:<6} {r['pages']:>10,} {r['probe_us']:>9.1f} {r['read_us']:>8.1f}"
+                f" {r['write_us']:>9.1f} {r['evict_us']:>9.1f}"
+            )
+        ratio = rows[-1]["probe_us"] / rows[0]["probe_us"]
+        print(f"{kind}: probe cost at {rows[-1]['pages']:,} / at {rows[0]['pages']:,} pages = {ratio:.2f}")
+    _plot(results, os.path.join(args.out, "l3_scale.png"))
+    print(f"plot: {os.path.join(args.out, 'l3_scale.png')}")
+
+
+if __name__ == "__main__":
+    main()
