@@ -80,6 +80,8 @@ class Weed:
             f"-master.port={master}",
             f"-volume.port={volume}",
             f"-filer.port={filer}",
+            "-s3.port.iceberg=0",  # fixed default ports (8181, 9101): two servers would collide
+            "-s3.port.lance=0",
         ]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:

@@ -55,8 +55,7 @@ def _run_two_workers(spec: dict) -> list[dict]:
 def shared_spec(request, tmp_path):
     if request.param == "file":
         return {"driver": "file", "path": str(tmp_path / "l3") + "/"}
-    weed = request.getfixturevalue("weed")
-    return weed.spec_at(f"evict-{time.monotonic_ns()}")
+    return request.getfixturevalue("weed").spec_at(f"evict-{time.monotonic_ns()}")
 
 
 def test_two_servers_evict_under_one_cap(shared_spec):
