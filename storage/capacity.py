@@ -269,6 +269,12 @@ class Capacity:
         self._used = idx.total_bytes
         return removed
 
+    def forget(self) -> None:
+        """The store was cleared: drop the index (the next tick reloads it from the store)."""
+        with self._lock:
+            self.index, self._folded, self._folded_set = None, [], set()
+            self._used = self._since = 0
+
     def checkpoint(self) -> None:
         with self._lock:
             self._checkpoint()
@@ -332,11 +338,13 @@ class Capacity:
 
     def health(self) -> dict[str, int]:
         """Gauges: the store's size as last seen, and whether this server is the evictor."""
-        return {
+        out = {
             "capacity_used_bytes": self._used + self._since,
-            "capacity_pages_used": self.index.pages if self.index is not None else -1,
             "capacity_evictor_used": int(self.lease.held()),
         }
+        if self.index is not None:
+            out["capacity_pages_used"] = self.index.pages
+        return out
 
     def close(self, final_tick: bool = True) -> None:
         """Stop the thread; with `final_tick`, flush the journal and, as the evictor, evict,

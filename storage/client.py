@@ -398,6 +398,8 @@ class StorageClient:
         self.guard.run("write", self.store.clear, what="clear", timeout=10 * self.cfg.timeout_s)
         with self._lock:
             self._stored.clear()
+        if self.capacity is not None:
+            self.capacity.forget()
 
     def stats(self) -> dict[str, int]:
         """Counters plus the gauges `pending_writes` and `pending_write_bytes` (queued or
