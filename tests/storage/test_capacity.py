@@ -174,3 +174,17 @@ def test_journal_is_folded_and_removed_after_a_checkpoint(tmp_path):
 def test_bad_capacity_config(bad):
     with pytest.raises(ValueError):
         CapacityConfig(**bad)
+
+
+def test_cleared_store_starts_a_fresh_index(tmp_path):
+    c = _client(str(tmp_path), max_bytes=10**9)
+    c.write_async(pages(0, 4))
+    assert c.flush(10)
+    c.capacity.tick()
+    assert c.capacity.index.pages == 4
+    c.clear()  # the admin route: every page and the meta area go
+    c.write_async(pages(1, 2))
+    assert c.flush(10)
+    c.capacity.tick()
+    assert c.capacity.index.pages == 2 and c.health()["capacity_used_bytes"] == stored_bytes(c.store)
+    c.close()
