@@ -12,8 +12,9 @@ Pages are small state-sized values (`--value_bytes`, default 256 B) under the fl
           pass: numpy over the whole index) and deleting them (per page)
 
 each the median of 5 rounds on fresh random keys.
-Each should be flat in the store's size; the closing line gives the probe cost at the
-largest size over the smallest (goal: <= 1.5). Writes a table, a JSON file and a PNG plot.
+Each should be flat in the store's size. A second store of the smallest size is measured
+round by round beside the growing one; the closing line gives the probe cost at the largest
+size over that reference, side by side (goal: <= 1.5). Writes a table, a JSON file and a PNG plot.
 
     python benchmarks/l3_scale.py --stores file,s3 --sizes 10000,100000,1000000 --out /tmp/l3_scale
 """
@@ -65,15 +66,24 @@ class Bench:
             if len(self.keys) % (FILL_BATCH * 25) < FILL_BATCH:
                 log(f"  {len(self.keys):>9,} pages, fill {len(self.keys) / self.fill_s:,.0f} pages/s")
 
-    def measure(self, rounds: int = 5) -> dict:
-        """Medians over `rounds` rounds, each on fresh random keys (a shared 2-core box is
-        noisy: one round of a few ms is not a measurement)."""
-        per = {m: [] for m in ("probe_us", "read_us", "write_us", "select_ms", "delete_us")}
+    def measure(self, ref: Bench, rounds: int = 5) -> dict:
+        """Medians over `rounds` rounds, each on fresh random keys, alternating with the same
+        round on `ref` (a store of the smallest size): a shared 2-core box is noisy, so the
+        growth is read from ratios to `ref` measured side by side, round by round."""
+        mine: dict[str, list[float]] = {}
+        theirs: dict[str, list[float]] = {}
         for _ in range(rounds):
-            for metric, value in self._round().items():
-                per[metric].append(value)
-        out = {"pages": len(self.keys), "fill_pages_per_s": len(self.keys) / self.fill_s}
-        out.update({m: float(np.median(v)) for m, v in per.items()})
+            for got, bench in ((theirs, ref), (mine, self)):
+                for metric, value in bench._round().items():
+                    got.setdefault(metric, []).append(value)
+        out = {
+            "pages": len(self.keys),
+            "ref_pages": len(ref.keys),
+            "fill_pages_per_s": len(self.keys) / self.fill_s,
+        }
+        for m, v in mine.items():
+            out[m] = float(np.median(v))
+            out[f"{m}_vs_ref"] = float(np.median(np.array(v) / np.array(theirs[m])))
         return out
 
     def _round(self, n: int = PROBES // 2) -> dict:
@@ -110,10 +120,10 @@ class Bench:
 
 
 def _open(kind: str, workdir: str, log):
-    """(store, cleanup) for 'file' or 's3' (a SeaweedFS server started here)."""
+    """(make(name) -> a fresh store, cleanup) for 'file' or 's3' (a SeaweedFS server started here)."""
     if kind == "file":
-        path = os.path.join(workdir, "file-l3")
-        return TensorStoreL3(path, timeout_s=600), lambda: shutil.rmtree(path, ignore_errors=True)
+        make = lambda name: TensorStoreL3(os.path.join(workdir, name), timeout_s=600)  # noqa: E731
+        return make, lambda: None
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.reliability.weed import Weed, require_weed
 
@@ -122,12 +132,7 @@ def _open(kind: str, workdir: str, log):
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "hicache-bench")
     weed = Weed(os.path.join(workdir, "weed"))
     log(f"  SeaweedFS S3 at {weed.endpoint}")
-
-    def cleanup():
-        weed.kill()
-        shutil.rmtree(os.path.join(workdir, "weed"), ignore_errors=True)
-
-    return TensorStoreL3(weed.spec, timeout_s=600), cleanup
+    return lambda name: TensorStoreL3(weed.spec_at(name), timeout_s=600), weed.kill
 
 
 def _plot(results: dict, path: str) -> None:
@@ -165,9 +170,10 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for kind in args.stores.split(","):
         workdir = tempfile.mkdtemp(prefix=f"l3scale-{kind}-", dir=args.dir)
-        store, cleanup = _open(kind, workdir, log)
-        bench = Bench(store, args.value_bytes)
+        make, cleanup = _open(kind, workdir, log)
+        ref, bench = Bench(make("ref"), args.value_bytes, seed=1), Bench(make("big"), args.value_bytes)
         try:
+            ref.fill_to(sizes[0], log)
             for n in sizes:
                 if bench.fill_s > args.fill_budget_s:
                     break
@@ -176,26 +182,32 @@ def main() -> None:
                     log(
                         f"{kind}: fill budget ({args.fill_budget_s:.0f} s) spent at {len(bench.keys):,} pages"
                     )
-                row = bench.measure()
+                row = bench.measure(ref)
                 log(f"{kind} {json.dumps({k: round(v, 2) for k, v in row.items()})}")
                 results.setdefault(kind, []).append(row)
                 with open(os.path.join(args.out, "l3_scale.json"), "w") as f:
                     json.dump({"value_bytes": args.value_bytes, "results": results}, f, indent=1)
         finally:
-            store.close()
+            ref.store.close()
+            bench.store.close()
             cleanup()
+            log(f"  removing {workdir}")
             shutil.rmtree(workdir, ignore_errors=True)
     head = f"{'store':<6} {'pages':>10} {'probe us':>9} {'read us':>8} {'write us':>9}"
-    print(f"\n{head} {'delete us':>10} {'select ms':>10} {'fill/s':>8}")
+    print(f"\n{head} {'delete us':>10} {'select ms':>10} {'fill/s':>8} {'probe/ref':>10}")
     for kind, rows in results.items():
         for r in rows:
             print(
                 f"{kind:<6} {r['pages']:>10,} {r['probe_us']:>9.1f} {r['read_us']:>8.1f}"
                 f" {r['write_us']:>9.1f} {r['delete_us']:>10.1f} {r['select_ms']:>10.1f}"
-                f" {r['fill_pages_per_s']:>8.0f}"
+                f" {r['fill_pages_per_s']:>8.0f} {r['probe_us_vs_ref']:>10.2f}"
             )
-        ratio = rows[-1]["probe_us"] / rows[0]["probe_us"]
-        print(f"{kind}: probe cost at {rows[-1]['pages']:,} / at {rows[0]['pages']:,} pages = {ratio:.2f}")
+        last = rows[-1]
+        print(
+            f"{kind}: probe cost at {last['pages']:,} pages / at {last['ref_pages']:,} (side by side) ="
+            f" {last['probe_us_vs_ref']:.2f}; read {last['read_us_vs_ref']:.2f},"
+            f" write {last['write_us_vs_ref']:.2f}, delete {last['delete_us_vs_ref']:.2f}"
+        )
     _plot(results, os.path.join(args.out, "l3_scale.png"))
     print(f"plot: {os.path.join(args.out, 'l3_scale.png')}")
 
