@@ -102,7 +102,12 @@ class Capacity:
         self.server_id = server_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.journal = RecencyLog(self.server_id)
         self.guard = StoreGuard(GuardConfig(cfg.timeout_s, max_calls=4), RateLimitedLog(log))
-        self.lease = Lease(self._read_gen, self._write_if, self.server_id, cfg.lease_ttl_s)
+        self.lease = Lease(
+            lambda key: self._call("read", self._read_gen, key, what="lease"),
+            lambda key, value, gen: self._call("write", self._write_if, key, value, gen, what="lease"),
+            self.server_id,
+            cfg.lease_ttl_s,
+        )
         self.index: LruIndex | None = None
         self._folded: list[str] = []  # journal objects in the index, not yet checkpointed
         self._folded_set: set[str] = set()

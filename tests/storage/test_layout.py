@@ -51,13 +51,13 @@ def test_namespace_dir_names_every_field_and_hides_the_salt():
 
 
 def test_no_directory_holds_more_than_a_few_thousand_entries(tmp_path):
-    """256 x 256 leaf dirs: 10M pages give ~153 per leaf. Checked on a real store of 3,000
-    pages against the expectation, and on 200,000 hashes for the bound."""
+    """256 x 256 leaf dirs: 10M pages give ~153 per leaf. Checked on a real store of 1,000
+    pages, and on 200,000 hashes for the bound."""
     store = TensorStoreL3(str(tmp_path))
-    hashes = page_hashes(np.arange(4 * 3000), 4, NS)
+    hashes = page_hashes(np.arange(4 * 1000), 4, NS)
     store.put([(page_path(NS, h, "kv"), b"x") for h in hashes])
     widest = max(len(files) + len(dirs) for _, dirs, files in os.walk(tmp_path))
-    assert widest <= 256, widest  # the 256 first-level fan-out dirs are the widest
+    assert widest <= 256, widest  # no directory wider than one fan-out level
     rng = np.random.default_rng(0)
     leaves = collections.Counter(bytes(rng.integers(0, 256, 2, dtype=np.uint8)) for _ in range(200_000))
     scale = 10_000_000 / 200_000  # the fullest leaf at 10M pages, from this sample

@@ -12,13 +12,16 @@ CAP_PROMPTS = 2.5  # the cap, in prompts' worth of pages: two prompts fit, a thi
 
 
 def _capped(spec: str, cap_bytes: int = 0):
-    return hicache_llm(spec, preset="tiny", hicache_storage_max_gb=cap_bytes / 1e9)
+    # 8-page prompts (cheap): prefetch hits from 64 tokens up.
+    return hicache_llm(
+        spec, preset="tiny", hicache_storage_max_gb=cap_bytes / 1e9, hicache_prefetch_threshold=64
+    )
 
 
 def test_two_pass_sharing_and_eviction_on_s3(weed):
     spec = json.dumps(weed.spec_at(f"tier-{time.monotonic_ns()}"))
     a = _capped(spec, cap_bytes=10**9)  # a cap far away: tracked, nothing evicted yet
-    x, y, z = prompt(seed=1), prompt(seed=2), prompt(seed=3)
+    x, y, z = (prompt(seed=s, pages=8) for s in (1, 2, 3))
     first, second = two_pass(a, x)  # flush_cache keeps L3: the second pass reads S3
     assert second["meta_info"]["cached_tokens_details"]["storage"] >= len(x) - P
     cap_bytes = int(CAP_PROMPTS * a.engine.storage.client.stats()["bytes_written"])  # a wrote x once
