@@ -189,7 +189,12 @@ class Capacity:
 
     def _load_index(self) -> None:
         value, _ = self._call("read", self._read_gen, INDEX, what="index")
-        self.index, self._folded = (LruIndex(), []) if value is None else LruIndex.decode(value)
+        self.index, self._folded = LruIndex(), []
+        if value is not None:
+            try:
+                self.index, self._folded = LruIndex.decode(value)
+            except (ValueError, KeyError, TypeError) as e:  # start over from the journal
+                log.warning("L3: unreadable index checkpoint %s (%s); rebuilding from the journal", INDEX, e)
         self._folded_set = set(self._folded)
         self._dirty = bool(self._folded)
 
@@ -253,7 +258,7 @@ class Capacity:
             ok = self._delete(idx.paths(at))
             done.append(at[ok])
             stuck.append(at[~ok])
-            removed += int(idx.rows["size"][at[ok]].sum(dtype=np.int64))
+            removed += idx.bytes_of(at[ok])
             if progress is not None:
                 progress(len(at))
         done_at = np.concatenate(done) if done else np.zeros(0, np.int64)

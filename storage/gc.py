@@ -81,21 +81,16 @@ class Collector:
         else:
             at = np.zeros(0, np.int64)
         if max_bytes is not None:
-            keep = np.ones(len(idx.rows), bool)
-            keep[at] = False
-            over = int(idx.rows["size"][keep].sum(dtype=np.int64)) - max_bytes
+            over = idx.total_bytes - idx.bytes_of(at) - max_bytes
             if over > 0:
-                sub = LruIndex()
-                sub.rows = idx.rows.copy()
-                sub.rows["stuck"][~keep] = 1  # already chosen
-                at = np.concatenate([at, sub.victims(over)])
+                at = np.concatenate([at, idx.victims(over, exclude=at)])
         return at
 
     def sweep(self, at: np.ndarray, *, dry_run: bool, namespace: str = "") -> dict:
         """Remove rows `at` (and, for a namespace, every page under its prefix, indexed
         or not); returns what was (or, dry, would be) removed."""
         idx = self.index
-        pages, nbytes = len(at), int(idx.rows["size"][at].sum(dtype=np.int64))
+        pages, nbytes = len(at), idx.bytes_of(at)
         extra: list[str] = []
         if namespace:
             indexed = set(idx.paths(at))

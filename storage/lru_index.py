@@ -1,9 +1,10 @@
 """The evictor's recency index: every page of the store, its size and when it was last touched.
 
-Held in memory by the lease holder only, as numpy rows sorted by `id` (~60 bytes a page:
-60 MB at 1M pages), and checkpointed to ``meta/index``. Folding a journal segment costs
-O(segment log segment) plus one O(store) memory move; choosing victims is one O(store)
-partition; neither reads the store, so an eviction pass costs the deletes it makes.
+Held in memory by the lease holder only, as numpy columns sorted by page id (~58 bytes a
+page: 58 MB at 1M pages), and checkpointed to ``meta/index``. Folding a journal segment
+costs O(segment log segment) plus one O(store) memory move when it adds pages; choosing
+victims is one O(store) partition of a float array (milliseconds at 1M pages); removing
+them costs the rows removed. Neither reads the store: an eviction pass costs its deletes.
 
 Order: oldest touch first; within one segment, record order (later is newer). The client
 records each prefix deepest page first, so the deeper pages of a prefix go before its
@@ -22,41 +23,52 @@ from hicache_jax.storage.journal import Segment
 from hicache_jax.storage.keys import KINDS
 from hicache_jax.storage.layout import PagePath
 
-ROW = np.dtype(
-    [
-        ("id", "u8"),
-        ("score", "f8"),  # last touch (Unix seconds), plus a nudge for the order within a segment
-        ("size", "u4"),
-        ("ns", "u4"),
-        ("kind", "u1"),
-        ("stuck", "u1"),  # removal failed: skipped by later passes (still counted in bytes)
-        ("hash", "u1", (32,)),
-    ]
-)
+_COLUMNS = {  # one numpy array per column, kept sorted by id
+    "id": np.uint64,  # 62 bits of the page hash, its kind in the low 2 bits
+    "score": np.float64,  # last touch (Unix seconds), plus a nudge for the order within a segment
+    "size": np.uint32,  # value bytes; 0 for a removed row
+    "ns": np.uint32,  # index into ns_dirs
+    "kind": np.uint8,
+    "stuck": np.uint8,  # 1: removal failed, or the row is removed: never a victim
+}
 _LEN = struct.Struct("<I")
 _NUDGE = 1e-6  # seconds per position within one segment
+_COMPACT = 0.25  # removed rows are dropped once they are this share of the index
 
 
 def _ids(hashes: np.ndarray, kinds: np.ndarray) -> np.ndarray:
     """A page's identity: 62 bits of its hash, its kind in the low 2 bits."""
-    head = hashes[:, :8].copy().view("<u8").reshape(-1)
+    head = np.ascontiguousarray(hashes[:, :8]).view("<u8").reshape(-1)
     return (head & ~np.uint64(3)) | kinds.astype(np.uint64)
 
 
+def _empty(n: int = 0) -> dict[str, np.ndarray]:
+    cols = {name: np.zeros(n, dtype) for name, dtype in _COLUMNS.items()}
+    cols["hash"] = np.zeros((n, 32), np.uint8)
+    return cols
+
+
 class LruIndex:
+    """Columns sorted by page id. A removed page's row stays (size 0, stuck) until removed
+    rows are a quarter of the index, so an eviction pass costs the rows it removes."""
+
     def __init__(self) -> None:
-        self.rows = np.zeros(0, ROW)
+        self.cols = _empty()
         self.ns_dirs: list[str] = []
         self._ns: dict[str, int] = {}
+        self._removed = 0
 
     # -- size ------------------------------------------------------------------------
     @property
     def pages(self) -> int:
-        return len(self.rows)
+        return len(self.cols["id"]) - self._removed
 
     @property
     def total_bytes(self) -> int:
-        return int(self.rows["size"].sum(dtype=np.int64))
+        return int(self.cols["size"].sum(dtype=np.int64))
+
+    def bytes_of(self, at: np.ndarray) -> int:
+        return int(self.cols["size"][at].sum(dtype=np.int64))
 
     def _ns_id(self, ns_dir: str) -> int:
         if ns_dir not in self._ns:
@@ -71,70 +83,91 @@ class LruIndex:
         if not len(rec):
             return
         remap = np.array([self._ns_id(d) for d in seg.ns_dirs], np.uint32)
-        new = np.zeros(len(rec), ROW)
-        new["hash"] = rec["hash"]
-        new["kind"] = rec["kind"]
-        new["ns"] = remap[rec["ns"]]
-        new["size"] = rec["size"]
-        new["score"] = seg.t + _NUDGE * np.arange(len(rec))
-        new["id"] = _ids(rec["hash"], rec["kind"])
+        new = _empty(len(rec))
+        new["hash"][:] = rec["hash"]
+        new["kind"][:] = rec["kind"]
+        new["ns"][:] = remap[rec["ns"]]
+        new["size"][:] = rec["size"]
+        new["score"][:] = seg.t + _NUDGE * np.arange(len(rec))
+        new["id"][:] = _ids(rec["hash"], rec["kind"])
         self.merge(new)
 
-    def merge(self, new: np.ndarray) -> None:
+    def merge(self, new: dict[str, np.ndarray]) -> None:
         # One row per id, the latest touch winning.
-        new = new[np.lexsort((-new["score"], new["id"]))]
-        new = new[np.concatenate(([True], new["id"][1:] != new["id"][:-1]))]
-        pos = np.searchsorted(self.rows["id"], new["id"])
-        known = pos < len(self.rows)
-        known[known] = self.rows["id"][pos[known]] == new["id"][known]
+        order = np.lexsort((-new["score"], new["id"]))
+        ids = new["id"][order]
+        order = order[np.concatenate(([True], ids[1:] != ids[:-1]))]
+        new = {k: v[order] for k, v in new.items()}
+        cur = self.cols
+        pos = np.searchsorted(cur["id"], new["id"])
+        known = pos < len(cur["id"])
+        known[known] = cur["id"][pos[known]] == new["id"][known]
         at = pos[known]
-        self.rows["score"][at] = np.maximum(self.rows["score"][at], new["score"][known])
-        self.rows["size"][at] = new["size"][known]
-        self.rows["stuck"][at] = 0
-        self.rows = np.insert(self.rows, pos[~known], new[~known])
+        self._removed -= int(np.count_nonzero(cur["size"][at] == 0))  # a removed page came back
+        cur["score"][at] = np.maximum(cur["score"][at], new["score"][known])
+        cur["size"][at] = new["size"][known]
+        cur["stuck"][at] = 0
+        fresh = ~known
+        if fresh.any():
+            self.cols = {k: np.insert(cur[k], pos[fresh], new[k][fresh], axis=0) for k in cur}
 
-    def victims(self, nbytes: int) -> np.ndarray:
-        """Row positions, oldest first, whose sizes sum to at least `nbytes` (or all that are
-        not stuck), in eviction order."""
-        if nbytes <= 0 or not len(self.rows):
+    def victims(self, nbytes: int, exclude: np.ndarray | None = None) -> np.ndarray:
+        """Row positions, oldest first, whose sizes sum to at least `nbytes` (or every row
+        that is not stuck or in `exclude`), in eviction order."""
+        if nbytes <= 0 or not self.pages:
             return np.zeros(0, np.int64)
-        free = np.flatnonzero(self.rows["stuck"] == 0)
-        mean = max(1.0, float(self.rows["size"][free].mean())) if len(free) else 1.0
-        k = min(len(free), int(nbytes / mean * 1.25) + 16)
+        score, size = self.cols["score"], self.cols["size"]
+        blocked = self.cols["stuck"] != 0
+        if exclude is not None:
+            blocked[exclude] = True
+        free = len(score) - int(np.count_nonzero(blocked))
+        if free < len(score):
+            score = np.where(blocked, np.inf, score)  # never chosen
+        k = min(free, int(nbytes * self.pages / max(1, self.total_bytes) * 1.25) + 16)
         while True:
-            part = free if k >= len(free) else free[np.argpartition(self.rows["score"][free], k - 1)[:k]]
-            part = part[np.argsort(self.rows["score"][part], kind="stable")]
-            csum = np.cumsum(self.rows["size"][part], dtype=np.int64)
+            part = np.argpartition(score, k - 1)[:k] if k < len(score) else np.arange(len(score))
+            part = part[np.argsort(score[part], kind="stable")][:free]
+            csum = np.cumsum(size[part], dtype=np.int64)
             n = int(np.searchsorted(csum, nbytes)) + 1
-            if n <= len(part) or k >= len(free):
+            if n <= len(part) or k >= free:
                 return part[: min(n, len(part))]
-            k = min(len(free), 2 * k)
+            k = min(free, 2 * k)
 
     def paths(self, at: np.ndarray) -> list[str]:
-        r = self.rows[at]
+        c = self.cols
         return [
             PagePath(self.ns_dirs[ns], h.tobytes(), KINDS[kind]).path
-            for ns, h, kind in zip(r["ns"].tolist(), r["hash"], r["kind"].tolist())
+            for ns, h, kind in zip(c["ns"][at].tolist(), c["hash"][at], c["kind"][at].tolist())
         ]
 
     def remove(self, at: np.ndarray) -> None:
-        self.rows = np.delete(self.rows, at)
+        at = at[self.cols["size"][at] > 0]
+        self.cols["size"][at] = 0
+        self.cols["stuck"][at] = 1
+        self._removed += len(at)
+        if self._removed > _COMPACT * len(self.cols["id"]):
+            self.compact()
+
+    def compact(self) -> None:
+        keep = self.cols["size"] > 0
+        self.cols = {k: v[keep] for k, v in self.cols.items()}
+        self._removed = 0
 
     def mark_stuck(self, at: np.ndarray) -> None:
-        self.rows["stuck"][at] = 1
+        self.cols["stuck"][at] = 1
 
     def select(self, ns_prefix: str = "", older_than: float | None = None) -> np.ndarray:
         """Row positions of a namespace prefix (``<model>`` or a whole namespace dir) and/or
         last touched before `older_than` (Unix time), oldest first."""
-        mask = np.ones(len(self.rows), bool)
+        mask = self.cols["size"] > 0
         if ns_prefix:
             p = ns_prefix.strip("/")
             hit = np.array([d == p or d.startswith(p + "/") for d in self.ns_dirs] + [False])
-            mask &= hit[self.rows["ns"]]
+            mask &= hit[self.cols["ns"]]
         if older_than is not None:
-            mask &= self.rows["score"] < older_than
+            mask &= self.cols["score"] < older_than
         at = np.flatnonzero(mask)
-        return at[np.argsort(self.rows["score"][at], kind="stable")]
+        return at[np.argsort(self.cols["score"][at], kind="stable")]
 
     # -- report ----------------------------------------------------------------------
     def report(self, now: float | None = None, ages=(3600, 86400, 7 * 86400)) -> dict:
@@ -143,12 +176,13 @@ class LruIndex:
         edges = [0, *ages, np.inf]
         names = [f"<{_human(a)}" for a in ages] + [f">={_human(ages[-1])}"]
         out = {}
-        age = now - self.rows["score"]
+        age = now - self.cols["score"]
+        live = self.cols["size"] > 0
         for i, d in enumerate(self.ns_dirs):
-            m = self.rows["ns"] == i
+            m = live & (self.cols["ns"] == i)
             if not m.any():
                 continue
-            sizes, a = self.rows["size"][m].astype(np.int64), age[m]
+            sizes, a = self.cols["size"][m].astype(np.int64), age[m]
             by_age = {
                 name: int(sizes[(a >= lo) & (a < hi)].sum()) for name, lo, hi in zip(names, edges, edges[1:])
             }
@@ -158,17 +192,28 @@ class LruIndex:
     # -- checkpoint ------------------------------------------------------------------
     def encode(self, folded: list[str]) -> bytes:
         """The index plus the journal segments it holds (deleted after this is stored)."""
-        header = json.dumps({"version": 1, "ns": self.ns_dirs, "folded": folded}).encode()
-        return _LEN.pack(len(header)) + header + self.rows.tobytes()
+        self.compact()
+        n = len(self.cols["id"])
+        header = json.dumps({"version": 2, "rows": n, "ns": self.ns_dirs, "folded": folded}).encode()
+        return b"".join(
+            [_LEN.pack(len(header)), header, *(self.cols[k].tobytes() for k in (*_COLUMNS, "hash"))]
+        )
 
     @classmethod
     def decode(cls, data: bytes) -> tuple[LruIndex, list[str]]:
         (n,) = _LEN.unpack_from(data)
         header = json.loads(data[4 : 4 + n])
+        if header.get("version") != 2:
+            raise ValueError(f"unknown L3 index version {header.get('version')}")
         idx = cls()
         for d in header["ns"]:
             idx._ns_id(d)
-        idx.rows = np.frombuffer(data, ROW, offset=4 + n).copy()
+        rows, offset = header["rows"], 4 + n
+        for name, dtype in (*_COLUMNS.items(), ("hash", np.uint8)):
+            count = rows * (32 if name == "hash" else 1)
+            col = np.frombuffer(data, dtype, count=count, offset=offset).copy()
+            idx.cols[name] = col.reshape(rows, 32) if name == "hash" else col
+            offset += col.nbytes
         return idx, list(header["folded"])
 
 
