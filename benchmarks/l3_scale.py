@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -192,7 +192,7 @@ def main() -> None:
             bench.store.close()
             cleanup()
             log(f"  removing {workdir}")
-            shutil.rmtree(workdir, ignore_errors=True)
+            subprocess.run(["rm", "-rf", workdir], check=False)  # much faster than shutil at 1M files
     head = f"{'store':<6} {'pages':>10} {'probe us':>9} {'read us':>8} {'write us':>9}"
     print(f"\n{head} {'delete us':>10} {'select ms':>10} {'fill/s':>8} {'probe/ref':>10}")
     for kind, rows in results.items():

@@ -15,7 +15,8 @@ Every server on a store runs one `Capacity` thread (never the scheduler thread).
      A page that cannot be removed (permission, read-only, I/O error) is marked stuck, skipped
      by later passes and counted; the pass goes on with the next page, so one bad file never
      stalls eviction. Before each batch of deletes the holder checks it still holds the lease;
-  4. it checkpoints the index to ``meta/index`` (at most every `checkpoint_s`, and on close),
+  4. it checkpoints the index to ``meta/index`` (every `checkpoint_s`, or a second per 20,000
+     pages if longer, and on close),
      then deletes the journal objects the checkpoint holds, so a new holder starts from it.
 
 A write that takes the store past a limit (as this server last saw the store's size) wakes the
@@ -168,7 +169,10 @@ class Capacity:
                 self._load_index()
             self._fold_journal()
             self.evict(self._needed())
-            due = time.monotonic() - self._last_ckpt > self.cfg.checkpoint_s or len(self._folded) > 512
+            # A checkpoint rewrites the whole index (~58 B a page): at most every `checkpoint_s`,
+            # and less often for a big index, unless the journal piles up.
+            every = max(self.cfg.checkpoint_s, self.index.pages / 20_000)
+            due = time.monotonic() - self._last_ckpt > every or len(self._folded) > 4096
             if final or (self._dirty and due):
                 self._checkpoint()
             self._publish_usage()
