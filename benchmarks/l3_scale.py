@@ -11,7 +11,7 @@ Pages are small state-sized values (`--value_bytes`, default 256 B) under the fl
   evict   one eviction pass of 512 pages: choosing the victims in the LRU index (ms per
           pass: numpy over the whole index) and deleting them (per page)
 
-each the median of 5 rounds on fresh random keys.
+each the median of `--rounds` (9) rounds on fresh random keys.
 Each should be flat in the store's size. A second store of the smallest size is measured
 round by round beside the growing one; the closing line gives the probe cost at the largest
 size over that reference, side by side (goal: <= 1.5). Writes a table, a JSON file and a PNG plot.
@@ -66,7 +66,7 @@ class Bench:
             if len(self.keys) % (FILL_BATCH * 25) < FILL_BATCH:
                 log(f"  {len(self.keys):>9,} pages, fill {len(self.keys) / self.fill_s:,.0f} pages/s")
 
-    def measure(self, ref: Bench, rounds: int = 5) -> dict:
+    def measure(self, ref: Bench, rounds: int = 9) -> dict:
         """Medians over `rounds` rounds, each on fresh random keys, alternating with the same
         round on `ref` (a store of the smallest size): a shared 2-core box is noisy, so the
         growth is read from ratios to `ref` measured side by side, round by round."""
@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--value_bytes", type=int, default=256)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "l3_scale"))
+    ap.add_argument("--rounds", type=int, default=9, help="measurement rounds per size (medians)")
     ap.add_argument("--fill_budget_s", type=float, default=1200, help="per store: stop growing past this")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -187,7 +188,7 @@ def main() -> None:
                     log(
                         f"{kind}: fill budget ({args.fill_budget_s:.0f} s) spent at {len(bench.keys):,} pages"
                     )
-                row = bench.measure(ref)
+                row = bench.measure(ref, args.rounds)
                 log(f"{kind} {json.dumps({k: round(v, 2) for k, v in row.items()})}")
                 results.setdefault(kind, []).append(row)
                 with open(os.path.join(args.out, "l3_scale.json"), "w") as f:
