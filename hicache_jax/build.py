@@ -83,6 +83,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
     from hicache_jax.models.fingerprint import params_fingerprint
     from hicache_jax.models.loader import model_fingerprint
     from hicache_jax.storage.base import make_store
+    from hicache_jax.storage.capacity import CapacityConfig
     from hicache_jax.storage.client import ClientConfig, StorageClient
     from hicache_jax.storage.keys import Namespace
 
@@ -102,6 +103,13 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
     client_cfg = ClientConfig(
         timeout_s=cfg.hicache_storage_timeout_s,
         max_queue_bytes=int(cfg.hicache_storage_write_queue_mb * 2**20),
+        capacity=CapacityConfig(
+            max_bytes=int(cfg.hicache_storage_max_gb * 1e9),
+            min_free_bytes=int(cfg.hicache_storage_min_free_gb * 1e9),
+            low_watermark=cfg.hicache_storage_evict_ratio,
+            timeout_s=cfg.hicache_storage_timeout_s,
+            lease_ttl_s=max(30.0, 3 * cfg.hicache_storage_timeout_s),
+        ),
     )
     return StorageTier(
         StorageClient(store, namespace, client_cfg),

@@ -51,6 +51,9 @@ class EngineConfig:
     hicache_host_rate_limit: float = 0.5  # max share of the host pool held by prefetches
     hicache_storage_timeout_s: float = 5.0  # deadline of each L3 call, of flush's and close's L3 waits
     hicache_storage_write_queue_mb: float = 256.0  # page bytes queued for L3; beyond, backups are skipped
+    hicache_storage_max_gb: float = 0.0  # L3 size cap (1e9 bytes); 0: unbounded
+    hicache_storage_min_free_gb: float = 0.0  # free-space floor of a file L3; 0: none
+    hicache_storage_evict_ratio: float = 0.9  # eviction goes down to this share of the limit
 
     def __post_init__(self):
         r = _require
@@ -148,6 +151,14 @@ class EngineConfig:
             "hicache_storage_write_queue_mb",
             "must be > 0",
             self.hicache_storage_write_queue_mb,
+        )
+        for name in ("hicache_storage_max_gb", "hicache_storage_min_free_gb"):
+            r(getattr(self, name) >= 0, name, "must be >= 0", getattr(self, name))
+        r(
+            0 < self.hicache_storage_evict_ratio <= 1,
+            "hicache_storage_evict_ratio",
+            "must be in (0, 1]",
+            self.hicache_storage_evict_ratio,
         )
         if self.max_queued_tokens is not None:
             r(self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1", self.max_queued_tokens)

@@ -51,6 +51,9 @@ ENGINE_HELP = {
         "Deadline (s) of every L3 call; also the longest /flush_cache and shutdown wait for L3."
     ),
     "hicache_storage_write_queue_mb": "Most page data (MB) queued for L3 writes; more backups are skipped.",
+    "hicache_storage_max_gb": "L3 size cap (GB) for all servers on the store, kept by LRU eviction; 0: none.",
+    "hicache_storage_min_free_gb": "Evict L3 pages when the file store's disk has less free (GB); 0: none.",
+    "hicache_storage_evict_ratio": "Eviction goes down to this share of the cap (or to floor / ratio free).",
 }
 
 
