@@ -37,7 +37,7 @@ class EngineConfig:
     ssd_backend: str | None = None
     kernel_interpret: bool = False  # Pallas interpret mode (CPU tests)
     random_seed: int = 0
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel degree: a mesh of the first tp_size devices
     warmup: bool = False  # compile every shape bucket at start-up
     # Hierarchical cache (L2 host memory, L3 storage).
     enable_hierarchical_cache: bool = False
@@ -95,8 +95,6 @@ class EngineConfig:
             v = getattr(self, name)
             r(v in (None, "xla", "pallas"), name, "must be xla or pallas", v)
         r(self.tp_size >= 1, "tp_size", "must be >= 1", self.tp_size)
-        # Refuse rather than silently run unsharded: the tensor-parallel mesh is not built yet.
-        r(self.tp_size == 1, "tp_size", "tensor parallelism is not implemented yet; use 1", self.tp_size)
         r(self.hicache_ratio > 0, "hicache_ratio", "must be > 0", self.hicache_ratio)
         r(self.hicache_size_gb >= 0, "hicache_size_gb", "must be >= 0", self.hicache_size_gb)
         r(

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from hicache_jax import compiles
+from hicache_jax.models import sharding
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
@@ -58,16 +59,21 @@ def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
 
 class _Structure:
     """The model's graph and parameter tree as one static jit argument. Interned, so it
-    hashes by identity: hashing a Flax graphdef on every call costs milliseconds."""
+    hashes by identity: hashing a Flax graphdef on every call costs milliseconds.
+
+    Under tensor parallelism it also holds where the step's outputs live: the cache as it
+    came in (``cache_shardings``), the sampled ids on every device (``replicated``)."""
 
     _interned: dict = {}
 
-    def __init__(self, graphdef, treedef):
+    def __init__(self, graphdef, treedef, cache_shardings, replicated):
         self.graphdef, self.treedef = graphdef, treedef
+        self.cache_shardings, self.replicated = cache_shardings, replicated
 
     @classmethod
-    def of(cls, graphdef, treedef) -> _Structure:
-        return cls._interned.setdefault((graphdef, treedef), cls(graphdef, treedef))
+    def of(cls, graphdef, treedef, cache_shardings=None, replicated=None) -> _Structure:
+        key = (graphdef, treedef, cache_shardings, replicated)
+        return cls._interned.setdefault(key, cls(*key))
 
 
 class ModelRunner:
@@ -87,10 +93,13 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         # Flat leaves: flattening an nnx.State on every call costs milliseconds per step.
         self._leaves, treedef = jax.tree_util.tree_flatten(self.params)
-        self._structure = _Structure.of(self.graphdef, treedef)
+        self.mesh = model.mesh
+        self._structure = _Structure.of(
+            self.graphdef, treedef, model.cache_shardings(), sharding.replicated(self.mesh)
+        )
         self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
         self.cache = model.allocate_cache(**self._cache_shape)
-        self._no_ids = jnp.zeros((max_seqs,), jnp.int32)
+        self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), sharding.replicated(self.mesh))
         self._compiled_before = compiles.total(STEP_PROGRAM)
 
     def launch(
@@ -167,7 +176,9 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_lo
     cache = copy_states(cache, copies.after_src, copies.after_dst)
     out = sample(logits, sampling, top_logprobs)
     n = min(out.next_ids.shape[0], prev_ids.shape[0])
-    return cache, out, jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
+    ids = jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
+    cache = sharding.constrain(cache, structure.cache_shardings)
+    return cache, out, sharding.constrain(ids, structure.replicated)
 
 
 STEP_PROGRAM = "jit(_step)"  # the name compile events carry
