@@ -34,7 +34,7 @@ ENGINE_HELP = {
     "ssd_backend": "Mamba2 SSD kernel: xla or pallas.",
     "kernel_interpret": "Run Pallas kernels in interpret mode (CPU testing).",
     "random_seed": "Seed for preset weights and for requests without a sampling seed.",
-    "tp_size": "Tensor-parallel degree.",
+    "tp_size": "Tensor-parallel degree: a mesh of the first tp_size devices (README: Tensor parallel).",
     "warmup": "Compile every step shape bucket before serving, so no request waits for a compile.",
     "enable_hierarchical_cache": "Copy device pages to host memory (L2) and, with a backend, storage (L3).",
     "hicache_ratio": "Host pool size as a multiple of the device pool.",

@@ -19,7 +19,15 @@ from hicache_jax.models.layers.linear import Embed, Linear
 from hicache_jax.models.layers.mamba2 import Mamba2Mixer
 from hicache_jax.models.layers.mlp import GatedMLP
 from hicache_jax.models.layers.norms import RMSNorm
-from hicache_jax.models.sharding import cache_shardings, check_tp, kv_heads_on_device, replicated, tp_size
+from hicache_jax.models.sharding import (
+    cache_shardings,
+    check_tp,
+    constrain,
+    kv_heads_on_device,
+    replicated,
+    tp_size,
+    vocab_sharding,
+)
 
 
 class DecoderLayer(nnx.Module):
@@ -92,9 +100,10 @@ class CausalLM(nnx.Module):
             new_cache.append(entry)
         x = self.final_norm(x[batch.logits_indices])
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        logits = logits.astype(jnp.float32)
-        if self.mesh is not None:  # gather the vocabulary shards: every device samples
-            logits = jax.lax.with_sharding_constraint(logits, replicated(self.mesh))
+        # Each device computes its vocabulary shard, then the shards are gathered: every
+        # device samples. (Left to itself, XLA gathers the whole embedding instead.)
+        logits = constrain(logits, vocab_sharding(cfg, self.mesh))
+        logits = constrain(logits.astype(jnp.float32), replicated(self.mesh))
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)

@@ -146,6 +146,13 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple:
     return tuple(out)
 
 
+def vocab_sharding(cfg: ModelConfig, mesh: Mesh | None):
+    """Logits ``[rows, vocab]`` split by vocabulary, as the LM head computes them."""
+    if mesh is None or cfg.vocab_size % tp_size(mesh):
+        return None
+    return NamedSharding(mesh, P(None, AXIS))
+
+
 def replicated(mesh: Mesh | None):
     return None if mesh is None else NamedSharding(mesh, P())
 
