@@ -7,6 +7,7 @@ runs on a model built here with 8 (and its 2 KV heads replicated 4 times).
 Costs are compiles (two programs per model and size), so each family runs the sizes in a
 row and the tp=1 reference once."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -113,3 +114,28 @@ def test_undividable_sizes_are_refused():
         check_tp(ModelConfig("x", 64, 64, 128, ("attention",), num_heads=6, num_kv_heads=3, head_dim=8), 2)
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(16)
+
+
+def test_weights_load_into_their_shards(checkpoint_dir, tmp_path):
+    """From safetensors and from orbax, at tp 2: each weight sits in its split, with the
+    values of a one-device load."""
+    from hicache_jax.models import load_model, orbax_io
+    from hicache_jax.models.sharding import param_spec
+
+    path = checkpoint_dir("mistral")
+    whole = load_hf(path)
+    orbax_io.save(whole, str(tmp_path / "orbax"))
+    want = nnx.to_pure_dict(nnx.state(whole))
+    for model in (
+        load_hf(path, kernels=kernels("xla", 2)),
+        load_model(str(tmp_path / "orbax"), kernels=kernels("xla", 2)),
+    ):
+        got = nnx.to_pure_dict(nnx.state(model))
+        flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
+        split = 0
+        for kp, leaf in jax.tree_util.tree_leaves_with_path(got):
+            path_ = tuple(getattr(k, "key", k) for k in kp)
+            assert leaf.sharding.spec == param_spec(path_, leaf.shape, model.cfg, 2), path_
+            split += not leaf.sharding.is_fully_replicated
+            np.testing.assert_array_equal(np.asarray(leaf), np.asarray(flat_want[kp]), err_msg=str(path_))
+        assert split >= 7 * 2  # q, k, v, o, gate, up, down in both layers
