@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hicache_jax import compiles
+from hicache_jax import compiles, distributed
 from hicache_jax.models import sharding
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
@@ -101,6 +101,8 @@ class ModelRunner:
         self.cache = model.allocate_cache(**self._cache_shape)
         self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), sharding.replicated(self.mesh))
         self._compiled_before = compiles.total(STEP_PROGRAM)
+        self._multiprocess = jax.process_count() > 1
+        self._launched = 0
 
     def launch(
         self,
@@ -113,13 +115,17 @@ class ModelRunner:
         """Dispatch a step; returns its outputs and its sampled ids padded to ``max_seqs``
         (the next step's ``prev_ids``), both still on the device."""
         args = self._step_args(batch, sampling, copies, prev_ids)
+        if self._multiprocess:  # every process must launch this same step
+            self._launched += 1
+            distributed.check_same_plan(self._launched, distributed.digest((args[2:5], top_logprobs)))
         self.cache, out, ids = _step_jit(*args, **self._static(top_logprobs))
         return out, ids
 
     @staticmethod
     def fetch(out: SamplingOutputs) -> SamplingOutputs:
-        """Wait for a launched step and bring its outputs to the host."""
-        return jax.tree_util.tree_map(np.asarray, out)
+        """Wait for a launched step and bring its outputs to the host (outputs are
+        replicated, so on several processes each reads its own copy)."""
+        return jax.tree_util.tree_map(_to_host, out)
 
     def step(
         self,
@@ -166,6 +172,10 @@ class ModelRunner:
         return b
 
 
+def _to_host(x: jax.Array) -> np.ndarray:
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
 def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_logprobs):
     fed = prev_ids[jnp.maximum(batch.feed_rows, 0)]
     ids = jnp.where(batch.feed_rows >= 0, fed, batch.input_ids)
@@ -178,6 +188,7 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_lo
     n = min(out.next_ids.shape[0], prev_ids.shape[0])
     ids = jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
     cache = sharding.constrain(cache, structure.cache_shardings)
+    out = sharding.constrain(out, structure.replicated)
     return cache, out, sharding.constrain(ids, structure.replicated)
 
 
