@@ -41,7 +41,16 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
 
 
 def check_model_tp(cfg: EngineConfig, model: CausalLM) -> None:
-    """A model built elsewhere must sit on the mesh the config asks for."""
+    """A model built elsewhere must sit on the mesh the config asks for. Over several
+    processes, L2/L3 are refused: their page copies read whole pages, and a process holds
+    only its own devices' heads (whole pages would need a cross-host gather)."""
+    import jax
+
+    if jax.process_count() > 1 and cfg.enable_hierarchical_cache:
+        raise ConfigError(
+            "enable_hierarchical_cache over several processes is not implemented yet "
+            f"({jax.process_count()} processes)"
+        )
     if tp_size(model.mesh) != cfg.tp_size:
         raise ConfigError(
             f"tp_size={cfg.tp_size}, but the model given runs on {tp_size(model.mesh)} device(s); "

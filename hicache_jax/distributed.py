@@ -13,45 +13,28 @@ how the tests run two processes of 4 emulated devices each on one machine.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 import jax
 import numpy as np
+
+from hicache_jax.config import EngineConfig
 
 
 class PlanDivergence(RuntimeError):
     """The processes planned different steps; their device programs would deadlock."""
 
 
-@dataclasses.dataclass(frozen=True)
-class DistConfig:
-    coordinator: str | None = None  # host:port of process 0; None: one process
-    num_processes: int = 1
-    process_id: int = 0
-
-    def __post_init__(self):
-        if self.num_processes < 1:
-            raise ValueError(f"dist_num_processes={self.num_processes}: must be >= 1")
-        if not 0 <= self.process_id < self.num_processes:
-            raise ValueError(f"dist_process_id={self.process_id}: must be in [0, {self.num_processes})")
-        if self.num_processes > 1 and not self.coordinator:
-            raise ValueError("dist_num_processes > 1 needs dist_coordinator (host:port of process 0)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_processes > 1
-
-
-def initialize(cfg: DistConfig) -> None:
-    """Join the other processes (before anything touches a JAX backend). No-op for one."""
-    if not cfg.enabled:
+def initialize(cfg: EngineConfig) -> None:
+    """Join the other processes (before anything touches a JAX backend); no-op for one.
+    ``cfg.dist_*`` are validated by ``EngineConfig``."""
+    if cfg.dist_num_processes == 1:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=cfg.coordinator,
-        num_processes=cfg.num_processes,
-        process_id=cfg.process_id,
+        coordinator_address=cfg.dist_coordinator,
+        num_processes=cfg.dist_num_processes,
+        process_id=cfg.dist_process_id,
     )
 
 

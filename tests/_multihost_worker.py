@@ -17,11 +17,14 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from hicache_jax import distributed  # noqa: E402
+from hicache_jax.config import EngineConfig  # noqa: E402
 
 
 def main() -> None:
     port, pid, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    distributed.initialize(distributed.DistConfig(f"127.0.0.1:{port}", 2, pid))
+    distributed.initialize(
+        EngineConfig(dist_coordinator=f"127.0.0.1:{port}", dist_num_processes=2, dist_process_id=pid)
+    )
     import json
 
     from hicache_jax.failures import StepFailed

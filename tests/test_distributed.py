@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from hicache_jax.config import EngineConfig
-from hicache_jax.distributed import DistConfig
+from hicache_jax.config import ConfigError, EngineConfig
 from hicache_jax.engine import Engine
 from hicache_jax.models import CausalLM, KernelConfig
 from hicache_jax.models.sharding import make_mesh, shard_model
@@ -77,9 +76,8 @@ def test_two_processes_serve_tp8_like_one_process_tp1(tmp_path):
     assert elapsed < 240
 
 
-def test_dist_config_is_checked():
-    with pytest.raises(ValueError, match="needs dist_coordinator"):
-        DistConfig(None, 2, 0)
-    with pytest.raises(ValueError, match="dist_process_id=2"):
-        DistConfig("127.0.0.1:1", 2, 2)
-    assert not DistConfig().enabled
+def test_dist_flags_are_checked():
+    with pytest.raises(ConfigError, match="dist_coordinator=None: must be set"):
+        EngineConfig(dist_num_processes=2)
+    with pytest.raises(ConfigError, match=r"dist_process_id=2: must be in \[0, dist_num_processes=2\)"):
+        EngineConfig(dist_coordinator="127.0.0.1:1", dist_num_processes=2, dist_process_id=2)
