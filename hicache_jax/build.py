@@ -51,6 +51,11 @@ def check_model_tp(cfg: EngineConfig, model: CausalLM) -> None:
             "enable_hierarchical_cache over several processes is not implemented yet "
             f"({jax.process_count()} processes)"
         )
+    if jax.process_count() > 1 and cfg.tp_size != jax.device_count():
+        raise ConfigError(
+            f"tp_size={cfg.tp_size}: over {jax.process_count()} processes the mesh must hold "
+            f"every device ({jax.device_count()})"
+        )
     if tp_size(model.mesh) != cfg.tp_size:
         raise ConfigError(
             f"tp_size={cfg.tp_size}, but the model given runs on {tp_size(model.mesh)} device(s); "

@@ -1,13 +1,14 @@
 """Two processes x 4 emulated CPU devices (jax.distributed over gloo on 127.0.0.1) serve one
-model at tp_size 8: the greedy outputs of one process at tp_size 1; a step planned
-differently on one process stops both with PlanDivergence instead of hanging."""
+model at tp_size 8, process 0 driving and process 1 replaying its calls
+(``hicache_jax/replicated.py``): the greedy outputs of one process at tp_size 1, under
+retraction; a sampling seed drawn differently on one process stops both with
+PlanDivergence instead of hanging."""
 
 import json
 import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def make_engine(tp_size: int) -> Engine:
     return Engine(cfg, model=model)
 
 
-def generate(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+def generate(engine, prompts: list[list[int]]) -> list[list[int]]:
     rids = [engine.add_request(input_ids=p, sampling_params=SAMPLING) for p in prompts]
     while engine.has_unfinished():
         engine.step()
@@ -51,7 +52,6 @@ def _free_port() -> int:
 def test_two_processes_serve_tp8_like_one_process_tp1(tmp_path):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="")
-    t0 = time.monotonic()
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests._multihost_worker", str(port), str(i), str(tmp_path)],
@@ -64,16 +64,14 @@ def test_two_processes_serve_tp8_like_one_process_tp1(tmp_path):
         for i in (0, 1)
     ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
-    elapsed = time.monotonic() - t0
     engine = make_engine(1)
     want = generate(engine, PROMPTS)
     assert engine.scheduler.num_retractions > 0
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert (tmp_path / f"out{i}.json").exists(), log[-3000:]
-        got = json.loads((tmp_path / f"out{i}.json").read_text())
-        assert got["outputs"] == want and got["retractions"] > 0, (i, got)
+    assert (tmp_path / "out0.json").exists(), logs[0][-3000:]
+    got = json.loads((tmp_path / "out0.json").read_text())
+    assert got["outputs"] == want and got["retractions"] > 0, got
+    for p, log in zip(procs, logs):  # a hang would have timed out above
         assert p.returncode == 3 and "PlanDivergence: step" in log, log[-3000:]
-    assert elapsed < 240
 
 
 def test_dist_flags_are_checked():
