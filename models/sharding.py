@@ -23,9 +23,9 @@ device KV pool holds ``tp_size`` heads (``tp_size / kv_heads`` copies of each). 
 device memory for the copies, but no shard ever waits on another for a KV head. Host (L2)
 and storage (L3) pages keep each KV head once (see ``hicache_jax/transfer.py``).
 
-Split sizes must divide: query heads, intermediate size, Mamba heads and hidden size by
-``tp_size``; KV heads and Mamba groups must divide ``tp_size`` or be divided by it.
-``check_tp`` says which one does not.
+Split sizes must divide: query heads, intermediate size, Mamba heads and (with Mamba
+layers) hidden size by ``tp_size``; KV heads and Mamba groups must divide ``tp_size`` or
+be divided by it. ``check_tp`` names the one that does not.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ AXIS = "tp"
 
 
 def make_mesh(tp_size: int) -> Mesh:
-    """The first ``tp_size`` devices of every process, on one axis."""
+    """The first ``tp_size`` devices (of all processes: ``jax.devices()``), on one axis."""
     devices = jax.devices()
     if tp_size > len(devices):
         raise ValueError(f"tp_size={tp_size} needs {tp_size} devices; there are {len(devices)}")
@@ -56,13 +56,14 @@ def tp_size(mesh: Mesh | None) -> int:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Raise ValueError naming the first size that ``tp`` cannot split."""
-    split = [("intermediate_size", cfg.intermediate_size), ("hidden_size", cfg.hidden_size)]
+    split = [("intermediate_size", cfg.intermediate_size)]
     either = []  # sizes that may also be smaller than tp (then replicated)
     if cfg.attention_layers:
         split.append(("num_heads", cfg.num_heads))
         either.append(("num_kv_heads", cfg.num_kv_heads))
     if cfg.mamba is not None and cfg.mamba_layers:
         split.append(("mamba.num_heads", cfg.mamba.num_heads))
+        split.append(("hidden_size", cfg.hidden_size))  # in_proj's rows
         either.append(("mamba.num_groups", cfg.mamba.num_groups))
     for name, value in split:
         if value % tp:
