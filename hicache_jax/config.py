@@ -37,7 +37,11 @@ class EngineConfig:
     ssd_backend: str | None = None
     kernel_interpret: bool = False  # Pallas interpret mode (CPU tests)
     random_seed: int = 0
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel degree: a mesh of the first tp_size devices
+    # Several processes (hosts) on one mesh, joined by jax.distributed (hicache_jax/distributed.py).
+    dist_coordinator: str | None = None  # host:port of process 0
+    dist_num_processes: int = 1
+    dist_process_id: int = 0
     warmup: bool = False  # compile every shape bucket at start-up
     # Hierarchical cache (L2 host memory, L3 storage).
     enable_hierarchical_cache: bool = False
@@ -98,8 +102,19 @@ class EngineConfig:
             v = getattr(self, name)
             r(v in (None, "xla", "pallas"), name, "must be xla or pallas", v)
         r(self.tp_size >= 1, "tp_size", "must be >= 1", self.tp_size)
-        # Refuse rather than silently run unsharded: the tensor-parallel mesh is not built yet.
-        r(self.tp_size == 1, "tp_size", "tensor parallelism is not implemented yet; use 1", self.tp_size)
+        r(self.dist_num_processes >= 1, "dist_num_processes", "must be >= 1", self.dist_num_processes)
+        r(
+            0 <= self.dist_process_id < self.dist_num_processes,
+            "dist_process_id",
+            f"must be in [0, dist_num_processes={self.dist_num_processes})",
+            self.dist_process_id,
+        )
+        r(
+            self.dist_num_processes == 1 or bool(self.dist_coordinator),
+            "dist_coordinator",
+            "must be set (host:port of process 0) when dist_num_processes > 1",
+            self.dist_coordinator,
+        )
         r(self.hicache_ratio > 0, "hicache_ratio", "must be > 0", self.hicache_ratio)
         r(self.hicache_size_gb >= 0, "hicache_size_gb", "must be >= 0", self.hicache_size_gb)
         r(

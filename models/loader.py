@@ -62,7 +62,7 @@ def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) 
     hashing = pool.submit(checkpoint_fingerprint, model_dir)
     try:
         graphdef, state = abstract_state(lambda: CausalLM(cfg, dtype=dtype, kernels=kernels))
-        pure = load_params(ckpt, names, cfg, nnx.to_pure_dict(state), dtype)
+        pure = load_params(ckpt, names, cfg, nnx.to_pure_dict(state), dtype, sharding=_placer(cfg, kernels))
         nnx.replace_by_pure_dict(state, pure)
     except BaseException:
         pool.shutdown(wait=False)  # report the load error now; the hash ends on its own
@@ -74,12 +74,23 @@ def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) 
     return nnx.merge(graphdef, state)
 
 
+def _placer(cfg, kernels: KernelConfig | None):
+    """``sharding(keypath, leaf)`` for the kernels' mesh, or None without one."""
+    mesh = kernels.mesh if kernels else None
+    if mesh is None:
+        return None
+    from hicache_jax.models.sharding import param_sharding
+
+    return lambda kp, leaf: param_sharding(kp, leaf, cfg, mesh)
+
+
 def load_model(path: str, *, dtype=None, kernels: KernelConfig | None = None) -> CausalLM:
     """A Hugging Face directory, or an orbax checkpoint written by ``convert``."""
     from hicache_jax.models import orbax_io
 
     if orbax_io.is_orbax_checkpoint(path):
-        return orbax_io.restore(path, dtype=dtype, kernels=kernels)
+        cfg = orbax_io.read_config(path)
+        return orbax_io.restore(path, dtype=dtype, kernels=kernels, sharding=_placer(cfg, kernels))
     return load_hf(path, dtype=dtype, kernels=kernels)
 
 
