@@ -13,6 +13,7 @@ seeds, so a retracted request must finish with the same outputs as if it ran alo
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import numpy as np
 
@@ -33,7 +34,7 @@ EMPTY = -1  # a KV slot nothing was written to
 
 def sampled_token(rid: str, index: int) -> int:
     """The fake model's output ``index`` of request ``rid`` (independent of batching)."""
-    return 3 + (hash((rid, index)) & 0xFFFF) % 997
+    return 3 + zlib.crc32(f"{rid}:{index}".encode()) % 997
 
 
 class KvTransfer:
@@ -105,9 +106,12 @@ class Sim:
         return req
 
     # ---- one step ------------------------------------------------------------------------
-    def step(self) -> StepPlan | None:
+    def step(self, planned=None) -> StepPlan | None:
+        """One engine step; ``planned(plan)`` sees the state right after scheduling."""
         plan = self.sched.schedule()
         self.steps += 1
+        if planned is not None:
+            planned(plan)
         if plan is None:
             return None
         self.run_model(plan)

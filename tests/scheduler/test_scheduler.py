@@ -28,7 +28,20 @@ def checked_step(sim: Sim):
     waiting = list(sched.waiting)
     seq_len = {r: r.seq_len for r in running + waiting}
     outputs = {r: list(r.output_ids) for r in running}
-    plan = sim.step()
+
+    def head_did_not_fit(plan):
+        """Admission stopped with budget and a slot left: only because the head's pages did
+        not fit (trying again, before the step frees anything, must fail too)."""
+        items = plan.items if plan else []
+        used = sum(i.num_tokens for i in items if not (i.req in running and i.num_tokens == 1 and i.samples))
+        budget = sim.cfg.chunked_prefill_size - used
+        if sched.waiting and len(sched.running) < sim.cfg.max_running_requests and budget > 0:
+            head = sched.waiting[0]
+            match = sim.adapter.match(head)
+            end = sched.chunk_end(head, match.end, budget)
+            assert not sim.adapter.admit(head, match, end), f"{head.rid} fits but waits"
+
+    plan = sim.step(head_did_not_fit)
     items = {i.req: i for i in (plan.items if plan else [])}
     assert len(items) == len(plan.items if plan else []), "a request twice in one step"
     assert len(sched.running) <= sim.cfg.max_running_requests
@@ -75,9 +88,6 @@ def checked_step(sim: Sim):
     assert [r for r in queue if r not in retracted] == waiting
     first_new = next((k for k, r in enumerate(queue) if r not in retracted), len(queue))
     assert all(r in retracted for r in queue[:first_new]) and not set(retracted) & set(queue[first_new:])
-    if sched.waiting and len(sched.running) < sim.cfg.max_running_requests and budget > 0:
-        # admission stopped early: only because the head's pages did not fit
-        assert sched.waiting[0].status is Status.WAITING
     sim.check_ownership()
     return plan
 
