@@ -1,5 +1,8 @@
 """Shared pieces of the L2/L3 tests: the two-pass workload and its checks."""
 
+import threading
+import time
+
 import numpy as np
 
 from hicache_jax import LLM
@@ -55,3 +58,34 @@ def two_pass(llm, ids):
     assert_same_as_recompute(second, first)
     llm.engine.check_integrity()
     return first, second
+
+
+class ReadGate:
+    """Holds every L3 prefetch read of ``engine`` until ``release()``: the probes run, the
+    reads start only when the test says so (a gate, not a race against the steps)."""
+
+    def __init__(self, engine, monkeypatch):
+        self.engine = engine
+        self._open = threading.Event()
+        client = engine.storage.client
+        real = client.prefetch
+
+        def gated(keys, namespace=None):
+            self._open.wait(60)  # bounded: a failed test must not leave a thread behind for good
+            return real(keys, namespace)
+
+        monkeypatch.setattr(client, "prefetch", gated)
+
+    def close(self):
+        self._open.clear()
+
+    def open(self):
+        self._open.set()
+
+    def release(self, timeout=60.0):
+        """Open the gate and wait until no prefetch is reading (they have landed)."""
+        self.open()
+        deadline = time.monotonic() + timeout
+        while self.engine.storage.pending():
+            assert time.monotonic() < deadline, "prefetch still reading after the gate opened"
+            self.engine.storage.wait(0.1)

@@ -3,7 +3,15 @@ every prefetch policy and write policy."""
 
 import pytest
 
-from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm, prompt, run, two_pass
+from tests.cache.l3_helpers import (
+    P,
+    ReadGate,
+    assert_same_as_recompute,
+    hicache_llm,
+    prompt,
+    run,
+    two_pass,
+)
 
 PAGE_BYTES = 2 * 2 * P * 2 * 16 * 4  # tiny preset: 2 layers x (k, v) x 16 tokens x 2 heads x 16 x f32
 
@@ -41,7 +49,7 @@ def test_tiny_l2_evicts_and_l3_still_serves(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["wait_complete", "timeout", "best_effort"])
-def test_two_pass_under_each_prefetch_policy(tmp_path, policy):
+def test_two_pass_under_each_prefetch_policy(tmp_path, monkeypatch, policy):
     llm = hicache_llm(
         tmp_path / "l3", preset="tiny", hicache_storage_prefetch_policy=policy, max_running_requests=1
     )
@@ -49,23 +57,45 @@ def test_two_pass_under_each_prefetch_policy(tmp_path, policy):
     first = run(llm, ids)
     assert llm.flush_cache()
     if policy == "best_effort":
-        # best_effort stops waiting once the request is scheduled: queue it behind a running
-        # request (one slot) so its prefetch has the time a busy server would give it.
-        engine = llm.engine
-        blocker = engine.add_request(input_ids=prompt(9, pages=2), sampling_params={"max_new_tokens": 40})
-        rid = engine.add_request(
-            input_ids=ids,
-            sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
-            return_logprob=True,
-        )
-        while engine.has_unfinished():
-            engine.step()
-        engine.pop_output(blocker)
-        second = engine.pop_output(rid)
+        gate = ReadGate(llm.engine, monkeypatch)
+        try:
+            second = _best_effort_second_pass(llm, ids, gate)
+        finally:
+            gate.open()  # never leave a reader blocked behind a failed assertion
     else:
         second = run(llm, ids)
     assert second["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P
     assert_same_as_recompute(second, first)
+
+
+def _best_effort_second_pass(llm, ids, gate):
+    """best_effort never holds a request for its prefetch, and uses what landed before the
+    request is scheduled. The L3 reads are held by a gate, so both are deterministic."""
+    engine = llm.engine
+    greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    # 1. The slot is free: the request runs at once, its reads still held (no storage hit).
+    revoked = engine.metrics()["prefetch_revoked"]
+    rid = engine.add_request(input_ids=ids, sampling_params=greedy, return_logprob=True)
+    engine.step()
+    assert [r.rid for r in engine.scheduler.running] == [rid] and engine.storage.pending()
+    assert engine.metrics()["prefetch_revoked"] == revoked + 1
+    gate.release()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_output(rid)["meta_info"]["cached_tokens_details"]["storage"] == 0
+    assert llm.flush_cache()
+    # 2. Queued behind a running request (one slot): its reads land while it waits, and it
+    #    starts from them.
+    gate.close()
+    blocker = engine.add_request(input_ids=prompt(9, pages=2), sampling_params={"max_new_tokens": 4})
+    rid = engine.add_request(input_ids=ids, sampling_params=greedy, return_logprob=True)
+    engine.step()
+    assert [r.rid for r in engine.scheduler.running] == [blocker] and engine.storage.pending()
+    gate.release()
+    while engine.has_unfinished():
+        engine.step()
+    engine.pop_output(blocker)
+    return engine.pop_output(rid)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])

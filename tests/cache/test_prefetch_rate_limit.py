@@ -1,0 +1,163 @@
+"""``hicache_host_rate_limit``: the host rows L3 prefetches hold (reserved while reading,
+brought but not yet used by a request) never pass the limit's share of the host pool, and
+the limit never starves anyone: a refused prompt is schedulable at once, and rows free up
+as requests use what was brought.
+
+The store is faked (every page exists, reads finish at once); decisions are made on the
+test's thread only (``start`` and ``poll``), so each trace runs the same every time."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache_jax.cache.host_pool import HostPool
+from hicache_jax.cache.pool import IndexPool
+from hicache_jax.cache.prefix import PrefixRules
+from hicache_jax.cache.prefix_cache import PrefixCache
+from hicache_jax.cache.storage_tier import StorageTier
+from hicache_jax.storage.keys import Namespace
+from hicache_jax.storage.prefetch import PrefetchHandle
+from hicache_jax.storage.ratelog import RateLimitedLog
+
+P = 4
+HOST_PAGES = 40
+LIMIT = 0.5
+
+
+class Transfer:
+    def read(self, kind, idx):
+        return {"kv": np.zeros((len(idx), P), np.int64)}
+
+    def write(self, kind, idx, arrays):
+        pass
+
+
+@dataclasses.dataclass
+class ClientCfg:
+    timeout_s: float = 60.0
+
+
+class AllHitClient:
+    """Every page is in L3; a read finishes before ``prefetch`` returns."""
+
+    cfg = ClientCfg()
+    batch_size = 8
+    ratelog = RateLimitedLog(__import__("logging").getLogger(__name__))
+
+    def reads_available(self):
+        return True
+
+    def exists(self, keys):
+        return [True] * len(keys)
+
+    def prefetch(self, keys, namespace=None):
+        handle = PrefetchHandle(keys)
+        for _ in keys:
+            handle.add_page({"kv": np.ones(P, np.int64)})
+        handle.finish()
+        return handle
+
+    def close(self, timeout=None):
+        pass
+
+
+def make_tier():
+    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_mamba=False)
+    cache = PrefixCache(
+        rules,
+        {"full": IndexPool(64, "full pages")},
+        host={"full": HostPool("full", HOST_PAGES, {"kv": ((P,), np.int64)})},
+        transfer=Transfer(),
+    )
+    ns = Namespace(model_fingerprint="fake", kv_dtype="int64", page_size=P, layout_version=1)
+    tier = StorageTier(AllHitClient(), ns, cache, policy="wait_complete", threshold=P, host_rate_limit=LIMIT)
+    return cache, tier
+
+
+def land(tier):
+    """Wait for the reads in flight (they finish without the store), then apply them."""
+    while tier.pending():
+        tier.wait(1.0)
+    tier.poll()
+
+
+def use(cache, tokens):
+    """A request starts from its prompt's cached prefix: the pages come to the device."""
+    match = cache.match(tokens, len(tokens))
+    cache.lock(match.last)
+    assert cache.load(match)
+    cache.unlock(match.last)
+    return match.end
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), st.integers(2, 16)),  # a prompt of this many pages (+1 token)
+        st.tuples(st.just("land"), st.just(0)),
+        st.tuples(st.just("use"), st.integers(0, 20)),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(ops=OPS)
+def test_prefetches_hold_at_most_the_limit_and_nobody_starves(ops):
+    cache, tier = make_tier()
+    limit = LIMIT * HOST_PAGES
+    prompts, refused = [], 0
+    try:
+        for op, arg in ops:
+            if op == "arrive":
+                k = len(prompts)
+                tokens = [10_000 * (k + 1) + t for t in range(arg * P + 1)]  # no shared prefix
+                prompts.append(tokens)
+                # Rows held before, counted from the tasks and the tree, not by the tier.
+                held = sum(t.rows for t in tier.tasks.values()) + sum(
+                    n.host_full is not None for n in cache.nodes() if n.from_storage
+                )
+                before = tier.counters["prefetch_refused_host_full"]
+                tier.start(str(k), tokens, len(tokens), -1, None)
+                was_refused = tier.counters["prefetch_refused_host_full"] > before
+                assert was_refused == (held + arg > limit), (held, arg, limit)
+                refused += was_refused
+                if was_refused:
+                    assert tier.ready(str(k)), "a refused prefetch must not hold its request"
+            elif op == "land":
+                land(tier)
+            elif prompts:
+                tokens = prompts[arg % len(prompts)]
+                if tier.ready(str(arg % len(prompts))):
+                    use(cache, tokens)
+            assert tier.prefetched_rows() <= limit
+            cache.check_integrity()
+        # Nobody starves: once everything landed and was used, every request is ready and
+        # the whole allowance is free again.
+        land(tier)
+        for k, tokens in enumerate(prompts):
+            assert tier.ready(str(k))
+            use(cache, tokens)
+        assert tier.prefetched_rows() == 0
+        big = [7] * (int(limit) * P + 1)
+        tier.start("big", big, len(big), -1, None)
+        assert "big" in tier.tasks, "a prefetch of exactly the limit is refused after everything was used"
+        land(tier)
+        assert use(cache, big) == int(limit) * P
+        assert tier.counters["prefetch_refused_host_full"] == refused
+    finally:
+        tier.close()
+
+
+def test_a_prompt_larger_than_the_limit_is_never_prefetched_but_runs():
+    cache, tier = make_tier()
+    tokens = list(range(3, 3 + math.ceil(LIMIT * HOST_PAGES + 1) * P + 1))
+    tier.start("a", tokens, len(tokens), -1, None)
+    assert not tier.tasks and tier.counters["prefetch_refused_host_full"] == 1
+    assert tier.ready("a")
+    tier.close()
