@@ -89,6 +89,10 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
             flags.DEFINE_string,
             "Model name in the OpenAI API; default: --model_path or --preset.",
         ),
+        "profile_dir": (
+            flags.DEFINE_string,
+            "Where POST /start_profile writes jax.profiler traces unless its body names an output_dir.",
+        ),
     }
     defaults = ServerConfig()
     for name, (fn, help_) in server.items():
@@ -132,6 +136,7 @@ def configs_from_flags(fv: flags.FlagValues = flags.FLAGS) -> tuple[EngineConfig
             served_model_name=fv["served_model_name"].value,
             log_level=fv["log_level"].value,
             platform=fv["platform"].value,
+            profile_dir=fv["profile_dir"].value or None,
         )
     except ServerConfigError as e:
         raise FlagError(str(e)) from None

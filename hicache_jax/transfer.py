@@ -106,6 +106,7 @@ class PageTransfer:
                 yield f"write {kind} x{b}", _scatter_jit.lower(self.runner.cache, idx, data, **static)
 
 
+@jax.named_scope("transfer_gather")
 def _gather(cache, idx, *, layers, mamba):
     if mamba:
         return {
@@ -115,6 +116,7 @@ def _gather(cache, idx, *, layers, mamba):
     return {"kv": jnp.stack([jnp.stack([cache[i].k[idx], cache[i].v[idx]], axis=1) for i in layers], axis=1)}
 
 
+@jax.named_scope("transfer_scatter")
 def _scatter(cache, idx, data, *, layers, mamba):
     cache = list(cache)
     for j, i in enumerate(layers):

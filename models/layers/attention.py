@@ -43,6 +43,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    @jax.named_scope("attention")
     def __call__(self, kv: KVPages, x: jax.Array, batch: ForwardBatch) -> tuple[KVPages, jax.Array]:
         T = x.shape[0]
         q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
@@ -55,7 +56,8 @@ class Attention(nnx.Module):
         k = apply_rope(k, batch.positions, **rope)
         name, interpret = self.kernels.attention_backend, self.kernels.interpret
         write = backend.kv_write_fn(name, interpret)
-        k_pages, v_pages = write(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
+        with jax.named_scope("kv_write"):
+            k_pages, v_pages = write(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
         attend = backend.attention_fn(name, interpret)
         o = attend(
             q,
