@@ -27,6 +27,7 @@ from hicache_jax.flush_result import FlushResult
 from hicache_jax.outputs import OutputDelta, OutputStream
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.server.errors import ApiError
+from hicache_jax.server.latency import RequestLatency
 from hicache_jax.server.messages import (
     Abort,
     ClearStorage,
@@ -65,6 +66,7 @@ class EngineLoop:
         self.stats = {"aborted_requests": 0, "engine_errors": 0}
         self.healthy = True
         self.paused = False  # /pause_generation: no step runs until /continue_generation
+        self.latency = RequestLatency()  # TTFT / TPOT / e2e histograms, fed on the engine thread
         self.profiler = Profiler()  # /start_profile, /stop_profile: touched on the engine thread only
 
     # -- called from asyncio -------------------------------------------------------------------
@@ -296,6 +298,7 @@ class EngineLoop:
                 sink.put(Update(stream.next(req), finished=False))
         # Every finished request is popped here, touched this step or not.
         for rid in [r for r in self._sinks if self.engine.requests[r].finished]:
+            self.latency.observe(self.engine.requests[rid])
             self._sinks.pop(rid).put(Update(self._pop(rid), finished=True))
         return bool(touched)
 
@@ -375,4 +378,5 @@ class EngineLoop:
         if self._tokens and time.monotonic() - self._tokens[-1][0] > THROUGHPUT_WINDOW_S:
             out["gen_throughput"] = 0.0
         out["uptime_s"] = time.time() - self.started
+        out["histograms"] = self.latency.snapshot()  # not a number: metrics.render exports it
         return out

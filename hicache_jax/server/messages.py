@@ -118,7 +118,7 @@ class ClearStorage:
 
 @dataclasses.dataclass
 class GetMetrics:
-    reply: Reply  # gets a dict of plain numbers
+    reply: Reply  # gets a dict of plain numbers, and "histograms" (latency.RequestLatency.snapshot)
 
 
 @dataclasses.dataclass
