@@ -17,10 +17,15 @@ import typing
 from absl import flags
 
 from hicache_jax.config import PREFETCH_POLICIES, WRITE_POLICIES, ConfigError, EngineConfig
+from hicache_jax.hub import is_repo_id
 from hicache_jax.server.config import LOG_LEVELS, PLATFORMS, ServerConfig, ServerConfigError
 
 ENGINE_HELP = {
-    "model_path": "HF or orbax (hicache_jax.convert) model directory; unset: the built-in --preset.",
+    "model_path": (
+        "HF or orbax (hicache_jax.convert) model directory, or a Hugging Face model id (org/name) "
+        "fetched into the Hub cache (HF_HOME, HF_HUB_OFFLINE); unset: the built-in --preset."
+    ),
+    "revision": "Hub branch, tag or commit for a --model_path model id (default: main).",
     "preset": "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, 100m.",
     "dtype": "Weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16.",
     "page_size": "Tokens per KV page (a power of two); also the L3 page.",
@@ -122,8 +127,8 @@ def configs_from_flags(fv: flags.FlagValues = flags.FLAGS) -> tuple[EngineConfig
             value = None  # --hicache_storage_spec= unsets a value a flagfile set
         kwargs[f.name] = value
     path = kwargs["model_path"]
-    if path and "://" not in path and not os.path.isdir(path):
-        raise FlagError(f"--model_path={path}: no such directory")
+    if path and "://" not in path and not os.path.isdir(path) and not is_repo_id(path):
+        raise FlagError(f"--model_path={path}: no such directory, and not a Hugging Face model id (org/name)")
     try:
         engine_cfg = EngineConfig(**kwargs)
     except ConfigError as e:
