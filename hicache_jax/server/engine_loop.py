@@ -151,8 +151,11 @@ class EngineLoop:
             raise
         finally:
             close = getattr(self.engine, "close", None)
-            if self.profiler.running:
-                self.profiler.stop()  # a trace left running would be lost
+            if self.profiler.running:  # a trace left running would be lost
+                try:
+                    self.profiler.stop()
+                except Exception:
+                    log.exception("could not stop the profile")
             if close is not None:
                 close()  # the engine thread owns the engine: it also shuts it down
             log.info("engine loop stopped")
