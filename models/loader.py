@@ -59,19 +59,18 @@ def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) 
     cfg = config_from_hf(hf, os.path.join(model_dir, "config.json"))
     dtype = resolve_dtype(dtype, hf)
     names = architecture(cfg.architecture).names
-    ckpt = _Counted(Checkpoint(model_dir))
+    ckpt = Checkpoint(model_dir)
     pool = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
     hashing = pool.submit(checkpoint_fingerprint, model_dir)
     try:
         graphdef, state = abstract_state(lambda: CausalLM(cfg, dtype=dtype, kernels=kernels))
-        ckpt.bar.total = len(jax.tree_util.tree_leaves(nnx.to_pure_dict(state)))
-        pure = load_params(ckpt, names, cfg, nnx.to_pure_dict(state), dtype)
+        tensors = len(jax.tree_util.tree_leaves(nnx.to_pure_dict(state)))
+        with bar(total=tensors, desc="loading weights", unit="tensor") as shown:
+            pure = load_params(_Counted(ckpt, shown), names, cfg, nnx.to_pure_dict(state), dtype)
         nnx.replace_by_pure_dict(state, pure)
     except BaseException:
         pool.shutdown(wait=False)  # report the load error now; the hash ends on its own
         raise
-    finally:
-        ckpt.bar.close()
     pool.shutdown(wait=True)  # no thread outlives a successful load
     if hashing.exception() is not None:  # model_fingerprint will say what is wrong
         log.warning("could not fingerprint %s: %s", model_dir, hashing.exception())
@@ -82,9 +81,8 @@ def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) 
 class _Counted:
     """A ``Checkpoint`` whose reads advance a progress bar (postfix: the shard being read)."""
 
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        self.bar = bar(desc="loading weights", unit="tensor")
+    def __init__(self, ckpt: Checkpoint, shown):
+        self.ckpt, self.bar = ckpt, shown
 
     def get(self, name: str):
         out = self.ckpt.get(name)
