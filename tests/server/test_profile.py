@@ -32,7 +32,7 @@ def test_profile_captures_a_trace(server, tmp_path):
         assert "PjitFunction(_step)" in f.read()  # the engine's step ran while it recorded
     with open(xplane[0], "rb") as f:
         ops = f.read()  # TensorBoard maps each op to its scope through the HLO metadata here
-    for scope in (b"/attention/", b"/kv_write/", b"/mlp/"):
+    for scope in (b"/attention/", b"/kv_write/", b"/mlp/", b"/sampling/"):
         assert scope in ops, scope
 
     gone = server.client.post("/stop_profile")
