@@ -11,11 +11,12 @@ from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
-from hicache_jax.config import EngineConfig
+from hicache_jax.config import ConfigError, EngineConfig
 from hicache_jax.hub import resolve_model_path
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
+from hicache_jax.models.sharding import make_mesh, tp_size
 from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.transfer import PageTransfer
 
@@ -24,7 +25,10 @@ log = logging.getLogger(__name__)
 
 def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
     kernels = KernelConfig(
-        attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret
+        attention=cfg.attention_backend,
+        ssd=cfg.ssd_backend,
+        interpret=cfg.kernel_interpret,
+        mesh=make_mesh(cfg.tp_size) if cfg.tp_size > 1 else None,
     )
     kernels.check_platform()
     if cfg.model_path:
@@ -37,6 +41,29 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
 
     dtype = resolve_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)
     return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
+
+
+def check_model_tp(cfg: EngineConfig, model: CausalLM) -> None:
+    """A model built elsewhere must sit on the mesh the config asks for. Over several
+    processes, L2/L3 are refused: their page copies read whole pages, and a process holds
+    only its own devices' heads (whole pages would need a cross-host gather)."""
+    import jax
+
+    if jax.process_count() > 1 and cfg.enable_hierarchical_cache:
+        raise ConfigError(
+            "enable_hierarchical_cache over several processes is not implemented yet "
+            f"({jax.process_count()} processes)"
+        )
+    if jax.process_count() > 1 and cfg.tp_size != jax.device_count():
+        raise ConfigError(
+            f"tp_size={cfg.tp_size}: over {jax.process_count()} processes the mesh must hold "
+            f"every device ({jax.device_count()})"
+        )
+    if tp_size(model.mesh) != cfg.tp_size:
+        raise ConfigError(
+            f"tp_size={cfg.tp_size}, but the model given runs on {tp_size(model.mesh)} device(s); "
+            "build it with KernelConfig(mesh=make_mesh(tp_size))"
+        )
 
 
 def make_host_pools(
@@ -79,12 +106,13 @@ def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:
 
 
 def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: PrefixCache):
-    """L3: a TensorStore store under a namespace that pins the weights, KV dtype, page size,
-    layout and tensor-parallel shard."""
+    """L3: a TensorStore store under a namespace that pins the weights, KV dtype, page size
+    and layout (whole pages, whatever ``tp_size`` runs)."""
     from hicache_jax.cache.storage_tier import StorageTier
     from hicache_jax.models.fingerprint import params_fingerprint
     from hicache_jax.models.loader import model_fingerprint
     from hicache_jax.storage.base import make_store
+    from hicache_jax.storage.capacity import CapacityConfig
     from hicache_jax.storage.client import ClientConfig, StorageClient
     from hicache_jax.storage.keys import Namespace
 
@@ -95,8 +123,10 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         kv_dtype=str(model.dtype),
         page_size=cfg.page_size,
         layout_version=1,
+        # Pages are stored whole at every tp_size (see transfer.py): the namespace names the
+        # whole-page layout, so servers at any tp_size share them.
         tp_rank=0,
-        tp_size=cfg.tp_size,
+        tp_size=1,
     )
     spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
     store = make_store(cfg.hicache_storage_backend, spec, timeout_s=cfg.hicache_storage_timeout_s)
@@ -104,6 +134,13 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
     client_cfg = ClientConfig(
         timeout_s=cfg.hicache_storage_timeout_s,
         max_queue_bytes=int(cfg.hicache_storage_write_queue_mb * 2**20),
+        capacity=CapacityConfig(
+            max_bytes=int(cfg.hicache_storage_max_gb * 1e9),
+            min_free_bytes=int(cfg.hicache_storage_min_free_gb * 1e9),
+            low_watermark=cfg.hicache_storage_evict_ratio,
+            timeout_s=cfg.hicache_storage_timeout_s,
+            lease_ttl_s=max(30.0, 3 * cfg.hicache_storage_timeout_s),
+        ),
     )
     return StorageTier(
         StorageClient(store, namespace, client_cfg),

@@ -38,7 +38,11 @@ class EngineConfig:
     ssd_backend: str | None = None
     kernel_interpret: bool = False  # Pallas interpret mode (CPU tests)
     random_seed: int = 0
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel degree: a mesh of the first tp_size devices
+    # Several processes (hosts) on one mesh, joined by jax.distributed (hicache_jax/distributed.py).
+    dist_coordinator: str | None = None  # host:port of process 0
+    dist_num_processes: int = 1
+    dist_process_id: int = 0
     warmup: bool = False  # compile every shape bucket at start-up
     # Hierarchical cache (L2 host memory, L3 storage).
     enable_hierarchical_cache: bool = False
@@ -52,6 +56,9 @@ class EngineConfig:
     hicache_host_rate_limit: float = 0.5  # max share of the host pool held by prefetches
     hicache_storage_timeout_s: float = 5.0  # deadline of each L3 call, of flush's and close's L3 waits
     hicache_storage_write_queue_mb: float = 256.0  # page bytes queued for L3; beyond, backups are skipped
+    hicache_storage_max_gb: float = 0.0  # L3 size cap (1e9 bytes); 0: unbounded
+    hicache_storage_min_free_gb: float = 0.0  # free-space floor of a file L3; 0: none
+    hicache_storage_evict_ratio: float = 0.9  # eviction goes down to this share of the limit
 
     def __post_init__(self):
         r = _require
@@ -96,8 +103,19 @@ class EngineConfig:
             v = getattr(self, name)
             r(v in (None, "xla", "pallas"), name, "must be xla or pallas", v)
         r(self.tp_size >= 1, "tp_size", "must be >= 1", self.tp_size)
-        # Refuse rather than silently run unsharded: the tensor-parallel mesh is not built yet.
-        r(self.tp_size == 1, "tp_size", "tensor parallelism is not implemented yet; use 1", self.tp_size)
+        r(self.dist_num_processes >= 1, "dist_num_processes", "must be >= 1", self.dist_num_processes)
+        r(
+            0 <= self.dist_process_id < self.dist_num_processes,
+            "dist_process_id",
+            f"must be in [0, dist_num_processes={self.dist_num_processes})",
+            self.dist_process_id,
+        )
+        r(
+            self.dist_num_processes == 1 or bool(self.dist_coordinator),
+            "dist_coordinator",
+            "must be set (host:port of process 0) when dist_num_processes > 1",
+            self.dist_coordinator,
+        )
         r(self.hicache_ratio > 0, "hicache_ratio", "must be > 0", self.hicache_ratio)
         r(self.hicache_size_gb >= 0, "hicache_size_gb", "must be >= 0", self.hicache_size_gb)
         r(
@@ -149,6 +167,14 @@ class EngineConfig:
             "hicache_storage_write_queue_mb",
             "must be > 0",
             self.hicache_storage_write_queue_mb,
+        )
+        for name in ("hicache_storage_max_gb", "hicache_storage_min_free_gb"):
+            r(getattr(self, name) >= 0, name, "must be >= 0", getattr(self, name))
+        r(
+            0 < self.hicache_storage_evict_ratio <= 1,
+            "hicache_storage_evict_ratio",
+            "must be in (0, 1]",
+            self.hicache_storage_evict_ratio,
         )
         if self.max_queued_tokens is not None:
             r(self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1", self.max_queued_tokens)

@@ -23,6 +23,7 @@ import uuid
 from typing import NoReturn
 
 from hicache_jax.build import (
+    check_model_tp,
     load_model_and_tokenizer,
     make_device_pools,
     make_host_pools,
@@ -66,6 +67,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig, model: CausalLM | None = None, tokenizer: Tokenizer | None = None):
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg)
+        check_model_tp(cfg, model)
         self.cfg = cfg
         self.model = model
         self.tokenizer = tokenizer or Tokenizer(None)

@@ -41,7 +41,10 @@ ENGINE_HELP = {
     "ssd_backend": "Mamba2 SSD kernel: xla or pallas.",
     "kernel_interpret": "Run Pallas kernels in interpret mode (CPU testing).",
     "random_seed": "Seed for preset weights and for requests without a sampling seed.",
-    "tp_size": "Tensor-parallel degree.",
+    "tp_size": "Tensor-parallel degree: a mesh of the first tp_size devices (README: Tensor parallel).",
+    "dist_coordinator": "host:port of process 0 when several processes share one mesh (jax.distributed).",
+    "dist_num_processes": "Processes (hosts) sharing the mesh; 1: this process alone.",
+    "dist_process_id": "This process's index in [0, --dist_num_processes).",
     "warmup": "Compile every step shape bucket before serving, so no request waits for a compile.",
     "enable_hierarchical_cache": "Copy device pages to host memory (L2) and, with a backend, storage (L3).",
     "hicache_ratio": "Host pool size as a multiple of the device pool.",
@@ -56,6 +59,9 @@ ENGINE_HELP = {
         "Deadline (s) of every L3 call; also the longest /flush_cache and shutdown wait for L3."
     ),
     "hicache_storage_write_queue_mb": "Most page data (MB) queued for L3 writes; more backups are skipped.",
+    "hicache_storage_max_gb": "L3 size cap (GB) for all servers on the store, kept by LRU eviction; 0: none.",
+    "hicache_storage_min_free_gb": "Evict L3 pages when the file store's disk has less free (GB); 0: none.",
+    "hicache_storage_evict_ratio": "Eviction goes down to this share of the cap (or to floor / ratio free).",
 }
 
 

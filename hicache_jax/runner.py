@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hicache_jax import compiles
+from hicache_jax import compiles, distributed
+from hicache_jax.models import sharding
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
@@ -58,16 +59,21 @@ def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
 
 class _Structure:
     """The model's graph and parameter tree as one static jit argument. Interned, so it
-    hashes by identity: hashing a Flax graphdef on every call costs milliseconds."""
+    hashes by identity: hashing a Flax graphdef on every call costs milliseconds.
+
+    Under tensor parallelism it also holds where the step's outputs live: the cache as it
+    came in (``cache_shardings``), the sampled ids on every device (``replicated``)."""
 
     _interned: dict = {}
 
-    def __init__(self, graphdef, treedef):
+    def __init__(self, graphdef, treedef, cache_shardings, replicated):
         self.graphdef, self.treedef = graphdef, treedef
+        self.cache_shardings, self.replicated = cache_shardings, replicated
 
     @classmethod
-    def of(cls, graphdef, treedef) -> _Structure:
-        return cls._interned.setdefault((graphdef, treedef), cls(graphdef, treedef))
+    def of(cls, graphdef, treedef, cache_shardings=None, replicated=None) -> _Structure:
+        key = (graphdef, treedef, cache_shardings, replicated)
+        return cls._interned.setdefault(key, cls(*key))
 
 
 class ModelRunner:
@@ -87,11 +93,16 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         # Flat leaves: flattening an nnx.State on every call costs milliseconds per step.
         self._leaves, treedef = jax.tree_util.tree_flatten(self.params)
-        self._structure = _Structure.of(self.graphdef, treedef)
+        self.mesh = model.mesh
+        self._structure = _Structure.of(
+            self.graphdef, treedef, model.cache_shardings(), sharding.replicated(self.mesh)
+        )
         self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
         self.cache = model.allocate_cache(**self._cache_shape)
-        self._no_ids = jnp.zeros((max_seqs,), jnp.int32)
+        self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), sharding.replicated(self.mesh))
         self._compiled_before = compiles.total(STEP_PROGRAM)
+        self._multiprocess = jax.process_count() > 1
+        self._launched = 0
 
     def launch(
         self,
@@ -104,13 +115,17 @@ class ModelRunner:
         """Dispatch a step; returns its outputs and its sampled ids padded to ``max_seqs``
         (the next step's ``prev_ids``), both still on the device."""
         args = self._step_args(batch, sampling, copies, prev_ids)
+        if self._multiprocess:  # every process must launch this same step
+            self._launched += 1
+            distributed.check_same_plan(self._launched, distributed.digest((args[2:5], top_logprobs)))
         self.cache, out, ids = _step_jit(*args, **self._static(top_logprobs))
         return out, ids
 
     @staticmethod
     def fetch(out: SamplingOutputs) -> SamplingOutputs:
-        """Wait for a launched step and bring its outputs to the host."""
-        return jax.tree_util.tree_map(np.asarray, out)
+        """Wait for a launched step and bring its outputs to the host (outputs are
+        replicated, so on several processes each reads its own copy)."""
+        return jax.tree_util.tree_map(_to_host, out)
 
     def step(
         self,
@@ -157,6 +172,10 @@ class ModelRunner:
         return b
 
 
+def _to_host(x: jax.Array) -> np.ndarray:
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
 def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_logprobs):
     fed = prev_ids[jnp.maximum(batch.feed_rows, 0)]
     ids = jnp.where(batch.feed_rows >= 0, fed, batch.input_ids)
@@ -167,7 +186,10 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_lo
     cache = copy_states(cache, copies.after_src, copies.after_dst)
     out = sample(logits, sampling, top_logprobs)
     n = min(out.next_ids.shape[0], prev_ids.shape[0])
-    return cache, out, jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
+    ids = jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
+    cache = sharding.constrain(cache, structure.cache_shardings)
+    out = sharding.constrain(out, structure.replicated)
+    return cache, out, sharding.constrain(ids, structure.replicated)
 
 
 STEP_PROGRAM = "jit(_step)"  # the name compile events carry

@@ -4,7 +4,9 @@
     hicache-jax-serve --flagfile=configs/tpu.flags --flagfile=configs/gemma3.flags
 
 Parses flags (``hicache_jax/flags.py``), builds the engine (loading weights, compiling if
-``--warmup``), then serves HTTP until interrupted. A bad flag or an unloadable model stops
+``--warmup``), then serves HTTP until interrupted. With ``--dist_num_processes`` > 1 every
+process runs this binary with its ``--dist_process_id``; process 0 serves HTTP and the
+others replay its engine calls (``hicache_jax/replicated.py``). A bad flag or an unloadable model stops
 it here with one line naming the problem and a non-zero exit code.
 """
 
@@ -50,6 +52,10 @@ def main(argv: list[str]) -> None:
     logging.getLogger().setLevel(level)
     if server_cfg.platform != "auto":
         os.environ["JAX_PLATFORMS"] = server_cfg.platform  # before JAX starts a backend
+    if engine_cfg.dist_num_processes > 1:
+        from hicache_jax import distributed
+
+        distributed.initialize(engine_cfg)  # before JAX starts a backend
 
     t0 = time.perf_counter()
     what = engine_cfg.model_path or f"preset {engine_cfg.preset!r}"
@@ -64,6 +70,17 @@ def main(argv: list[str]) -> None:
     except (ValueError, OSError, RuntimeError) as e:  # config, checkpoint, storage and backend errors
         _die(f"cannot start the engine: {e}", 1)
     log.info("engine ready in %.1fs", time.perf_counter() - t0)
+
+    from hicache_jax.replicated import LeaderEngine, follow
+
+    if engine_cfg.dist_process_id > 0:  # only process 0 serves HTTP; the others replay it
+        log.info(
+            "process %d of %d: following process 0", engine_cfg.dist_process_id, engine_cfg.dist_num_processes
+        )
+        follow(engine)
+        return
+    if engine_cfg.dist_num_processes > 1:
+        engine = LeaderEngine(engine)
 
     from hicache_jax.server.launch import run_server
 

@@ -4,6 +4,24 @@ A call moves its pages in chunks of at most ``max_pages(kind)`` (a power of two,
 so one chunk holds at most ``CHUNK_BYTES`` of page data); each chunk is padded to a power
 of two >= ``MIN_PAGES``. So a few programs per kind serve every transfer, and warm-up
 can compile all of them (``lower_all``). Padding reads page 0 and writes nowhere.
+
+Under tensor parallelism host pages hold *whole* pages: every KV head once, in the layout
+of ``tp_size=1``. A read gathers each page's head shards from the devices (dropping the
+copies of replicated KV heads); a write splits the page back over them. The other choice,
+each host keeping only its own devices' heads, was not taken; per token, with ``L``
+layers, ``Hkv`` KV heads, ``D`` head dim, ``b`` bytes per value and ``h`` hosts:
+
+    whole pages (this)   device->host 2*L*Hkv*D*b per token, in all (each head once);
+                         on several hosts, each host also gathers the (h-1)/h it lacks
+                         over the network. L2 and L3 pages are the same at every
+                         tp_size: a restart at another tp_size reuses all of L3.
+    per-host shards      2*L*Hkv*D*b/h per host, no cross-host traffic, but a page is h
+                         separate values keyed by shard layout, so a restart at another
+                         tp_size (or another host count) can reuse none of L3, and a
+                         prefetch is all or nothing across h stores.
+
+One host serves every tp_size this stack runs on CPU and most single-host TPU slices;
+there whole pages cost nothing beyond the copy itself.
 """
 
 from __future__ import annotations
@@ -14,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hicache_jax.models import sharding
 from hicache_jax.models.cache import MambaState
 
 MIN_PAGES = 8
@@ -29,6 +48,7 @@ class PageTransfer:
         self.runner = runner
         self.chunk_bytes = chunk_bytes
         kinds = runner.cfg.layer_kinds
+        self.shardings = runner.model.cache_shardings()
         self.layers = {
             "full": [i for i, k in enumerate(kinds) if k == "attention"],
             "swa": [i for i, k in enumerate(kinds) if k == "sliding"],
@@ -47,7 +67,14 @@ class PageTransfer:
                 "conv": ((len(layers),) + first.conv.shape[1:], first.conv.dtype),
                 "ssm": ((len(layers),) + first.ssm.shape[1:], first.ssm.dtype),
             }
-        return {"kv": ((len(layers), 2) + first.k.shape[1:], first.k.dtype)}
+        page, _, D = first.k.shape[1:]
+        return {"kv": ((len(layers), 2, page, self.runner.cfg.num_kv_heads, D), first.k.dtype)}
+
+    def _kv_repeat(self, kind: str) -> int:
+        """Device copies of each KV head (> 1 when tensor parallelism replicates them)."""
+        if kind == "mamba":
+            return 1
+        return self.runner.cache[self.layers[kind][0]].k.shape[2] // self.runner.cfg.num_kv_heads
 
     def max_pages(self, kind: str) -> int:
         """Pages per chunk: no more than the device holds, nor than ``chunk_bytes``."""
@@ -89,10 +116,16 @@ class PageTransfer:
         padded = np.full(b, np.iinfo(np.int32).max, np.int32)  # out of range: dropped
         padded[:n] = idx
         full = {k: np.concatenate([v, np.zeros((b - n,) + v.shape[1:], v.dtype)]) for k, v in data.items()}
-        self.runner.cache = _scatter_jit(self.runner.cache, padded, full, **self._static(kind))
+        self.runner.cache = _scatter_jit(
+            self.runner.cache, padded, full, **self._static(kind), shardings=self.shardings
+        )
 
     def _static(self, kind: str) -> dict:
-        return {"layers": tuple(self.layers[kind]), "mamba": kind == "mamba"}
+        return {
+            "layers": tuple(self.layers[kind]),
+            "mamba": kind == "mamba",
+            "kv_repeat": self._kv_repeat(kind),
+        }
 
     def lower_all(self) -> Iterator[tuple[str, jax.stages.Lowered]]:
         """(name, lowered program) for every gather and scatter a transfer can run."""
@@ -103,21 +136,26 @@ class PageTransfer:
                 data = {k: jax.ShapeDtypeStruct((b,) + s, d) for k, (s, d) in layout.items()}
                 static = self._static(kind)
                 yield f"read {kind} x{b}", _gather_jit.lower(self.runner.cache, idx, **static)
-                yield f"write {kind} x{b}", _scatter_jit.lower(self.runner.cache, idx, data, **static)
+                yield (
+                    f"write {kind} x{b}",
+                    _scatter_jit.lower(self.runner.cache, idx, data, **static, shardings=self.shardings),
+                )
 
 
 @jax.named_scope("transfer_gather")
-def _gather(cache, idx, *, layers, mamba):
+def _gather(cache, idx, *, layers, mamba, kv_repeat):
     if mamba:
         return {
             "conv": jnp.stack([cache[i].conv[idx] for i in layers], axis=1),
             "ssm": jnp.stack([cache[i].ssm[idx] for i in layers], axis=1),
         }
-    return {"kv": jnp.stack([jnp.stack([cache[i].k[idx], cache[i].v[idx]], axis=1) for i in layers], axis=1)}
+    r = kv_repeat  # keep one copy of each replicated KV head
+    kv = [jnp.stack([cache[i].k[idx][:, :, ::r], cache[i].v[idx][:, :, ::r]], axis=1) for i in layers]
+    return {"kv": jnp.stack(kv, axis=1)}
 
 
 @jax.named_scope("transfer_scatter")
-def _scatter(cache, idx, data, *, layers, mamba):
+def _scatter(cache, idx, data, *, layers, mamba, kv_repeat, shardings):
     cache = list(cache)
     for j, i in enumerate(layers):
         e = cache[i]
@@ -127,14 +165,16 @@ def _scatter(cache, idx, data, *, layers, mamba):
                 ssm=e.ssm.at[idx].set(data["ssm"][:, j].astype(e.ssm.dtype), mode="drop"),
             )
         else:
-            kv = data["kv"][:, j]
+            kv = jnp.repeat(data["kv"][:, j], kv_repeat, axis=3)  # [n, 2, page, heads, D]
             cache[i] = type(e)(
                 e.k.at[idx].set(kv[:, 0].astype(e.k.dtype), mode="drop"),
                 e.v.at[idx].set(kv[:, 1].astype(e.v.dtype), mode="drop"),
             )
-    return tuple(cache)
+    return sharding.constrain(tuple(cache), shardings)
 
 
 # Module-level jits: engines in one process share compiled transfers.
-_gather_jit = jax.jit(_gather, static_argnames=("layers", "mamba"))
-_scatter_jit = jax.jit(_scatter, static_argnames=("layers", "mamba"), donate_argnums=(0,))
+_gather_jit = jax.jit(_gather, static_argnames=("layers", "mamba", "kv_repeat"))
+_scatter_jit = jax.jit(
+    _scatter, static_argnames=("layers", "mamba", "kv_repeat", "shardings"), donate_argnums=(0,)
+)

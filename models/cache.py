@@ -29,10 +29,13 @@ def allocate_cache(
     num_state_slots: int = 0,
     dtype=jnp.float32,
     fill: float = 0.0,
+    kv_heads: int | None = None,
 ) -> tuple:
     """One entry per layer: KVPages for attention layers, MambaState for Mamba layers.
 
     ``num_pages`` is per page group (``"full"``, ``"swa"``) or one number for both.
+    ``kv_heads`` (default the model's) is more under tensor parallelism with replicated
+    KV heads (``models/sharding.py``).
     """
     entries = []
     for kind in cfg.layer_kinds:
@@ -46,6 +49,6 @@ def allocate_cache(
             )
         else:
             n = num_pages if isinstance(num_pages, int) else num_pages[page_group(kind)]
-            shape = (n, page_size, cfg.num_kv_heads, cfg.head_dim)
+            shape = (n, page_size, kv_heads or cfg.num_kv_heads, cfg.head_dim)
             entries.append(KVPages(jnp.full(shape, fill, dtype), jnp.full(shape, fill, dtype)))
     return tuple(entries)

@@ -19,6 +19,15 @@ from hicache_jax.models.layers.linear import Embed, Linear
 from hicache_jax.models.layers.mamba2 import Mamba2Mixer
 from hicache_jax.models.layers.mlp import GatedMLP
 from hicache_jax.models.layers.norms import RMSNorm
+from hicache_jax.models.sharding import (
+    cache_shardings,
+    check_tp,
+    constrain,
+    kv_heads_on_device,
+    replicated,
+    tp_size,
+    vocab_sharding,
+)
 
 
 class DecoderLayer(nnx.Module):
@@ -65,6 +74,8 @@ class CausalLM(nnx.Module):
         kernels = kernels or KernelConfig()
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
+        self.mesh = kernels.mesh  # tensor-parallel mesh, or None (see models/sharding.py)
+        check_tp(cfg, tp_size(self.mesh))
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(cfg, k, dtype=dtype, rngs=rngs, kernels=kernels) for k in cfg.layer_kinds]
@@ -89,7 +100,10 @@ class CausalLM(nnx.Module):
             new_cache.append(entry)
         x = self.final_norm(x[batch.logits_indices])
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        logits = logits.astype(jnp.float32)
+        # Each device computes its vocabulary shard, then the shards are gathered: every
+        # device samples. (Left to itself, XLA gathers the whole embedding instead.)
+        logits = constrain(logits, vocab_sharding(cfg, self.mesh))
+        logits = constrain(logits.astype(jnp.float32), replicated(self.mesh))
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)
@@ -98,7 +112,7 @@ class CausalLM(nnx.Module):
     def forward_full(self, input_ids: jax.Array) -> jax.Array:
         """Whole sequences from an empty cache: ``[B, T]`` ids -> ``[B, T, vocab]`` logits."""
         Bsz, T = input_ids.shape
-        cache = allocate_cache(self.cfg, num_pages=Bsz, page_size=T, num_state_slots=Bsz, dtype=self.dtype)
+        cache = self.allocate_cache(num_pages=Bsz, page_size=T, num_state_slots=Bsz)
         seqs = jnp.arange(Bsz, dtype=jnp.int32)
         groups = {page_group(k) for k in self.cfg.layer_kinds if k != "mamba"}
         slots = (seqs[:, None] * T + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
@@ -118,8 +132,17 @@ class CausalLM(nnx.Module):
         return logits.reshape(Bsz, T, -1)
 
     def allocate_cache(self, **kwargs) -> tuple:
+        """Zeroed cache arrays, split over the mesh like ``cache_shardings`` says."""
         kwargs.setdefault("dtype", self.dtype)
-        return allocate_cache(self.cfg, **kwargs)
+        if self.mesh is None:
+            return allocate_cache(self.cfg, **kwargs)
+        kwargs["kv_heads"] = kv_heads_on_device(self.cfg, tp_size(self.mesh))
+        return jax.jit(
+            lambda: allocate_cache(self.cfg, **kwargs), out_shardings=cache_shardings(self.cfg, self.mesh)
+        )()
+
+    def cache_shardings(self) -> tuple | None:
+        return None if self.mesh is None else cache_shardings(self.cfg, self.mesh)
 
 
 def make_step(model: CausalLM):

@@ -66,7 +66,8 @@ def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) 
         graphdef, state = abstract_state(lambda: CausalLM(cfg, dtype=dtype, kernels=kernels))
         tensors = len(jax.tree_util.tree_leaves(nnx.to_pure_dict(state)))
         with bar(total=tensors, desc="loading weights", unit="tensor") as shown:
-            pure = load_params(_Counted(ckpt, shown), names, cfg, nnx.to_pure_dict(state), dtype)
+            counted, place = _Counted(ckpt, shown), _placer(cfg, kernels)
+            pure = load_params(counted, names, cfg, nnx.to_pure_dict(state), dtype, sharding=place)
         nnx.replace_by_pure_dict(state, pure)
     except BaseException:
         pool.shutdown(wait=False)  # report the load error now; the hash ends on its own
@@ -94,12 +95,23 @@ class _Counted:
         return getattr(self.ckpt, attr)
 
 
+def _placer(cfg, kernels: KernelConfig | None):
+    """``sharding(keypath, leaf)`` for the kernels' mesh, or None without one."""
+    mesh = kernels.mesh if kernels else None
+    if mesh is None:
+        return None
+    from hicache_jax.models.sharding import param_sharding
+
+    return lambda kp, leaf: param_sharding(kp, leaf, cfg, mesh)
+
+
 def load_model(path: str, *, dtype=None, kernels: KernelConfig | None = None) -> CausalLM:
     """A Hugging Face directory, or an orbax checkpoint written by ``convert``."""
     from hicache_jax.models import orbax_io
 
     if orbax_io.is_orbax_checkpoint(path):
-        return orbax_io.restore(path, dtype=dtype, kernels=kernels)
+        cfg = orbax_io.read_config(path)
+        return orbax_io.restore(path, dtype=dtype, kernels=kernels, sharding=_placer(cfg, kernels))
     return load_hf(path, dtype=dtype, kernels=kernels)
 
 

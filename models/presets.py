@@ -15,6 +15,7 @@ import hicache_jax
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import MambaConfig, ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
+from hicache_jax.models.sharding import shard_model
 
 TOKENIZER = os.path.join(os.path.dirname(hicache_jax.__file__), "assets", "tiny_tokenizer.json")
 
@@ -83,4 +84,6 @@ def preset_config(name: str) -> ModelConfig:
 def build_preset(
     name: str, *, seed: int = 0, dtype=jnp.float32, kernels: KernelConfig | None = None
 ) -> CausalLM:
-    return CausalLM(preset_config(name), dtype=dtype, rngs=nnx.Rngs(seed), kernels=kernels)
+    model = CausalLM(preset_config(name), dtype=dtype, rngs=nnx.Rngs(seed), kernels=kernels)
+    shard_model(model)  # the same random weights at every tp_size, split over the mesh
+    return model

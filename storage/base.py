@@ -68,6 +68,25 @@ class L3Store(abc.ABC):
     def stats(self) -> dict[str, int]:
         """Counters: pages/bytes read and written, skipped puts, misses."""
 
+    # Optional: the fleet features (layout check, lease, journal, eviction, gc) need these;
+    # a store without them serves pages but cannot be capped.
+    def list_keys(self, prefix: str = "", end: str | None = None) -> list[str]:
+        """Keys starting with `prefix` (or, with `end`, in [prefix, end)), sorted."""
+        raise NotImplementedError
+
+    def read_generation(self, key: str) -> tuple[bytes | None, bytes]:
+        """(value or None, an opaque generation for `write_if`)."""
+        raise NotImplementedError
+
+    def write_if(self, key: str, value: bytes | None, generation: bytes | None) -> bool:
+        """Write (or delete, value None) `key` if its generation still equals `generation`
+        (None: unconditionally); whether it was written."""
+        raise NotImplementedError
+
+    def free_bytes(self) -> int | None:
+        """Free space under a local store (None: not a local file system)."""
+        return None
+
     def __enter__(self) -> L3Store:
         return self
 

@@ -32,9 +32,11 @@ import numpy as np
 
 from hicache_jax.storage.base import L3Store
 from hicache_jax.storage.breaker import BreakerConfig
+from hicache_jax.storage.capacity import Capacity, CapacityConfig
 from hicache_jax.storage.codec import CorruptPage, decode_page, encode_page
 from hicache_jax.storage.guard import GuardConfig, L3Unavailable, StoreGuard
 from hicache_jax.storage.keys import Namespace
+from hicache_jax.storage.layout import LegacyLayout, check_layout
 from hicache_jax.storage.prefetch import PrefetchHandle
 from hicache_jax.storage.ratelog import RateLimitedLog
 from hicache_jax.storage.stats import Counters
@@ -63,6 +65,8 @@ class ClientConfig:
     max_batch_bytes: int = 64 << 20  # page bytes per write call (so one deadline fits it)
     max_store_calls: int = 8  # store calls alive at once, abandoned ones included
     breaker: BreakerConfig = BreakerConfig()
+    capacity: CapacityConfig = CapacityConfig()  # size cap / free-space floor (off by default)
+    check_layout: bool = True  # refuse a store in the old flat layout
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "prefetch_threads", "remember_stored", "max_store_calls"):
@@ -81,7 +85,16 @@ class StorageClient:
     also be given as keyword arguments.
     """
 
-    def __init__(self, store: L3Store, namespace: Namespace, config: ClientConfig | None = None, **overrides):
+    def __init__(
+        self,
+        store: L3Store,
+        namespace: Namespace,
+        config: ClientConfig | None = None,
+        *,
+        free_bytes=None,
+        **overrides,
+    ):
+        """`free_bytes`: a free-space probe for the capacity floor (default: the store's)."""
         cfg = dataclasses.replace(config or ClientConfig(), **overrides)
         self.cfg = cfg
         self.store = store
@@ -118,6 +131,23 @@ class StorageClient:
             batch_size=cfg.batch_size,
             max_batch_bytes=cfg.max_batch_bytes,
         )
+        if cfg.check_layout:
+            self._check_layout()
+        self.capacity: Capacity | None = None
+        if cfg.capacity.enabled:
+            self.capacity = Capacity(lambda: self.store, cfg.capacity, free_bytes=free_bytes)
+
+    def _check_layout(self) -> None:
+        """Once, at start: refuse an old flat store (`LegacyLayout`); mark a new one. An
+        unreachable store is only logged (it is checked again by the next server start)."""
+        if type(self.store).list_keys is L3Store.list_keys:
+            return  # a store without listing (a test double): nothing to check
+        try:
+            self.guard.run("read", check_layout, self.store, what="layout")
+        except LegacyLayout:
+            raise
+        except Exception as e:  # noqa: BLE001 - L3 down at start: serve, and say so
+            self.ratelog.warning("layout", "L3 layout check failed: %s: %s", type(e).__name__, e)
 
     # -- reads -------------------------------------------------------------------
     def prefetch(self, keys: Sequence[str], namespace: Namespace | None = None) -> PrefetchHandle:
@@ -203,6 +233,14 @@ class StorageClient:
         damaged: list[str],
     ) -> bool:
         """Decode one batch into `handle`; False once a page misses."""
+        touched: list[tuple[str, int]] = []
+        try:
+            return self._decode_each(handle, batch, values, fingerprint, damaged, touched)
+        finally:
+            if touched and self.capacity is not None:
+                self.capacity.record(touched[::-1])  # deepest first: evicted before its prefix
+
+    def _decode_each(self, handle, batch, values, fingerprint, damaged, touched) -> bool:
         for key, value in zip(batch, values, strict=True):
             if value is None:
                 self._stats.add(read_misses=1)
@@ -220,6 +258,7 @@ class StorageClient:
                 return False
             self._stats.add(reads=1, bytes_read=len(value))
             self._remember_stored([key])
+            touched.append((key, len(value)))
             handle.add_page(page)
         return True
 
@@ -293,6 +332,9 @@ class StorageClient:
                 nbytes = sum(len(v) for _, v in todo)
                 skipped = len(encoded) - len(todo)
                 self._remember_stored([k for k, _ in encoded])
+                if self.capacity is not None:
+                    touched = [(k, len(v)) for k, v in reversed(encoded)]  # deepest first, as on reads
+                    self.capacity.record(touched, written_bytes=nbytes)
             except L3Unavailable:
                 dropped = len(encoded)  # the breaker is open: a skipped backup, not an error
             except Exception as e:  # noqa: BLE001 - reported through the futures (the guard logged it)
@@ -356,6 +398,8 @@ class StorageClient:
         self.guard.run("write", self.store.clear, what="clear", timeout=10 * self.cfg.timeout_s)
         with self._lock:
             self._stored.clear()
+        if self.capacity is not None:
+            self.capacity.forget()
 
     def stats(self) -> dict[str, int]:
         """Counters plus the gauges `pending_writes` and `pending_write_bytes` (queued or
@@ -363,11 +407,17 @@ class StorageClient:
         out = self._stats.snapshot()
         out.update(self.guard.counters.snapshot())
         out["pending_writes"], out["pending_write_bytes"] = self._writes.pending()
+        if self.capacity is not None:
+            out.update(self.capacity.stats())
         return out
 
     def health(self) -> dict[str, int]:
-        """Gauges: read/write breaker open (1/0), store calls stuck past their deadline."""
-        return self.guard.health()
+        """Gauges: read/write breaker open (1/0), store calls stuck past their deadline, and
+        with a capacity limit the store's size as last seen and whether we are the evictor."""
+        out = self.guard.health()
+        if self.capacity is not None:
+            out.update(self.capacity.health())
+        return out
 
     def close(self, timeout: float | None = None) -> DrainReport:
         """Write what is queued for up to `timeout` (default `timeout_s`), drop the rest,
@@ -391,6 +441,8 @@ class StorageClient:
         for handle in reading:  # a cancelled read would never finish its handle
             handle.cancel()
             handle.finish()
+        if self.capacity is not None:
+            self.capacity.close()  # its journal, and as the evictor a last pass and checkpoint
         self.guard.close()
         self.store.close()
         return report

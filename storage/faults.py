@@ -163,6 +163,18 @@ class FaultyStore(L3Store):
         self._enter("clear")
         self.inner.clear()
 
+    def list_keys(self, prefix: str = "", end: str | None = None) -> list[str]:
+        return self.inner.list_keys(prefix, end)
+
+    def read_generation(self, key: str) -> tuple[bytes | None, bytes]:
+        return self.inner.read_generation(key)
+
+    def write_if(self, key: str, value: bytes | None, generation: bytes | None) -> bool:
+        return self.inner.write_if(key, value, generation)
+
+    def free_bytes(self) -> int | None:
+        return self.inner.free_bytes()
+
     def close(self) -> None:
         self.release()  # a closed store must not keep threads parked forever
         self.inner.close()

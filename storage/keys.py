@@ -37,6 +37,8 @@ class Namespace:
     kv_dtype: str  # e.g. "bfloat16"
     page_size: int  # tokens per page
     layout_version: int  # bump when the stored array layout changes
+    # The shard of each page the namespace stores: 0/1 is the whole page (what the engine
+    # writes at every tp_size); a per-shard layout would key each shard by its own rank.
     tp_rank: int = 0
     tp_size: int = 1
     cache_salt: str | None = None  # per-tenant / per-request isolation

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -180,15 +181,46 @@ class TensorStoreL3(L3Store):
         deadline = None if deadline is None else deadline + 9 * self.timeout_s
         _await_all([self._store().delete_range(ts.KvStore.KeyRange())], deadline)
 
-    def list_keys(self) -> list[str]:
-        """Every key under this store's prefix (cost grows with the store; for tests/admin)."""
-        return sorted(k.decode() for k in self._store().list().result())
+    def list_keys(self, prefix: str = "", end: str | None = None) -> list[str]:
+        """Keys under this store's path that start with `prefix` (or, with `end`, lie in
+        [prefix, end)). Costs time in the size of that range, not of the store."""
+        if end is not None:
+            rng = ts.KvStore.KeyRange(prefix, end)
+        elif prefix:
+            rng = ts.KvStore.KeyRange(prefix, _prefix_end(prefix))
+        else:
+            rng = ts.KvStore.KeyRange()
+        return sorted(k.decode() for k in self._store().list(rng).result(deadline=self._deadline()))
+
+    def read_generation(self, key: str) -> tuple[bytes | None, bytes]:
+        r = self._store().read(_check_key(key)).result(deadline=self._deadline())
+        return (r.value if r.state == "value" else None), r.stamp.generation
+
+    def write_if(self, key: str, value: bytes | None, generation: bytes | None) -> bool:
+        kv = self._store()
+        if generation is None:
+            kv.write(_check_key(key), value).result(deadline=self._deadline())
+            return True
+        stamp = kv.write(_check_key(key), value, if_equal=generation).result(deadline=self._deadline())
+        return stamp.generation != b""
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on a `file` store's file system (None for other drivers)."""
+        if self.spec.get("driver") != "file":
+            return None
+        os.makedirs(self.spec["path"], exist_ok=True)
+        return shutil.disk_usage(self.spec["path"]).free
 
     def close(self) -> None:
         self._closed = True
 
     def stats(self) -> dict[str, int]:
         return self._stats.snapshot()
+
+
+def _prefix_end(prefix: str) -> str:
+    """The least string greater than every string starting with `prefix`."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 def _check_key(key: str) -> str:

@@ -39,7 +39,8 @@ from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.radix import Node
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.guard import L3Unavailable
-from hicache_jax.storage.keys import Namespace, page_hashes, page_key
+from hicache_jax.storage.keys import Namespace, page_hashes
+from hicache_jax.storage.layout import page_path
 from hicache_jax.storage.prefetch import PrefetchHandle
 
 log = logging.getLogger(__name__)
@@ -149,8 +150,11 @@ class StorageTier:
         """A node's device data reached the host: queue its L3 write (off this thread)."""
         salt = self.cache.salt_of(node)
         h = self.node_hash(node, salt)
-        items = [(page_key(h, SUFFIX[k]), self.cache.host[k].page(getattr(node, "host_" + k))) for k in kinds]
-        fut = self.client.write_async(items, self.ns(salt))
+        ns = self.ns(salt)
+        items = [
+            (page_path(ns, h, SUFFIX[k]), self.cache.host[k].page(getattr(node, "host_" + k))) for k in kinds
+        ]
+        fut = self.client.write_async(items, ns)
         fut.add_done_callback(self._write_done)
 
     def _write_done(self, fut) -> None:
@@ -251,7 +255,7 @@ class StorageTier:
         task.hashes = page_hashes(task.tokens[: n * P], P, ns)
         tree = dict(zip(("full", "swa", "mamba"), task.tree_flags))
         probe = [(k, j) for k in self.kinds for j in range(n) if not (j < len(tree[k]) and tree[k][j])]
-        found = self.client.exists([page_key(task.hashes[j], SUFFIX[k]) for k, j in probe])
+        found = self.client.exists([page_path(ns, task.hashes[j], SUFFIX[k]) for k, j in probe])
         have = {kj: ok for kj, ok in zip(probe, found)}
         end = usable_prefix_end(
             self.rules, task.input_len, task.logprob_start_len, *self._flags(task, have, n)
@@ -261,7 +265,7 @@ class StorageTier:
             return
         need = self._needed(task, end)
         task.handle = handle = self.client.prefetch(
-            [page_key(task.hashes[j], SUFFIX[k]) for k, j in need], ns
+            [page_path(ns, task.hashes[j], SUFFIX[k]) for k, j in need], ns
         )
         if time.monotonic() > task.deadline:
             handle.cancel()  # dropped while probing: read nothing more

@@ -88,10 +88,14 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple) -> tuple[str, calla
     return f"{m}.{rest[1]}", _same  # dt_bias, A_log, D
 
 
-def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_state, dtype):
-    """Fill an abstract nnx.State from the checkpoint, checking every tensor."""
+def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_state, dtype, sharding=None):
+    """Fill an abstract nnx.State from the checkpoint, checking every tensor.
 
-    def load(path, leaf):
+    ``sharding(keypath, leaf)`` places each leaf on a mesh: every device then reads only
+    its own slice of the memory-mapped tensor (a process, only its devices' slices)."""
+
+    def load(kp, leaf):
+        path = tuple(_key(k) for k in kp)
         name, transform = hf_tensor(names, cfg, path)
         where = ckpt.file_of(name)
         raw = ckpt.get(name)
@@ -106,11 +110,14 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
                 f"{where}: tensor {name} has shape {tuple(raw.shape)}, "
                 f"expected {expected_hf_shape(transform, leaf.shape)}"
             )
-        return jnp.asarray(np.asarray(arr), dtype=dtype)
+        if sharding is None:
+            return jnp.asarray(np.asarray(arr), dtype=dtype)
+        np_dtype = jnp.dtype(dtype)
+        return jax.make_array_from_callback(
+            leaf.shape, sharding(kp, leaf), lambda index: np.asarray(arr[index], dtype=np_dtype)
+        )
 
-    return jax.tree_util.tree_map_with_path(
-        lambda kp, leaf: load(tuple(_key(k) for k in kp), leaf), abstract_state
-    )
+    return jax.tree_util.tree_map_with_path(load, abstract_state)
 
 
 def _key(k):

@@ -23,11 +23,15 @@ def default_backend() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Which implementation each kernel uses. ``None`` means the platform default."""
+    """Which implementation each kernel uses. ``None`` means the platform default.
+
+    ``mesh``: the tensor-parallel mesh (``models/sharding.py``) the kernels run on, one
+    shard per device under ``shard_map``; ``None`` runs them on one device."""
 
     attention: str | None = None
     ssd: str | None = None
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
+    mesh: jax.sharding.Mesh | None = None
 
     def __post_init__(self):
         for field in ("attention", "ssd"):

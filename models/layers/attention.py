@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from hicache_jax.models.batch import ForwardBatch, page_group
 from hicache_jax.models.cache import KVPages
 from hicache_jax.models.config import ModelConfig
-from hicache_jax.models.kernels import backend
+from hicache_jax.models.kernels import backend, sharded
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import RMSNorm
 from hicache_jax.models.layers.rope import apply_rope
+from hicache_jax.models.sharding import kv_heads_on_device, tp_size
 
 # Query rows per block in steps with prefill. Every block re-reads its keys, so long
 # prompts favour large blocks, while each sequence of a mixed step (a decode token too)
@@ -33,6 +35,8 @@ class Attention(nnx.Module):
         self.scale = cfg.attn_scale
         self.soft_cap = cfg.attn_logit_softcap
         self.kernels = kernels
+        # Fewer KV heads than shards: each shard stores a copy of the head it reads.
+        self.kv_repeat = kv_heads_on_device(cfg, tp_size(kernels.mesh)) // Hkv
         self.q_proj = Linear(h, H * D, bias=False, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(h, Hkv * D, bias=False, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(h, Hkv * D, bias=False, dtype=dtype, rngs=rngs)
@@ -54,11 +58,20 @@ class Attention(nnx.Module):
         rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim, factor=self.rope_factor)
         q = apply_rope(q, batch.positions, **rope)
         k = apply_rope(k, batch.positions, **rope)
-        name, interpret = self.kernels.attention_backend, self.kernels.interpret
-        write = backend.kv_write_fn(name, interpret)
+        if self.kv_repeat > 1:
+            k, v = jnp.repeat(k, self.kv_repeat, axis=1), jnp.repeat(v, self.kv_repeat, axis=1)
+        name, interpret, mesh = self.kernels.attention_backend, self.kernels.interpret, self.kernels.mesh
+        write = sharded.kv_write(backend.kv_write_fn(name, interpret), mesh)
         with jax.named_scope("kv_write"):
             k_pages, v_pages = write(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
-        attend = backend.attention_fn(name, interpret)
+        attend = sharded.attention(
+            backend.attention_fn(name, interpret),
+            mesh,
+            sm_scale=self.scale,
+            sliding_window=self.window,
+            soft_cap=self.soft_cap,
+            q_block=1 if batch.decode_only else PREFILL_Q_BLOCK[name],
+        )
         o = attend(
             q,
             k_pages,
@@ -67,9 +80,5 @@ class Attention(nnx.Module):
             batch.page_tables[self.group],
             batch.cu_q_lens,
             batch.num_seqs,
-            sm_scale=self.scale,
-            sliding_window=self.window,
-            soft_cap=self.soft_cap,
-            q_block=1 if batch.decode_only else PREFILL_Q_BLOCK[name],
         )
         return KVPages(k_pages, v_pages), self.o_proj(o.reshape(T, -1))

@@ -9,7 +9,7 @@ from flax import nnx
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.config import ModelConfig
-from hicache_jax.models.kernels import backend
+from hicache_jax.models.kernels import backend, sharded
 from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
 from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
 from hicache_jax.models.layers.linear import Linear
@@ -52,7 +52,10 @@ class Mamba2Mixer(nnx.Module):
         dt = jnp.clip(dt, m.dt_min, m.dt_max)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         D = self.D[...].astype(jnp.float32)
-        scan = backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret, batch.decode_only)
+        scan = sharded.ssd(
+            backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret, batch.decode_only),
+            self.kernels.mesh,
+        )
         y, ssm = scan(
             xs,
             dt,

@@ -16,7 +16,8 @@ import pytest
 from hicache_jax.storage.breaker import BreakerConfig, CircuitBreaker
 from hicache_jax.storage.faults import FaultyStore, inject
 from hicache_jax.storage.guard import PATHS
-from hicache_jax.storage.keys import page_hashes, page_keys
+from hicache_jax.storage.keys import page_hashes
+from hicache_jax.storage.layout import page_path
 from tests.cache.l3_helpers import P, hicache_llm
 from tests.server.conftest import TEST_FLAGS, Server, shared_server
 
@@ -84,7 +85,7 @@ def set_breakers(llm, threshold: int = 2, backoff_s: float = 0.3) -> None:
 def kv_keys(llm, ids) -> list[str]:
     """The full-attention page keys of a prompt, as the engine stores them."""
     ns = llm.engine.storage.namespace
-    return page_keys(page_hashes(ids[: len(ids) // P * P], P, ns), "kv")
+    return [page_path(ns, h, "kv") for h in page_hashes(ids[: len(ids) // P * P], P, ns)]
 
 
 def l3_log_lines(caplog) -> list[str]:

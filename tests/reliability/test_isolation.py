@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_jax.sampling_params import InvalidRequest
+from hicache_jax.storage.layout import MARKER, parse_page_path
 from hicache_jax.validation import MAX_SALT_CHARS
 from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm
 
@@ -26,6 +27,8 @@ TIERS = ("device", "host", "storage")
 HOSTILE_SALTS = ["../../etc", "/", "x" * MAX_SALT_CHARS, "租户\u202e\U0001f600", "\x00", "a/../../b\x00c"]
 KEY = re.compile(r"^[0-9a-f]{64}\.(kv|swa|mamba)$")
 HEX_DIR = re.compile(r"^[0-9a-f]{1,64}$")
+SALT_DIR = re.compile(r"^(nosalt|salt-[0-9a-f]{24})$")  # a hash of the salt, never the salt
+FIELDS = re.compile(r"^([a-z_]+=[A-Za-z0-9_.]+,?)+$")  # namespace fields the server sets
 
 
 @pytest.fixture(scope="module")
@@ -142,19 +145,18 @@ def test_l3_keys_and_paths_never_come_from_user_text(llm):
         serve(llm, tokens(4000, pages=3), salt)
     assert llm.flush_cache()  # drains pending L3 writes
     keys = llm.engine.storage.client.store.list_keys()
-    assert keys, "nothing reached L3"
-    for key in keys:
-        *dirs, leaf = key.split("/")
-        assert KEY.match(leaf) and all(HEX_DIR.match(d) for d in dirs), key
+    pages = [k for k in keys if k != MARKER]
+    assert pages, "nothing reached L3"
+    for key in pages:
+        page = parse_page_path(key)  # pages/<model>/<fields>/<salt>/ab/cd/<hash>.<kind>
+        assert page is not None and KEY.match(key.rsplit("/", 1)[1]), key
+        model, fields, salt = page.ns_dir.split("/")
+        assert HEX_DIR.match(model) and SALT_DIR.match(salt) and FIELDS.match(fields), key
     files = []
     for root, _, names in os.walk(llm.l3_dir):
         rel = os.path.relpath(root, llm.l3_dir)
-        dirs = [] if rel == "." else rel.split(os.sep)
-        assert all(HEX_DIR.match(d) for d in dirs), root
-        files += [os.path.join(*dirs, n) if dirs else n for n in names]
+        files += [os.path.normpath(os.path.join(rel, n)) for n in names]
     assert sorted(files) == sorted(keys)
-    for name in files:
-        assert KEY.match(os.path.basename(name)), name
 
 
 @pytest.mark.parametrize(

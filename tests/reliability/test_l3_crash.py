@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 
 from hicache_jax.storage.codec import CorruptPage, decode_page
-from hicache_jax.storage.keys import parse_key
+from hicache_jax.storage.layout import parse_page_path
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
 from tests.server.conftest import PAGE_SIZE
 
@@ -72,10 +72,10 @@ def test_kill_9_while_writing_l3_then_restart(start_server, tmp_path):
 
     # Every value in the store: whole (checksum, length and key agree) or rejected.
     store = TensorStoreL3(str(spec))
-    keys = store.list_keys()
+    keys = store.list_keys("pages/")
     whole, rejected, namespaces = 0, 0, set()
     for key, value in zip(keys, store.get(keys)):
-        parse_key(key)  # nothing but page keys is visible in the store
+        assert parse_page_path(key) is not None, key  # nothing but page keys under pages/
         namespaces.add(value[8:16].hex())
         try:
             decode_page(value, value[8:16].hex(), expected_key=key)

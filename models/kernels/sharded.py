@@ -1,0 +1,61 @@
+"""Kernels run per tensor-parallel shard: ``shard_map`` over the head axis.
+
+Attention and the SSD scan are independent per head, so each device runs the unchanged
+kernel (either backend) on its own heads and the KV pages or states of those heads; no
+collective runs inside. Without a mesh these return the kernel itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from hicache_jax.models.sharding import AXIS, tp_size
+
+_HEADS = P(None, AXIS, None)  # [T, heads, D]
+_PAGES = P(None, None, AXIS, None)  # [num_pages, page_size, kv_heads, D]
+_STATES = P(None, AXIS)  # [num_slots, heads, P, N]
+
+
+def _per_shard(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs) -> Callable:
+    # Pallas calls carry no varying-axis annotations, hence check_vma=False.
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def attention(fn: Callable, mesh: Mesh | None, **static) -> Callable:
+    """``fn(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, num_seqs)`` per shard."""
+    fn = functools.partial(fn, **static)
+    if mesh is None:
+        return fn
+    return _per_shard(fn, mesh, (_HEADS, _PAGES, _PAGES, P(), P(), P(), P()), _HEADS)
+
+
+def kv_write(fn: Callable, mesh: Mesh | None) -> Callable:
+    """``fn(k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)`` per shard."""
+    if mesh is None:
+        return fn
+    return _per_shard(fn, mesh, (_PAGES, _PAGES, _HEADS, _HEADS, P()), (_PAGES, _PAGES))
+
+
+def ssd(fn: Callable, mesh: Mesh | None) -> Callable:
+    """``fn(x, dt, A, B, C, D, cu_seqlens, num_seqs, states, slots, has_initial_state)``
+    per shard. With fewer B/C groups than shards, each shard's heads lie in one group, so
+    the groups are repeated to one per shard first."""
+    if mesh is None:
+        return fn
+    tp = tp_size(mesh)
+    specs = (_HEADS, P(None, AXIS), P(AXIS), _HEADS, _HEADS, P(AXIS), P(), P(), _STATES, P(), P())
+    inner = _per_shard(fn, mesh, specs, (_HEADS, _STATES))
+
+    def run(x, dt, A, B, C, D, *rest):
+        G = B.shape[1]
+        if G < tp:
+            B, C = jnp.repeat(B, tp // G, axis=1), jnp.repeat(C, tp // G, axis=1)
+        return inner(x, dt, A, B, C, D, *rest)
+
+    return run

@@ -1,0 +1,163 @@
+"""Tensor parallelism on a one-axis JAX mesh: where every weight and cache array lives.
+
+The mesh is ``jax.devices()[:tp_size]`` on one axis, ``"tp"``. Megatron-style splits, so
+each layer needs one all-reduce (its row-parallel output) and XLA's partitioner inserts it::
+
+    attention   q_proj, k_proj, v_proj   [hidden, heads * D]  columns split   (by head)
+                o_proj                   [heads * D, hidden]  rows split      -> all-reduce
+                KV pages        [pages, page_size, kv_heads, D]  split by KV head
+    MLP         gate_proj, up_proj       columns split; down_proj rows split  -> all-reduce
+    Mamba2      in_proj    [hidden, z|xBC|dt]  rows split (its columns interleave z, x, B,
+                           C and dt, so an even column split would cut across them)
+                SSD scan and state   [slots, heads, P, N]  split by Mamba head
+                out_proj   [heads * P, hidden]  rows split -> all-reduce
+    embedding / lm_head   split by vocabulary; logits are gathered (replicated) for sampling
+    everything else (norms, conv, biases of row-parallel layers)  replicated
+
+The attention and SSD kernels (both backends) run per shard under ``shard_map``: a shard
+sees its own query heads and the KV heads they read, and never talks to another shard.
+
+Fewer KV heads than ``tp_size``: KV heads are *replicated*, not refused. ``k_proj`` and
+``v_proj`` stay whole, and each shard stores the one KV head its query heads read, so the
+device KV pool holds ``tp_size`` heads (``tp_size / kv_heads`` copies of each). That costs
+device memory for the copies, but no shard ever waits on another for a KV head. Host (L2)
+and storage (L3) pages keep each KV head once (see ``hicache_jax/transfer.py``).
+
+Split sizes must divide: query heads, intermediate size, Mamba heads and (with Mamba
+layers) hidden size by ``tp_size``; KV heads and Mamba groups must divide ``tp_size`` or
+be divided by it. ``check_tp`` names the one that does not.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hicache_jax.models.cache import KVPages, MambaState
+from hicache_jax.models.config import ModelConfig
+
+AXIS = "tp"
+
+
+def make_mesh(tp_size: int) -> Mesh:
+    """The first ``tp_size`` devices (of all processes: ``jax.devices()``), on one axis."""
+    devices = jax.devices()
+    if tp_size > len(devices):
+        raise ValueError(f"tp_size={tp_size} needs {tp_size} devices; there are {len(devices)}")
+    return Mesh(np.array(devices[:tp_size]), (AXIS,))
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[AXIS]
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError naming the first size that ``tp`` cannot split."""
+    split = [("intermediate_size", cfg.intermediate_size)]
+    either = []  # sizes that may also be smaller than tp (then replicated)
+    if cfg.attention_layers:
+        split.append(("num_heads", cfg.num_heads))
+        either.append(("num_kv_heads", cfg.num_kv_heads))
+    if cfg.mamba is not None and cfg.mamba_layers:
+        split.append(("mamba.num_heads", cfg.mamba.num_heads))
+        split.append(("hidden_size", cfg.hidden_size))  # in_proj's rows
+        either.append(("mamba.num_groups", cfg.mamba.num_groups))
+    for name, value in split:
+        if value % tp:
+            raise ValueError(
+                f"tp_size={tp} cannot split {cfg.architecture}: {name}={value} is not a multiple of {tp}"
+            )
+    for name, value in either:
+        if value % tp and tp % value:
+            raise ValueError(
+                f"tp_size={tp} cannot split {cfg.architecture}: "
+                f"{name}={value} must divide or be divided by {tp}"
+            )
+
+
+def kv_heads_on_device(cfg: ModelConfig, tp: int) -> int:
+    """KV heads the device pool holds: the model's, or ``tp`` when they are replicated."""
+    return max(cfg.num_kv_heads, tp)
+
+
+def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
+    """The PartitionSpec of one parameter, by its path in the model's state."""
+    p = tuple(str(x) for x in path)
+    vocab_ok = cfg.vocab_size % tp == 0
+    if p == ("embed", "embedding"):
+        return P(AXIS, None) if vocab_ok else P()
+    if p == ("lm_head", "kernel"):
+        return P(None, AXIS) if vocab_ok else P()
+    if p[0] != "layers" or len(p) < 4:
+        return P()
+    part, name, leaf = p[2], p[3], p[-1]
+    column = P(None, AXIS) if leaf == "kernel" else P(AXIS)
+    row = P(AXIS, None) if leaf == "kernel" else P()
+    if part == "mlp":
+        return row if name == "down_proj" else column
+    if part != "mixer":
+        return P()
+    if name == "q_proj":
+        return column
+    if name in ("k_proj", "v_proj"):
+        return column if cfg.num_kv_heads % tp == 0 else P()
+    if name in ("o_proj", "in_proj", "out_proj"):
+        return row
+    return P()
+
+
+def shard_model(model) -> None:
+    """Move a built model's weights onto its mesh (``model.mesh``), each to its split."""
+    if model.mesh is None:
+        return
+    state = nnx.state(model)
+    pure = jax.tree_util.tree_map_with_path(
+        lambda kp, x: jax.device_put(x, param_sharding(kp, x, model.cfg, model.mesh)),
+        nnx.to_pure_dict(state),
+    )
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)
+
+
+def param_sharding(keypath, leaf, cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    path = tuple(_key(k) for k in keypath)
+    return NamedSharding(mesh, param_spec(path, leaf.shape, cfg, tp_size(mesh)))
+
+
+def _key(k):
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
+
+
+def cache_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple:
+    """One entry per layer, shaped like the cache: KV pages split by KV head, Mamba SSM
+    state by head, the conv state (a few rows per slot) replicated."""
+    kv = NamedSharding(mesh, P(None, None, AXIS, None))
+    out = []
+    for kind in cfg.layer_kinds:
+        if kind == "mamba":
+            out.append(MambaState(conv=NamedSharding(mesh, P()), ssm=NamedSharding(mesh, P(None, AXIS))))
+        else:
+            out.append(KVPages(kv, kv))
+    return tuple(out)
+
+
+def vocab_sharding(cfg: ModelConfig, mesh: Mesh | None):
+    """Logits ``[rows, vocab]`` split by vocabulary, as the LM head computes them."""
+    if mesh is None or cfg.vocab_size % tp_size(mesh):
+        return None
+    return NamedSharding(mesh, P(None, AXIS))
+
+
+def replicated(mesh: Mesh | None):
+    return None if mesh is None else NamedSharding(mesh, P())
+
+
+def constrain(tree, shardings):
+    """``with_sharding_constraint`` that is a no-op without a mesh (``shardings=None``)."""
+    return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)

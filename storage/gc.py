@@ -1,0 +1,205 @@
+"""Offline L3 maintenance: report a store's size by namespace and age; sweep it down.
+
+    python -m hicache_jax.storage.gc --spec=/data/l3                       # report
+    python -m hicache_jax.storage.gc --spec=/data/l3 --max_gb=500 --dry_run
+    python -m hicache_jax.storage.gc --spec=gs://bucket/l3 --older_than=7d
+    python -m hicache_jax.storage.gc --spec=/data/l3 --namespace=<model>[/<fields>/<salt>]
+    python -m hicache_jax.storage.gc --spec=/data/l3 --drop_legacy      # old flat pages
+
+It works from the same recency index the servers' evictor keeps (``meta/index`` plus the
+journal) and takes the same lease, so it never runs beside a server's eviction pass (it
+waits up to --lease_wait_s for a live server's lease). ``--rebuild`` re-creates the index
+by listing the store (file stores: size and mtime from the file system; object stores: sizes
+by reading each page, ages set to now), for stores served without a capacity limit.
+
+Age sweeps on object stores can also be left to the bucket: a lifecycle rule on the prefix
+``<path>/pages/`` that deletes objects N days after creation (GCS: ``{"action": {"type":
+"Delete"}, "condition": {"age": N, "matchesPrefix": ["<path>/pages/"]}}``; S3:
+``Expiration: {Days: N}`` with ``Filter: {Prefix: "<path>/pages/"}``). It ages by write
+time, not last use, and the index keeps counting those pages until an eviction pass or a
+``--rebuild`` notices: deleting a missing page is a no-op, so that is harmless.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+from hicache_jax.storage.capacity import Capacity, CapacityConfig
+from hicache_jax.storage.journal import encode_records
+from hicache_jax.storage.layout import LEGACY_RANGE, PAGES, is_legacy_key, namespace_prefix
+from hicache_jax.storage.lru_index import LruIndex
+from hicache_jax.storage.tensorstore_store import TensorStoreL3
+
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_age(text: str) -> float:
+    """'90s', '30m', '12h', '7d' (or plain seconds) -> seconds."""
+    m = _AGE.match(text.strip())
+    if not m:
+        raise ValueError(f"bad age {text!r}: use e.g. 90s, 30m, 12h or 7d")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+class Collector:
+    """One gc session on a store: holds the evictor lease while it works."""
+
+    def __init__(self, store, *, lease_wait_s: float = 60.0, quiet: bool = False):
+        self.store = store
+        self.quiet = quiet
+        self.cap = Capacity(lambda: store, CapacityConfig(), server_id=f"gc-{os.getpid()}", start=False)
+        deadline = time.monotonic() + lease_wait_s
+        while not self.cap.sync():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"another process holds the L3 evictor lease on {store!r}; try later")
+            time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+
+    @property
+    def index(self) -> LruIndex:
+        return self.cap.index
+
+    def report(self) -> dict:
+        idx = self.index
+        return {"pages": idx.pages, "bytes": idx.total_bytes, "namespaces": idx.report()}
+
+    def select(self, *, max_bytes: int | None = None, older_than_s: float | None = None, namespace: str = ""):
+        """Index rows to remove, oldest first: a namespace (and/or older than an age), or
+        the oldest pages down to `max_bytes`."""
+        idx = self.index
+        if namespace or older_than_s is not None:
+            cutoff = None if older_than_s is None else time.time() - older_than_s
+            at = idx.select(namespace, cutoff)
+        else:
+            at = np.zeros(0, np.int64)
+        if max_bytes is not None:
+            over = idx.total_bytes - idx.bytes_of(at) - max_bytes
+            if over > 0:
+                at = np.concatenate([at, idx.victims(over, exclude=at)])
+        return at
+
+    def sweep(self, at: np.ndarray, *, dry_run: bool, namespace: str = "") -> dict:
+        """Remove rows `at` (and, for a namespace, every page under its prefix, indexed
+        or not); returns what was (or, dry, would be) removed."""
+        idx = self.index
+        pages, nbytes = len(at), idx.bytes_of(at)
+        extra: list[str] = []
+        if namespace:
+            indexed = set(idx.paths(at))
+            extra = [k for k in self.store.list_keys(namespace_prefix(namespace)) if k not in indexed]
+        out = {"pages": pages + len(extra), "bytes": nbytes, "unindexed_pages": len(extra)}
+        out["dry_run"] = dry_run
+        if dry_run:
+            return out
+        with tqdm(total=pages + len(extra), unit="page", disable=self.quiet, desc="sweep") as bar:
+            out["bytes"] = self.cap.remove(at, progress=bar.update)
+            for i in range(0, len(extra), self.cap.cfg.delete_batch):
+                batch = extra[i : i + self.cap.cfg.delete_batch]
+                self.store.delete(batch)
+                bar.update(len(batch))
+        out["skipped_unremovable"] = self.cap.counters["evict_skipped_unremovable"]
+        self.cap.checkpoint()
+        return out
+
+    def drop_legacy(self, *, dry_run: bool) -> dict:
+        keys = [k for k in self.store.list_keys(*LEGACY_RANGE) if is_legacy_key(k)]
+        if not dry_run:
+            for i in tqdm(range(0, len(keys), 256), disable=self.quiet, desc="drop legacy"):
+                self.store.delete(keys[i : i + 256])
+        return {"pages": len(keys), "dry_run": dry_run}
+
+    def rebuild(self) -> dict:
+        """Re-create the index from a listing of every page."""
+        keys = self.store.list_keys(PAGES)
+        root = self.store.spec.get("path") if self.store.spec.get("driver") == "file" else None
+        idx = LruIndex()
+        for i in tqdm(range(0, len(keys), 1024), disable=self.quiet, desc="rebuild"):
+            batch = keys[i : i + 1024]
+            if root is not None:
+                stats = [os.stat(os.path.join(root, k)) for k in batch]
+                times, sizes = [s.st_mtime for s in stats], [s.st_size for s in stats]
+            else:
+                values = self.store.get(batch)
+                times, sizes = [time.time()] * len(batch), [len(v or b"") for v in values]
+            for t, key, size in zip(times, batch, sizes):
+                idx.fold(encode_records(t, [(key, size)]))
+        self.cap.index = idx
+        self.cap.checkpoint()
+        return {"pages": idx.pages, "bytes": idx.total_bytes}
+
+    def close(self) -> None:
+        self.cap.lease.release()
+        self.cap.guard.close()
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("spec", None, "The L3 store: a directory, a kvstore URL or a JSON spec.")
+flags.DEFINE_float("max_gb", None, "Sweep the least recently used pages until the store holds this many GB.")
+flags.DEFINE_string("older_than", None, "Sweep pages not used for this long (e.g. 12h, 7d).")
+flags.DEFINE_string("namespace", None, "Sweep one namespace dir (<model>[/<fields>/<salt>]).")
+flags.DEFINE_bool("drop_legacy", False, "Delete pages of the old flat layout.")
+flags.DEFINE_bool("rebuild", False, "Re-create the recency index by listing the store first.")
+flags.DEFINE_bool("dry_run", False, "Say what a sweep would remove; remove nothing.")
+flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
+flags.DEFINE_float("lease_wait_s", 60.0, "How long to wait for a live server's evictor lease.")
+
+
+def _table(report: dict) -> str:
+    ages = next(iter(report["namespaces"].values()), {}).get("by_age", {})
+    head = f"{'namespace':<60} {'pages':>10} {'GB':>9} " + " ".join(f"{a:>9}" for a in ages)
+    lines = [head, "-" * len(head)]
+    for ns, r in sorted(report["namespaces"].items(), key=lambda kv: -kv[1]["bytes"]):
+        row = f"{ns[:60]:<60} {r['pages']:>10} {r['bytes'] / 1e9:>9.3f} "
+        lines.append(row + " ".join(f"{b / 1e9:>9.3f}" for b in r["by_age"].values()))
+    lines.append(f"{'total':<60} {report['pages']:>10} {report['bytes'] / 1e9:>9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv) -> None:
+    del argv
+    if not FLAGS.spec:
+        raise app.UsageError("--spec is required")
+    store = TensorStoreL3(FLAGS.spec)
+    gc = Collector(store, lease_wait_s=FLAGS.lease_wait_s, quiet=FLAGS.json)
+    try:
+        out: dict = {}
+        if FLAGS.drop_legacy:
+            out["drop_legacy"] = gc.drop_legacy(dry_run=FLAGS.dry_run)
+        if FLAGS.rebuild:
+            out["rebuild"] = gc.rebuild()
+        sweeping = FLAGS.max_gb is not None or FLAGS.older_than or FLAGS.namespace
+        if sweeping:
+            at = gc.select(
+                max_bytes=None if FLAGS.max_gb is None else int(FLAGS.max_gb * 1e9),
+                older_than_s=None if not FLAGS.older_than else parse_age(FLAGS.older_than),
+                namespace=FLAGS.namespace or "",
+            )
+            out["sweep"] = gc.sweep(at, dry_run=FLAGS.dry_run, namespace=FLAGS.namespace or "")
+        out["report"] = gc.report()
+        if FLAGS.json:
+            print(json.dumps(out))
+        else:
+            for k, v in out.items():
+                if k != "report":
+                    print(f"{k}: {v}")
+            print(_table(out["report"]))
+    finally:
+        gc.close()
+        store.close()
+
+
+def run() -> None:
+    """Console script entry point (``hicache-jax-storage-gc``)."""
+    app.run(main, argv=sys.argv)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,23 @@
+"""L2 and L3 under tensor parallelism: pages are stored whole, so a server at any tp_size
+reads what another wrote. The two-pass test at tp 2, then the same L3 read at tp 1 and at
+tp 4 (KV heads replicated there), each against a recompute at its own size, which in
+turn gives the tokens and logprobs of tp 2."""
+
+from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm, prompt, run, two_pass
+
+
+def test_pages_written_at_tp2_serve_tp1_and_tp4(tmp_path):
+    ids = prompt()
+    first, second = two_pass(hicache_llm(tmp_path / "l3", tp_size=2), ids)
+    assert second["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - 2 * P, second["meta_info"]
+    for tp in (1, 4):
+        llm = hicache_llm(tmp_path / "l3", tp_size=tp)
+        hit = run(llm, ids)
+        meta = hit["meta_info"]
+        assert meta["cached_tokens_details"]["storage"] >= len(ids) - 2 * P, (tp, meta)
+        # A new salt is another namespace: the same engine recomputes the prompt.
+        fresh = run(llm, ids, cache_salt=f"recompute at tp {tp}")
+        assert fresh["meta_info"]["cached_tokens"] == 0
+        assert_same_as_recompute(hit, fresh)
+        assert_same_as_recompute(fresh, first)  # tp sizes agree: greedy tokens, logprobs
+        llm.engine.check_integrity()
