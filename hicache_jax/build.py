@@ -12,6 +12,7 @@ from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import ConfigError, EngineConfig
+from hicache_jax.hub import resolve_model_path
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -33,7 +34,8 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
     if cfg.model_path:
         from hicache_jax.models.loader import load_model
 
-        return load_model(cfg.model_path, dtype=cfg.dtype, kernels=kernels), Tokenizer(cfg.model_path)
+        path = resolve_model_path(cfg.model_path, cfg.revision)  # a Hub id: its cached snapshot
+        return load_model(path, dtype=cfg.dtype, kernels=kernels), Tokenizer(path)
     from hicache_jax.models.loader import resolve_dtype
     from hicache_jax.models.presets import TOKENIZER, build_preset
 
@@ -114,7 +116,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
     from hicache_jax.storage.client import ClientConfig, StorageClient
     from hicache_jax.storage.keys import Namespace
 
-    fp = model_fingerprint(cfg.model_path) if cfg.model_path else None
+    fp = model_fingerprint(resolve_model_path(cfg.model_path, cfg.revision)) if cfg.model_path else None
     fp = fp or params_fingerprint(params, label=model.cfg.architecture)
     namespace = Namespace(
         model_fingerprint=fp,

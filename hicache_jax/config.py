@@ -20,7 +20,8 @@ def _require(cond: bool, name: str, why: str, value) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model_path: str | None = None  # None: the built-in preset
+    model_path: str | None = None  # a directory or a Hub id (org/name); None: the built-in preset
+    revision: str | None = None  # Hub branch, tag or commit of a model id (None: main)
     preset: str = "tiny"
     dtype: str = "auto"  # auto | float32 | bfloat16
     page_size: int = 16

@@ -17,10 +17,15 @@ import typing
 from absl import flags
 
 from hicache_jax.config import PREFETCH_POLICIES, WRITE_POLICIES, ConfigError, EngineConfig
+from hicache_jax.hub import is_repo_id
 from hicache_jax.server.config import LOG_LEVELS, PLATFORMS, ServerConfig, ServerConfigError
 
 ENGINE_HELP = {
-    "model_path": "HF or orbax (hicache_jax.convert) model directory; unset: the built-in --preset.",
+    "model_path": (
+        "HF or orbax (hicache_jax.convert) model directory, or a Hugging Face model id (org/name) "
+        "fetched into the Hub cache (HF_HOME, HF_HUB_OFFLINE); unset: the built-in --preset."
+    ),
+    "revision": "Hub branch, tag or commit for a --model_path model id (default: main).",
     "preset": "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, 100m.",
     "dtype": "Weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16.",
     "page_size": "Tokens per KV page (a power of two); also the L3 page.",
@@ -95,6 +100,10 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
             flags.DEFINE_string,
             "Model name in the OpenAI API; default: --model_path or --preset.",
         ),
+        "profile_dir": (
+            flags.DEFINE_string,
+            "Where POST /start_profile writes jax.profiler traces unless its body names an output_dir.",
+        ),
     }
     defaults = ServerConfig()
     for name, (fn, help_) in server.items():
@@ -124,8 +133,8 @@ def configs_from_flags(fv: flags.FlagValues = flags.FLAGS) -> tuple[EngineConfig
             value = None  # --hicache_storage_spec= unsets a value a flagfile set
         kwargs[f.name] = value
     path = kwargs["model_path"]
-    if path and "://" not in path and not os.path.isdir(path):
-        raise FlagError(f"--model_path={path}: no such directory")
+    if path and "://" not in path and not os.path.isdir(path) and not is_repo_id(path):
+        raise FlagError(f"--model_path={path}: no such directory, and not a Hugging Face model id (org/name)")
     try:
         engine_cfg = EngineConfig(**kwargs)
     except ConfigError as e:
@@ -138,6 +147,7 @@ def configs_from_flags(fv: flags.FlagValues = flags.FLAGS) -> tuple[EngineConfig
             served_model_name=fv["served_model_name"].value,
             log_level=fv["log_level"].value,
             platform=fv["platform"].value,
+            profile_dir=fv["profile_dir"].value or None,
         )
     except ServerConfigError as e:
         raise FlagError(str(e)) from None

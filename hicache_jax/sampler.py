@@ -189,6 +189,7 @@ def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.
     return jax.lax.cond(greedy_row.all(), lambda: greedy, draw)
 
 
+@jax.named_scope("sampling")  # a profile's name for it (POST /start_profile)
 def sample(logits: jax.Array, s: SamplingInputs, top_logprobs: int) -> SamplingOutputs:
     """logits: [R, V] float32 for the batch's logits rows."""
     logp_rows = jax.nn.log_softmax(logits, axis=-1)  # [R, V]

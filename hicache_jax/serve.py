@@ -19,6 +19,7 @@ import time
 
 from absl import app, flags
 from absl import logging as absl_logging
+from absl.logging import converter
 
 from hicache_jax import flags as server_flags
 
@@ -31,6 +32,14 @@ def _die(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def python_log_level(fv: flags.FlagValues, log_level: str) -> int:
+    """absl's ``-v``/``--verbosity`` when the command line gives it (``-v=1``: debug), as
+    absl users expect; else ``--log_level``."""
+    if "verbosity" in fv and fv["verbosity"].present:
+        return converter.absl_to_standard(fv["verbosity"].value)
+    return getattr(logging, log_level.upper())
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         _die(f"unexpected arguments {argv[1:]} (flags are --name=value)", 2)
@@ -38,8 +47,8 @@ def main(argv: list[str]) -> None:
         engine_cfg, server_cfg = server_flags.configs_from_flags(FLAGS)
     except server_flags.FlagError as e:
         _die(str(e), 2)
-    level = server_cfg.log_level.upper()
-    absl_logging.set_verbosity(level.lower())
+    level = python_log_level(FLAGS, server_cfg.log_level)
+    absl_logging.set_verbosity(converter.standard_to_absl(level))
     logging.getLogger().setLevel(level)
     if server_cfg.platform != "auto":
         os.environ["JAX_PLATFORMS"] = server_cfg.platform  # before JAX starts a backend

@@ -142,6 +142,7 @@ class PageTransfer:
                 )
 
 
+@jax.named_scope("transfer_gather")
 def _gather(cache, idx, *, layers, mamba, kv_repeat):
     if mamba:
         return {
@@ -153,6 +154,7 @@ def _gather(cache, idx, *, layers, mamba, kv_repeat):
     return {"kv": jnp.stack(kv, axis=1)}
 
 
+@jax.named_scope("transfer_scatter")
 def _scatter(cache, idx, data, *, layers, mamba, kv_repeat, shardings):
     cache = list(cache)
     for j, i in enumerate(layers):

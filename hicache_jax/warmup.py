@@ -23,7 +23,7 @@ import logging
 import os
 import time
 
-from hicache_jax import compiles
+from hicache_jax import compiles, progress
 from hicache_jax.runner import ModelRunner
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
 from hicache_jax.transfer import PageTransfer
@@ -51,15 +51,22 @@ def warmup(
 ) -> WarmupReport:
     t0 = time.perf_counter()
     before = compiles.total()
-    with concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool:
-        futures = {
-            name: pool.submit(lowered.compile) for name, lowered in _lowered(runner, builder, transfer)
-        }
-        for name, f in futures.items():
+    with (
+        concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool,
+        progress.bar(desc="warm-up compiles", unit="program") as shown,
+    ):
+        futures = {}
+        for name, lowered in _lowered(runner, builder, transfer):
+            futures[pool.submit(lowered.compile)] = name
+            shown.total = len(futures)  # grows while programs are lowered; advances as they compile
+            shown.refresh()
+        for f in concurrent.futures.as_completed(futures):
+            shown.set_postfix_str(futures[f], refresh=False)
+            shown.update()
             try:
                 f.result()
             except Exception as e:
-                raise RuntimeError(f"warm-up: compiling {name} failed: {e}") from e
+                raise RuntimeError(f"warm-up: compiling {futures[f]} failed: {e}") from e
     report = WarmupReport(
         programs=len(futures), compiled=compiles.total() - before, seconds=time.perf_counter() - t0
     )

@@ -8,6 +8,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -17,6 +18,7 @@ from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 from hicache_jax.models.hf.weights import abstract_state, load_params
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.registry import architecture, config_from_hf
+from hicache_jax.progress import bar
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,10 @@ def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) 
     hashing = pool.submit(checkpoint_fingerprint, model_dir)
     try:
         graphdef, state = abstract_state(lambda: CausalLM(cfg, dtype=dtype, kernels=kernels))
-        pure = load_params(ckpt, names, cfg, nnx.to_pure_dict(state), dtype, sharding=_placer(cfg, kernels))
+        tensors = len(jax.tree_util.tree_leaves(nnx.to_pure_dict(state)))
+        with bar(total=tensors, desc="loading weights", unit="tensor") as shown:
+            counted, place = _Counted(ckpt, shown), _placer(cfg, kernels)
+            pure = load_params(counted, names, cfg, nnx.to_pure_dict(state), dtype, sharding=place)
         nnx.replace_by_pure_dict(state, pure)
     except BaseException:
         pool.shutdown(wait=False)  # report the load error now; the hash ends on its own
@@ -72,6 +77,22 @@ def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) 
         log.warning("could not fingerprint %s: %s", model_dir, hashing.exception())
     log.info("loaded %s from %s in %.2fs", cfg.architecture, model_dir, time.perf_counter() - t0)
     return nnx.merge(graphdef, state)
+
+
+class _Counted:
+    """A ``Checkpoint`` whose reads advance a progress bar (postfix: the shard being read)."""
+
+    def __init__(self, ckpt: Checkpoint, shown):
+        self.ckpt, self.bar = ckpt, shown
+
+    def get(self, name: str):
+        out = self.ckpt.get(name)
+        self.bar.set_postfix_str(os.path.basename(self.ckpt.file_of(name)), refresh=False)
+        self.bar.update()
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self.ckpt, attr)
 
 
 def _placer(cfg, kernels: KernelConfig | None):

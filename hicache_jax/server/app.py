@@ -5,6 +5,7 @@ GET|POST /flush_cache   wait for idle, clear L1 + L2 (L3 stays)
 POST /clear_storage     clear L3
 POST /pause_generation  stop stepping (requests are still accepted; aborts still free pages)
 POST /continue_generation  step again
+POST /start_profile     start a jax.profiler trace ({output_dir?, num_steps?}); /stop_profile ends it
 GET  /health  /get_model_info  /get_server_info  /metrics (Prometheus)
 """
 
@@ -22,7 +23,8 @@ import hicache_jax
 from hicache_jax.server import errors, metrics
 from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_api import router as openai_router
-from hicache_jax.server.protocol import GenerateRequest, parse_body
+from hicache_jax.server.profiler import ProfileError
+from hicache_jax.server.protocol import GenerateRequest, ProfileRequest, parse_body
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, CumulativeStream, Watch, sse
 
@@ -116,6 +118,24 @@ def create_app(state: ServerState) -> FastAPI:
     async def continue_generation() -> dict:
         await state.loop.pause(False)
         return {"success": True, "message": "generation continued"}
+
+    @app.post("/start_profile")
+    async def start_profile(request: Request) -> dict:
+        body = await parse_body(request, ProfileRequest, optional=True)
+        output_dir = body.output_dir or state.server_cfg.profile_output_dir()
+        try:
+            await state.loop.start_profile(output_dir, body.num_steps)
+        except ProfileError as e:
+            raise ApiError(400, str(e)) from None
+        return {"success": True, "message": f"profiling into {output_dir}", "output_dir": output_dir}
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> dict:
+        try:
+            trace = await state.loop.stop_profile()
+        except ProfileError as e:
+            raise ApiError(400, str(e)) from None
+        return {"success": True, "message": f"trace written to {trace['output_dir']}", **trace}
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

@@ -27,6 +27,7 @@ from hicache_jax.flush_result import FlushResult
 from hicache_jax.outputs import OutputDelta, OutputStream
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.server.errors import ApiError
+from hicache_jax.server.latency import RequestLatency
 from hicache_jax.server.messages import (
     Abort,
     ClearStorage,
@@ -38,8 +39,11 @@ from hicache_jax.server.messages import (
     Pause,
     Reply,
     Sink,
+    StartProfile,
+    StopProfile,
     Update,
 )
+from hicache_jax.server.profiler import ProfileError, Profiler
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,8 @@ class EngineLoop:
         self.stats = {"aborted_requests": 0, "engine_errors": 0}
         self.healthy = True
         self.paused = False  # /pause_generation: no step runs until /continue_generation
+        self.latency = RequestLatency()  # TTFT / TPOT / e2e histograms, fed on the engine thread
+        self.profiler = Profiler()  # /start_profile, /stop_profile: touched on the engine thread only
 
     # -- called from asyncio -------------------------------------------------------------------
     def start(self) -> None:
@@ -116,6 +122,23 @@ class EngineLoop:
         self.submit(Pause(paused, reply))
         await reply
 
+    async def start_profile(self, output_dir: str, num_steps: int | None = None) -> None:
+        """Start a trace between two steps; raises ProfileError if one already runs."""
+        reply = Reply()
+        self.submit(StartProfile(output_dir, num_steps, reply))
+        error = await reply
+        if error is not None:
+            raise error
+
+    async def stop_profile(self) -> dict:
+        """Stop the trace; its {output_dir, seconds, files}. ProfileError if none runs."""
+        reply = Reply()
+        self.submit(StopProfile(reply))
+        result = await reply
+        if isinstance(result, ProfileError):
+            raise result
+        return result
+
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         log.info("engine loop started")
@@ -128,6 +151,11 @@ class EngineLoop:
             raise
         finally:
             close = getattr(self.engine, "close", None)
+            if self.profiler.running:  # a trace left running would be lost
+                try:
+                    self.profiler.stop()
+                except Exception:
+                    log.exception("could not stop the profile")
             if close is not None:
                 close()  # the engine thread owns the engine: it also shuts it down
             log.info("engine loop stopped")
@@ -185,6 +213,10 @@ class EngineLoop:
                     log.info("generation %s", "paused" if paused else "continued")
                 self.paused = paused
                 reply.set(None)
+            case StartProfile(output_dir, num_steps, reply):
+                reply.set(self._profile(lambda: self.profiler.start(output_dir, num_steps)))
+            case StopProfile(reply):
+                reply.set(self._profile(self.profiler.stop))
 
     def _answer_failure(self, msg: Message, why: str) -> None:
         """Unblock whoever waits on a message whose handling raised."""
@@ -195,6 +227,15 @@ class EngineLoop:
                 reply.set({"engine_errors": self.stats["engine_errors"]})
             case Pause(_, reply):
                 reply.set(None)
+            case StartProfile(_, _, reply) | StopProfile(reply):
+                reply.set(ProfileError(why))
+
+    @staticmethod
+    def _profile(action):
+        try:
+            return action()
+        except ProfileError as e:
+            return e
 
     def _add(self, msg: Generate) -> None:
         added: list[str] = []
@@ -248,6 +289,8 @@ class EngineLoop:
             self.healthy = getattr(self.engine, "broken", None) is None
             return True
         self.healthy = True
+        if self.profiler.running:
+            self.profiler.stepped()
         now = time.monotonic()
         self._tokens.append((now, self.engine.stats["generated_tokens"]))
         while self._tokens and now - self._tokens[0][0] > THROUGHPUT_WINDOW_S:
@@ -258,6 +301,7 @@ class EngineLoop:
                 sink.put(Update(stream.next(req), finished=False))
         # Every finished request is popped here, touched this step or not.
         for rid in [r for r in self._sinks if self.engine.requests[r].finished]:
+            self.latency.observe(self.engine.requests[rid])
             self._sinks.pop(rid).put(Update(self._pop(rid), finished=True))
         return bool(touched)
 
@@ -337,4 +381,5 @@ class EngineLoop:
         if self._tokens and time.monotonic() - self._tokens[-1][0] > THROUGHPUT_WINDOW_S:
             out["gen_throughput"] = 0.0
         out["uptime_s"] = time.time() - self.started
+        out["histograms"] = self.latency.snapshot()  # not a number: metrics.render exports it
         return out

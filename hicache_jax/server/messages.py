@@ -118,7 +118,7 @@ class ClearStorage:
 
 @dataclasses.dataclass
 class GetMetrics:
-    reply: Reply  # gets a dict of plain numbers
+    reply: Reply  # gets a dict of plain numbers, and "histograms" (latency.RequestLatency.snapshot)
 
 
 @dataclasses.dataclass
@@ -131,4 +131,19 @@ class Pause:
     reply: Reply  # gets None
 
 
-Message = Generate | Abort | Flush | ClearStorage | GetMetrics | Pause
+@dataclasses.dataclass
+class StartProfile:
+    """Start a ``jax.profiler`` trace into ``output_dir`` (``num_steps``: stop after that many
+    engine steps). ``reply`` gets None, or the ``ProfileError`` that refused it."""
+
+    output_dir: str
+    num_steps: int | None
+    reply: Reply
+
+
+@dataclasses.dataclass
+class StopProfile:
+    reply: Reply  # gets the trace's {output_dir, seconds, files}, or a ProfileError
+
+
+Message = Generate | Abort | Flush | ClearStorage | GetMetrics | Pause | StartProfile | StopProfile

@@ -4,6 +4,7 @@ Every numeric key of ``Engine.metrics()`` (plus the engine loop's own) is export
 ``hicache_<key>``, so counters the engine grows later (L3 bytes, prefetch outcomes, ...)
 appear without a server change. Keys known to only grow, any ending in ``_total`` and the L3 and
 prefetch event counts are counters; the rest are gauges. Hit rates per tier are derived here.
+The ``histograms`` entry (``latency.py``: TTFT, TPOT, e2e) becomes Prometheus histograms.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PREFIX = "hicache_"
 TIERS = ("device", "host", "storage")
@@ -80,6 +81,10 @@ class _Snapshot:
         for tier in TIERS:
             tiers.add_metric([tier], m.get(f"cached_tokens_{tier}", 0) / max(prompt, 1))
         yield tiers
+        for key, h in sorted(m.get("histograms", {}).items()):
+            buckets = [(le if le == "+Inf" else repr(float(le)), n) for le, n in h["buckets"]]
+            doc = key.replace("_", " ")
+            yield HistogramMetricFamily(_name(key), doc, buckets=buckets, sum_value=h["sum"])
 
 
 def render(metrics: dict) -> bytes:

@@ -26,10 +26,12 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], optional: bool = False) -> M:
     """The JSON body as ``model``, whatever the Content-Type (``curl -d`` sends form-encoded);
-    InvalidRequest with a readable message otherwise."""
+    InvalidRequest with a readable message otherwise. ``optional``: no body is ``model()``."""
     raw = await read_body(request)
+    if not raw.strip() and optional:
+        return model()
     if not raw.strip():
         raise InvalidRequest("the body must be a JSON object")
     try:
@@ -51,6 +53,13 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
             raise too_big
         parts.append(chunk)
     return b"".join(parts)
+
+
+class ProfileRequest(StrictModel):
+    """``POST /start_profile``'s optional body (SGLang's field names)."""
+
+    output_dir: str | None = None  # default: --profile_dir
+    num_steps: int | None = None  # stop by itself after this many engine steps
 
 
 class GenerateRequest(StrictModel):

@@ -47,6 +47,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    @jax.named_scope("attention")
     def __call__(self, kv: KVPages, x: jax.Array, batch: ForwardBatch) -> tuple[KVPages, jax.Array]:
         T = x.shape[0]
         q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
@@ -61,7 +62,8 @@ class Attention(nnx.Module):
             k, v = jnp.repeat(k, self.kv_repeat, axis=1), jnp.repeat(v, self.kv_repeat, axis=1)
         name, interpret, mesh = self.kernels.attention_backend, self.kernels.interpret, self.kernels.mesh
         write = sharded.kv_write(backend.kv_write_fn(name, interpret), mesh)
-        k_pages, v_pages = write(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
+        with jax.named_scope("kv_write"):
+            k_pages, v_pages = write(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
         attend = sharded.attention(
             backend.attention_fn(name, interpret),
             mesh,

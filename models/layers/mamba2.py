@@ -33,6 +33,7 @@ class Mamba2Mixer(nnx.Module):
         self.norm = GatedRMSNorm(I, I // m.num_groups, eps=cfg.rms_norm_eps, dtype=dtype)
         self.out_proj = Linear(I, cfg.hidden_size, bias=m.proj_bias, dtype=dtype, rngs=rngs)
 
+    @jax.named_scope("mamba")
     def __call__(self, st: MambaState, x: jax.Array, batch: ForwardBatch) -> tuple[MambaState, jax.Array]:
         m = self.cfg
         T = x.shape[0]

@@ -20,5 +20,6 @@ class GatedMLP(nnx.Module):
         self.up_proj = Linear(hidden, intermediate, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype, rngs=rngs)
 
+    @jax.named_scope("mlp")
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

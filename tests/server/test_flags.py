@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 import subprocess
 import sys
@@ -105,3 +106,23 @@ def test_binary_stops_with_one_line(argv, named):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=server_env())
     assert r.returncode != 0
     assert named in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [
+        ([], logging.INFO),
+        (["--log_level=error"], logging.ERROR),
+        (["-v=1"], logging.DEBUG),
+        (["--log_level=error", "--verbosity=0"], logging.INFO),
+        (["-v=-1"], logging.WARNING),
+    ],
+)
+def test_absl_verbosity_wins_when_given(argv, level):
+    from hicache_jax.serve import python_log_level
+
+    fv = flags.FlagValues()
+    server_flags.define_flags(fv)
+    flags.DEFINE_integer("verbosity", -1, "absl's", short_name="v", flag_values=fv)
+    fv(["serve", *argv])
+    assert python_log_level(fv, fv["log_level"].value) == level

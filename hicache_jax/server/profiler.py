@@ -1,0 +1,65 @@
+"""``/start_profile`` and ``/stop_profile``: a ``jax.profiler`` trace of the engine's steps.
+
+Owned by the engine thread (the HTTP layer reaches it through ``StartProfile``/``StopProfile``
+messages), so a trace starts and stops between steps, never inside one. The trace lands in
+``<output_dir>/plugins/profile/<timestamp>/``: ``*.xplane.pb`` for TensorBoard's profile
+plugin (``tensorboard --logdir=<output_dir>``) and ``perfetto_trace.json.gz`` for
+https://ui.perfetto.dev. ``num_steps`` stops it by itself after that many engine steps.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+
+class ProfileError(RuntimeError):
+    """A profile cannot start or stop now (one already runs / none runs)."""
+
+
+class Profiler:
+    def __init__(self) -> None:
+        self.output_dir: str | None = None  # the running trace's directory; None: none runs
+        self.steps_left: int | None = None
+        self._started = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self.output_dir is not None
+
+    def start(self, output_dir: str, num_steps: int | None = None) -> None:
+        import jax
+
+        if self.running:
+            raise ProfileError(f"a profile is already running (into {self.output_dir}); stop it first")
+        if num_steps is not None and num_steps < 1:
+            raise ProfileError(f"num_steps={num_steps}: must be >= 1")
+        os.makedirs(output_dir, exist_ok=True)
+        jax.profiler.start_trace(output_dir, create_perfetto_trace=True)
+        self.output_dir, self.steps_left, self._started = output_dir, num_steps, time.perf_counter()
+        log.info("profile started into %s%s", output_dir, f" for {num_steps} steps" if num_steps else "")
+
+    def stop(self) -> dict:
+        """Stop the trace; returns where it went and the files it wrote."""
+        import jax
+
+        if not self.running:
+            raise ProfileError("no profile is running (POST /start_profile first)")
+        out, seconds = self.output_dir, time.perf_counter() - self._started
+        self.output_dir = self.steps_left = None
+        jax.profiler.stop_trace()
+        runs = sorted(glob.glob(os.path.join(out, "plugins", "profile", "*")))  # timestamped names
+        files = sorted(glob.glob(os.path.join(runs[-1], "*"))) if runs else []
+        log.info("profile of %.1fs written to %s", seconds, out)
+        return {"output_dir": out, "seconds": seconds, "files": files}
+
+    def stepped(self) -> dict | None:
+        """After each engine step: stops a ``num_steps`` profile once they are done."""
+        if self.steps_left is None:
+            return None
+        self.steps_left -= 1
+        return self.stop() if self.steps_left <= 0 else None
