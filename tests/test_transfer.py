@@ -30,7 +30,8 @@ def _runner(rng):
         )
         for kind in cfg.layer_kinds
     )
-    return types.SimpleNamespace(cfg=cfg, cache=cache)
+    model = types.SimpleNamespace(cache_shardings=lambda: None)  # one device: no mesh
+    return types.SimpleNamespace(cfg=cfg, cache=cache, model=model)
 
 
 def _rows(runner, transfer, kind, idx) -> dict[str, np.ndarray]:
