@@ -1,6 +1,7 @@
 """The L3 store on a TensorStore key-value store (`file` by default; `gs://`, `s3://`, ...).
 
-Why these choices (measured on a 2-core VM, see /work/shared/REFERENCE.md):
+Why these choices (measured on a 2-core VM with `benchmarks/l3_bandwidth.py`; the
+layout and eviction at scale with `benchmarks/l3_scale.py`):
   * Reads are issued as futures and awaited in order, with up to `max_in_flight` (32)
     outstanding: one at a time ran at ~0.4-0.6x the bandwidth, and issuing a whole batch
     of 128 large pages at once was ~25-35% slower than a window of 8-32 (the unbounded
