@@ -13,9 +13,85 @@ class ConfigError(ValueError):
     """An invalid or contradictory setting; the message names it."""
 
 
-def _require(cond: bool, name: str, why: str, value) -> None:
-    if not cond:
-        raise ConfigError(f"{name}={value!r}: {why}")
+def _positive_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _unset_or(check):
+    return lambda v, c: v is None or check(v, c)
+
+
+# One rule per entry: (field, ok(value, config), what it must be). ``{field}`` in the text
+# is filled from the config, so a message can name the bound it was checked against.
+FIELD_RULES = (
+    ("page_size", lambda v, c: _positive_pow2(v), "must be a power of two"),
+    ("chunked_prefill_size", lambda v, c: v >= c.page_size, "must be >= page_size ({page_size})"),
+    (
+        "chunked_prefill_size",
+        lambda v, c: v % c.page_size == 0,
+        "must be a multiple of page_size ({page_size})",
+    ),
+    ("max_running_requests", lambda v, c: v >= 1, "must be >= 1"),
+    ("max_total_tokens", lambda v, c: v >= c.page_size, "must hold at least one page"),
+    ("swa_full_tokens_ratio", lambda v, c: 0 < v <= 1.0, "must be in (0, 1]"),
+    (
+        "dtype",
+        lambda v, c: v in ("auto", "float32", "bfloat16", "float16"),
+        "must be auto, float32, bfloat16 or float16",
+    ),
+    ("attention_backend", lambda v, c: v in (None, "xla", "pallas"), "must be xla or pallas"),
+    ("ssd_backend", lambda v, c: v in (None, "xla", "pallas"), "must be xla or pallas"),
+    ("tp_size", lambda v, c: v >= 1, "must be >= 1"),
+    ("dist_num_processes", lambda v, c: v >= 1, "must be >= 1"),
+    (
+        "dist_process_id",
+        lambda v, c: 0 <= v < c.dist_num_processes,
+        "must be in [0, dist_num_processes={dist_num_processes})",
+    ),
+    (
+        "dist_coordinator",
+        lambda v, c: c.dist_num_processes == 1 or bool(v),
+        "must be set (host:port of process 0) when dist_num_processes > 1",
+    ),
+    ("hicache_ratio", lambda v, c: v > 0, "must be > 0"),
+    ("hicache_size_gb", lambda v, c: v >= 0, "must be >= 0"),
+    ("hicache_write_policy", lambda v, c: v in WRITE_POLICIES, f"must be one of {WRITE_POLICIES}"),
+    (
+        "hicache_storage_prefetch_policy",
+        lambda v, c: v in PREFETCH_POLICIES,
+        f"must be one of {PREFETCH_POLICIES}",
+    ),
+    ("hicache_storage_backend", lambda v, c: v in (None, "tensorstore"), "must be tensorstore (or unset)"),
+    ("hicache_prefetch_threshold", lambda v, c: v >= 0, "must be >= 0"),
+    ("hicache_host_rate_limit", lambda v, c: 0 < v <= 1, "must be in (0, 1]"),
+    ("hicache_storage_timeout_s", lambda v, c: v > 0, "must be > 0"),
+    ("hicache_storage_write_queue_mb", lambda v, c: v > 0, "must be > 0"),
+    ("hicache_storage_max_gb", lambda v, c: v >= 0, "must be >= 0"),
+    ("hicache_storage_min_free_gb", lambda v, c: v >= 0, "must be >= 0"),
+    ("hicache_storage_evict_ratio", lambda v, c: 0 < v <= 1, "must be in (0, 1]"),
+    ("max_queued_tokens", _unset_or(lambda v, c: v >= 1), "must be >= 1"),
+    (
+        "mamba_cache_slots",
+        _unset_or(lambda v, c: v >= 2 * c.max_running_requests),
+        "must be >= 2 x max_running_requests",
+    ),
+)
+
+# Settings that contradict each other: (contradiction(config), message).
+COMBINATION_RULES = (
+    (
+        lambda c: bool(c.hicache_storage_backend) and not c.enable_hierarchical_cache,
+        "hicache_storage_backend requires enable_hierarchical_cache (L3 is filled from L2)",
+    ),
+    (
+        lambda c: c.enable_hierarchical_cache and c.disable_radix_cache,
+        "enable_hierarchical_cache contradicts disable_radix_cache",
+    ),
+    (
+        lambda c: bool(c.hicache_storage_spec) and not c.hicache_storage_backend,
+        "hicache_storage_spec is set but hicache_storage_backend is not",
+    ),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,130 +137,13 @@ class EngineConfig:
     hicache_storage_evict_ratio: float = 0.9  # eviction goes down to this share of the limit
 
     def __post_init__(self):
-        r = _require
-        r(
-            self.page_size > 0 and self.page_size & (self.page_size - 1) == 0,
-            "page_size",
-            "must be a power of two",
-            self.page_size,
-        )
-        r(
-            self.chunked_prefill_size >= self.page_size,
-            "chunked_prefill_size",
-            f"must be >= page_size ({self.page_size})",
-            self.chunked_prefill_size,
-        )
-        r(
-            self.chunked_prefill_size % self.page_size == 0,
-            "chunked_prefill_size",
-            f"must be a multiple of page_size ({self.page_size})",
-            self.chunked_prefill_size,
-        )
-        r(self.max_running_requests >= 1, "max_running_requests", "must be >= 1", self.max_running_requests)
-        r(
-            self.max_total_tokens >= self.page_size,
-            "max_total_tokens",
-            "must hold at least one page",
-            self.max_total_tokens,
-        )
-        r(
-            0 < self.swa_full_tokens_ratio <= 1.0,
-            "swa_full_tokens_ratio",
-            "must be in (0, 1]",
-            self.swa_full_tokens_ratio,
-        )
-        r(
-            self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "dtype",
-            "must be auto, float32, bfloat16 or float16",
-            self.dtype,
-        )
-        for name in ("attention_backend", "ssd_backend"):
-            v = getattr(self, name)
-            r(v in (None, "xla", "pallas"), name, "must be xla or pallas", v)
-        r(self.tp_size >= 1, "tp_size", "must be >= 1", self.tp_size)
-        r(self.dist_num_processes >= 1, "dist_num_processes", "must be >= 1", self.dist_num_processes)
-        r(
-            0 <= self.dist_process_id < self.dist_num_processes,
-            "dist_process_id",
-            f"must be in [0, dist_num_processes={self.dist_num_processes})",
-            self.dist_process_id,
-        )
-        r(
-            self.dist_num_processes == 1 or bool(self.dist_coordinator),
-            "dist_coordinator",
-            "must be set (host:port of process 0) when dist_num_processes > 1",
-            self.dist_coordinator,
-        )
-        r(self.hicache_ratio > 0, "hicache_ratio", "must be > 0", self.hicache_ratio)
-        r(self.hicache_size_gb >= 0, "hicache_size_gb", "must be >= 0", self.hicache_size_gb)
-        r(
-            self.hicache_write_policy in WRITE_POLICIES,
-            "hicache_write_policy",
-            f"must be one of {WRITE_POLICIES}",
-            self.hicache_write_policy,
-        )
-        r(
-            self.hicache_storage_prefetch_policy in PREFETCH_POLICIES,
-            "hicache_storage_prefetch_policy",
-            f"must be one of {PREFETCH_POLICIES}",
-            self.hicache_storage_prefetch_policy,
-        )
-        r(
-            self.hicache_storage_backend in (None, "tensorstore"),
-            "hicache_storage_backend",
-            "must be tensorstore (or unset)",
-            self.hicache_storage_backend,
-        )
-        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
-            raise ConfigError(
-                "hicache_storage_backend requires enable_hierarchical_cache (L3 is filled from L2)"
-            )
-        if self.enable_hierarchical_cache and self.disable_radix_cache:
-            raise ConfigError("enable_hierarchical_cache contradicts disable_radix_cache")
-        if self.hicache_storage_spec and not self.hicache_storage_backend:
-            raise ConfigError("hicache_storage_spec is set but hicache_storage_backend is not")
-        r(
-            self.hicache_prefetch_threshold >= 0,
-            "hicache_prefetch_threshold",
-            "must be >= 0",
-            self.hicache_prefetch_threshold,
-        )
-        r(
-            0 < self.hicache_host_rate_limit <= 1,
-            "hicache_host_rate_limit",
-            "must be in (0, 1]",
-            self.hicache_host_rate_limit,
-        )
-        r(
-            self.hicache_storage_timeout_s > 0,
-            "hicache_storage_timeout_s",
-            "must be > 0",
-            self.hicache_storage_timeout_s,
-        )
-        r(
-            self.hicache_storage_write_queue_mb > 0,
-            "hicache_storage_write_queue_mb",
-            "must be > 0",
-            self.hicache_storage_write_queue_mb,
-        )
-        for name in ("hicache_storage_max_gb", "hicache_storage_min_free_gb"):
-            r(getattr(self, name) >= 0, name, "must be >= 0", getattr(self, name))
-        r(
-            0 < self.hicache_storage_evict_ratio <= 1,
-            "hicache_storage_evict_ratio",
-            "must be in (0, 1]",
-            self.hicache_storage_evict_ratio,
-        )
-        if self.max_queued_tokens is not None:
-            r(self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1", self.max_queued_tokens)
-        if self.mamba_cache_slots is not None:
-            r(
-                self.mamba_cache_slots >= 2 * self.max_running_requests,
-                "mamba_cache_slots",
-                "must be >= 2 x max_running_requests",
-                self.mamba_cache_slots,
-            )
+        for name, ok, why in FIELD_RULES:
+            value = getattr(self, name)
+            if not ok(value, self):
+                raise ConfigError(f"{name}={value!r}: {why.format_map(vars(self))}")
+        for contradiction, why in COMBINATION_RULES:
+            if contradiction(self):
+                raise ConfigError(why)
 
     @property
     def queued_token_limit(self) -> int:

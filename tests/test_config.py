@@ -1,0 +1,68 @@
+"""EngineConfig's validation table: every rule names a real field, and each one refuses a
+bad value with a message naming the field and the value."""
+
+import dataclasses
+
+import pytest
+
+from hicache_jax.config import COMBINATION_RULES, FIELD_RULES, ConfigError, EngineConfig
+
+FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+BAD = {  # one value per field that its rule must refuse (the other fields at their defaults)
+    "page_size": 24,
+    "chunked_prefill_size": 8,
+    "max_running_requests": 0,
+    "max_total_tokens": 1,
+    "swa_full_tokens_ratio": 0.0,
+    "dtype": "int8",
+    "attention_backend": "cuda",
+    "ssd_backend": "triton",
+    "tp_size": 0,
+    "dist_num_processes": 0,
+    "dist_process_id": 3,
+    "hicache_ratio": 0.0,
+    "hicache_size_gb": -1.0,
+    "hicache_write_policy": "write_sometimes",
+    "hicache_storage_prefetch_policy": "eager",
+    "hicache_storage_backend": "redis",
+    "hicache_prefetch_threshold": -1,
+    "hicache_host_rate_limit": 1.5,
+    "hicache_storage_timeout_s": 0.0,
+    "hicache_storage_write_queue_mb": 0,
+    "hicache_storage_max_gb": -2.0,
+    "hicache_storage_min_free_gb": -2.0,
+    "hicache_storage_evict_ratio": 0.0,
+    "max_queued_tokens": 0,
+    "mamba_cache_slots": 1,
+}
+
+
+def test_every_rule_names_a_field_and_the_defaults_pass():
+    assert {name for name, _, _ in FIELD_RULES} <= FIELDS
+    EngineConfig()
+
+
+@pytest.mark.parametrize("name", sorted({name for name, _, _ in FIELD_RULES} - {"dist_coordinator"}))
+def test_each_rule_refuses_naming_field_and_value(name):
+    value = BAD[name]
+    with pytest.raises(ConfigError, match=rf"^{name}={value!r}: must"):
+        EngineConfig(**{name: value})
+
+
+def test_messages_fill_in_the_bound_they_checked():
+    with pytest.raises(ConfigError, match=r"multiple of page_size \(32\)"):
+        EngineConfig(page_size=32, chunked_prefill_size=48)
+    with pytest.raises(ConfigError, match=r"dist_coordinator=None: must be set"):
+        EngineConfig(dist_num_processes=2, dist_process_id=1)
+
+
+def test_contradictions_are_refused():
+    assert len(COMBINATION_RULES) == 3
+    for kwargs, words in (
+        ({"hicache_storage_backend": "tensorstore"}, "requires enable_hierarchical_cache"),
+        ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "contradicts"),
+        ({"hicache_storage_spec": "/tmp/x"}, "hicache_storage_backend is not"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            EngineConfig(**kwargs)
