@@ -215,8 +215,7 @@ class Engine:
         try:
             plan = self.scheduler.schedule()
         except OutOfMemory as e:  # the request cannot fit even alone: fail it, not the engine
-            self.scheduler.running.remove(e.req)
-            self.adapter.release(e.req)
+            self.scheduler.drop(e.req)
             self._finish(e.req, {"type": "abort", "message": str(e)})
             return touched + [e.req]
         except Exception as e:  # e.g. an L2 -> L1 load (it donates the device cache)
@@ -296,14 +295,9 @@ class Engine:
         )
         failed = []
         self._inflight = None
-        for req in list(self.scheduler.running):
-            self.scheduler.running.remove(req)
-            self.adapter.release(req)  # nothing goes to the tree: its device pages are suspect
+        for req in self.scheduler.drop_all():  # nothing goes to the tree: pages are suspect
             self._finish(req, {"type": "abort", "message": message})
             failed.append(req.rid)
-        for req in self.scheduler.waiting:  # one may have failed half-admitted (an L2 load)
-            if req.num_computed or req.last_node is not None:
-                self.adapter.release(req)
         self.broken = cause
         try:
             self.recover()
@@ -351,9 +345,8 @@ class Engine:
                     finished = self._stop_reason(req, tok)
                 touched.append(req)
             if finished:
-                self.scheduler.running.remove(req)
                 req.num_computed, req.pending = item.end, 0  # a step after this one is void
-                self.adapter.finish(req)
+                self.scheduler.finish(req)
                 self._finish(req, finished)
             else:
                 self.adapter.after_step(req, insert=item.num_tokens > 1 or item.start < req.input_len)

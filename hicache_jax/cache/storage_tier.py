@@ -14,6 +14,16 @@ Reads and existence checks run on background threads; the scheduler thread only 
 tasks and, each step, moves finished ones into the host tier (``poll``). Results are all
 or nothing per prefix: after the reads, the end is recomputed over what actually arrived.
 
+One prefetch passes through three thread pools, each because the one before it waits:
+  * ``l3-plan`` (here, 2 threads): hashes the prompt, probes L3 for what exists, computes
+    ``usable_prefix_end``, then waits for its reads and recomputes the end over what came.
+    It needs tree and rule knowledge that the storage client must not have;
+  * ``l3-prefetch`` (the client): one read loop per prefetch, batch after batch, stopping
+    at the first miss; it waits on each batch's reads;
+  * ``l3-read`` (the client): the next batch's read, issued while this one is decoded.
+A thread that waits on work queued to its own pool can deadlock once every thread of the
+pool waits, so each waiting layer submits to the next pool, never to its own.
+
 Bounds (the scheduler thread never waits on L3):
   * every L3 call has a deadline (the client's ``timeout_s``), and each prefetch task one in
     all (`PrefetchTask.deadline`): past it the request stops waiting, whatever the policy,

@@ -76,6 +76,28 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def finish(self, req: Req) -> None:
+        """A running request is done: out of the batch, its pages to the tree."""
+        self.running.remove(req)
+        self.adapter.finish(req)
+
+    def drop(self, req: Req) -> None:
+        """Take a running request out and cache nothing it computed (it cannot fit even
+        alone, or its device pages are suspect): every page it holds is released."""
+        self.running.remove(req)
+        self.adapter.release(req)
+
+    def drop_all(self) -> list[Req]:
+        """``drop`` every running request, and release what a waiting request holds after a
+        half-done admission (an L2 load can fail midway). Returns the dropped requests."""
+        dropped = list(self.running)
+        for req in dropped:
+            self.drop(req)
+        for req in self.waiting:
+            if req.num_computed or req.last_node is not None:
+                self.adapter.release(req)
+        return dropped
+
     # ---- planning -----------------------------------------------------------------------
     def chunk_end(self, req: Req, start: int, budget: int) -> int:
         """Where this step's chunk of ``req`` ends: its budget, the next multiple of

@@ -130,6 +130,11 @@ class FakeReq:
     finished: bool = False
     aborted: bool = False
     stream: bool = False
+    # The times the loop's latency histograms read, kept as the real Req keeps them.
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: dict | None = None
 
 
 class CountingEngine:
@@ -151,9 +156,13 @@ class CountingEngine:
 
     def step(self) -> list[FakeReq]:
         live = [r for r in self.requests.values() if not r.finished]
+        now = time.monotonic()
         for r in live:
             r.output_ids.append(len(r.output_ids))
+            r.first_token_time = r.first_token_time or now
             r.finished = len(r.output_ids) >= r.max_new_tokens
+            if r.finished:
+                r.finish_time, r.finish_reason = now, {"type": "length"}
         return live
 
     def abort(self, rid: str) -> bool:
@@ -161,6 +170,7 @@ class CountingEngine:
         if r is None or r.finished:
             return False
         r.finished = r.aborted = True
+        r.finish_time, r.finish_reason = time.monotonic(), {"type": "abort"}
         return True
 
     def output(self, rid: str) -> dict:
