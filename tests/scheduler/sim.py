@@ -121,8 +121,7 @@ class Sim:
             if item.samples:
                 req.output_ids.append(sampled_token(req.rid, len(req.output_ids)))
                 if len(req.output_ids) >= req.sampling.max_new_tokens:
-                    self.sched.running.remove(req)
-                    self.adapter.finish(req)
+                    self.sched.finish(req)
                     req.status = Status.FINISHED
                     self.finished.append(req)
                     continue

@@ -202,3 +202,20 @@ def test_abort_frees_pages_of_running_and_waiting():
     assert not sim.sched.has_work() and sim.sched.queued_tokens == 0
     sim.check_ownership()  # also: no lock outlives the aborted request
     assert sim.cache.pools["full"].num_used == used - own
+
+
+def test_drop_all_releases_every_running_request_and_caches_nothing_new():
+    """The engine's failed-step path: running requests are dropped (their device pages are
+    suspect), so the tree gains nothing and every page they held is free again."""
+    sim = Sim(Setup(max_running=2, chunk=64))
+    a, b = sim.add("a", list(range(3, 40)), 8), sim.add("b", list(range(50, 70)), 8)
+    checked_step(sim)
+    checked_step(sim)
+    assert sim.sched.running == [a, b]
+    tree_pages = len(sim.cache.tree_indices()["full"])
+    dropped = sim.sched.drop_all()
+    assert dropped == [a, b] and not sim.sched.running and not sim.sched.has_work()
+    sim.aborted += dropped
+    sim.check_ownership()
+    assert len(sim.cache.tree_indices()["full"]) == tree_pages
+    assert sim.cache.pools["full"].num_used == tree_pages  # nothing held outside the tree
