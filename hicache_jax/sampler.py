@@ -31,9 +31,9 @@ as the full-sort definition in ``sampler_reference.py`` (the tests hold the two 
   Any other row (top_k in C+1..V-1, a flat distribution under top-p, a tie at the cut)
   gets the reference's full sort, for that row alone (a ``while_loop`` over the flagged
   rows, behind a ``lax.cond``): it costs what every row cost before.
-- Vocabularies under ``SORT_BELOW`` (8 C) take the reference as it is: there the sort is
-  cheap, and the bounded program takes about twice as long to compile (the tests' tiny
-  models would pay that on every step shape).
+- Vocabularies under ``SORT_BELOW`` (8 C) draw with the reference as it is (behind the same
+  all-greedy ``lax.cond``): there the sort is cheap, and the bounded program takes about
+  twice as long to compile (the tests' tiny models would pay that on every step shape).
 - On TPU, ``lax.approx_max_k`` would be a cheaper candidate step, but it may miss values,
   so value C + 1 no longer bounds the rest and the checks above say nothing; swap it in
   only where approximate top-k/top-p is acceptable.
@@ -177,12 +177,12 @@ def _draw(keys: jax.Array, x: jax.Array) -> jax.Array:
 
 def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.Array:
     """logits_s [S, V]; keys [S] -> [S] int32: the reference's tokens for the same keys."""
-    if logits_s.shape[-1] < SORT_BELOW:
-        return reference.next_tokens(logits_s, s, keys)
     greedy_row = s.temperature < 1e-5
     greedy = jnp.argmax(logits_s, axis=-1).astype(jnp.int32)
 
     def draw():
+        if logits_s.shape[-1] < SORT_BELOW:
+            return reference.next_tokens(logits_s, s, keys)
         drawn = _draw(keys, filtered_logits(logits_s, s)).astype(jnp.int32)
         return jnp.where(greedy_row, greedy, drawn)
 
