@@ -26,7 +26,15 @@ from hicache_jax.server.openai_api import router as openai_router
 from hicache_jax.server.profiler import ProfileError
 from hicache_jax.server.protocol import GenerateRequest, ProfileRequest, parse_body
 from hicache_jax.server.state import ServerState
-from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, CumulativeStream, Watch, sse
+from hicache_jax.server.streaming import (
+    DONE,
+    SSE_HEADERS,
+    ClientGone,
+    CumulativeStream,
+    Watch,
+    sse,
+    wait_whole,
+)
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancer probes)
 
@@ -144,12 +152,9 @@ def create_app(state: ServerState) -> FastAPI:
         watch = Watch(state.loop, await state.loop.generate(reqs), request)
         if body.stream:
             return StreamingResponse(_stream(watch), media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            outs = await watch.finals()
-        except ClientGone:
+        outs = await wait_whole(watch)
+        if outs is None:
             return error_response(499, "client closed the request")
-        finally:
-            watch.close()
         return JSONResponse(outs if batched else outs[0])
 
     app.include_router(openai_router)

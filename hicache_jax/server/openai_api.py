@@ -21,7 +21,7 @@ from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hicache_jax.server.protocol import parse_body
 from hicache_jax.server.state import ServerState
-from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, Watch, sse
+from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, Watch, sse, wait_whole
 
 router = APIRouter()
 
@@ -264,10 +264,7 @@ async def _respond(
             yield DONE
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        outs = await watch.finals()
-    except ClientGone:
+    outs = await wait_whole(watch)
+    if outs is None:
         return error_response(499, "client closed the request")
-    finally:
-        watch.close()
     return JSONResponse(await whole(outs))

@@ -83,6 +83,17 @@ class Watch:
                 sink.done = True
 
 
+async def wait_whole(watch: Watch) -> list[dict] | None:
+    """Every request's final output, or None when the client left first (its requests are
+    then aborted). The watch is closed either way."""
+    try:
+        return await watch.finals()
+    except ClientGone:
+        return None
+    finally:
+        watch.close()
+
+
 class CumulativeStream:
     """SGLang's ``/generate`` stream, where every event carries the output so far (text,
     ``output_ids``, logprobs), built from deltas.
