@@ -44,16 +44,10 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
 
 
 def check_model_tp(cfg: EngineConfig, model: CausalLM) -> None:
-    """A model built elsewhere must sit on the mesh the config asks for. Over several
-    processes, L2/L3 are refused: their page copies read whole pages, and a process holds
-    only its own devices' heads (whole pages would need a cross-host gather)."""
+    """A model built elsewhere must sit on the mesh the config asks for; over several
+    processes that mesh holds every device."""
     import jax
 
-    if jax.process_count() > 1 and cfg.enable_hierarchical_cache:
-        raise ConfigError(
-            "enable_hierarchical_cache over several processes is not implemented yet "
-            f"({jax.process_count()} processes)"
-        )
     if jax.process_count() > 1 and cfg.tp_size != jax.device_count():
         raise ConfigError(
             f"tp_size={cfg.tp_size}: over {jax.process_count()} processes the mesh must hold "
@@ -108,6 +102,8 @@ def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:
 def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: PrefixCache):
     """L3: a TensorStore store under a namespace that pins the weights, KV dtype, page size
     and layout (whole pages, whatever ``tp_size`` runs)."""
+    import jax
+
     from hicache_jax.cache.storage_tier import StorageTier
     from hicache_jax.models.fingerprint import params_fingerprint
     from hicache_jax.models.loader import model_fingerprint
@@ -146,7 +142,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         StorageClient(store, namespace, client_cfg),
         namespace,
         prefix_cache,
-        policy=cfg.hicache_storage_prefetch_policy,
         threshold=cfg.hicache_prefetch_threshold,
         host_rate_limit=cfg.hicache_host_rate_limit,
+        writer=(jax.process_index(), jax.process_count()),
     )

@@ -22,6 +22,8 @@ import time
 import uuid
 from typing import NoReturn
 
+import jax
+
 from hicache_jax.build import (
     check_model_tp,
     load_model_and_tokenizer,
@@ -43,6 +45,7 @@ from hicache_jax.runner import ModelRunner
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
+from hicache_jax.scheduler.prefetch import PrefetchDecisions, Prefetcher
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
 from hicache_jax.transfer import PageTransfer
 from hicache_jax.validation import validate_cache_salt, validate_prompt, validate_rid
@@ -100,7 +103,12 @@ class Engine:
         if cfg.hicache_storage_backend:
             self.storage = make_storage_tier(cfg, model, self.runner.params, self.prefix_cache)
         self.adapter = CacheAdapter(self.prefix_cache)
-        self.scheduler = Scheduler(cfg, self.adapter, self.storage)
+        prefetch = Prefetcher(
+            None if cfg.disable_radix_cache else self.storage,
+            policy=cfg.hicache_storage_prefetch_policy,
+            reads=jax.process_index() == 0,  # the others get process 0's reads (replicated.py)
+        )
+        self.scheduler = Scheduler(cfg, self.adapter, prefetch)
         self.builder = BatchBuilder(
             page_size=P,
             groups=groups,
@@ -183,10 +191,7 @@ class Engine:
             prefetch_key=f"{rid}#{next(self._keys)}",
         )
         self.requests[rid] = req
-        if self.storage is not None and not self.cfg.disable_radix_cache:
-            lsl = req.logprob_start_len if req.return_logprob else -1
-            self.storage.start(req.prefetch_key, req.input_ids, req.input_len, lsl, req.cache_salt)
-        self.scheduler.add(req)
+        self.scheduler.add(req)  # and its L3 prefetch starts
         return rid
 
     def abort(self, rid: str) -> bool:
@@ -200,8 +205,10 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     # ---- the loop --------------------------------------------------------------------------
-    def step(self) -> list[Req]:
+    def step(self, prefetch: PrefetchDecisions | None = None) -> list[Req]:
         """Run one batch; returns requests that finished or produced tokens this step.
+        ``prefetch``: what L3 prefetching brought, decided elsewhere (by process 0 when
+        several processes serve; see replicated.py); by default decided here.
 
         Raises ``StepFailed`` after a step failed (its running requests are failed, the
         device state rebuilt: the next step serves again) and ``EngineStalled`` when work is
@@ -212,8 +219,10 @@ class Engine:
         touched: list[Req] = []
         if prev is not None and not self._can_run_ahead(prev):
             touched, prev = self._complete(prev), None
+        if prefetch is None:
+            prefetch = self.prefetch_decisions()
         try:
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(prefetch)
         except OutOfMemory as e:  # the request cannot fit even alone: fail it, not the engine
             self.scheduler.drop(e.req)
             self._finish(e.req, {"type": "abort", "message": str(e)})
@@ -232,6 +241,10 @@ class Engine:
         elif plan is None and not touched:
             self._idle(0.01)
         return touched
+
+    def prefetch_decisions(self) -> PrefetchDecisions:
+        """What the L3 prefetch brought since the last step, and who still waits for it."""
+        return self.scheduler.prefetch.decide()
 
     def sync(self) -> list[Req]:
         """Read the step in flight, if any (its requests as ``step`` returns them)."""
@@ -272,9 +285,9 @@ class Engine:
         return touched
 
     def _idle(self, timeout: float) -> None:
-        if self.storage is not None and self.storage.pending():
+        if self.scheduler.prefetch.pending():
             self._idle_steps = 0
-            self.storage.wait(timeout)  # only requests waiting on L3: sleep until one lands
+            self.scheduler.prefetch.wait(timeout)  # only requests waiting on L3: sleep until one lands
             return
         self._idle_steps += 1
         if self._idle_steps >= STALL_STEPS and self.scheduler.has_work():

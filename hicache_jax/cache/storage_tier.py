@@ -11,8 +11,15 @@ together, and reads only what that end needs::
     mamba      read the one snapshot at `end`
 
 Reads and existence checks run on background threads; the scheduler thread only starts
-tasks and, each step, moves finished ones into the host tier (``poll``). Results are all
-or nothing per prefix: after the reads, the end is recomputed over what actually arrived.
+tasks and, each step, takes the finished ones (``take_finished``); the prefetch's owner,
+``scheduler/prefetch.py``, decides when a request stops waiting and lands what was read in
+the host tier (``land``). Results are all or nothing per prefix: after the reads, the end is
+recomputed over what actually arrived.
+
+Over several processes (``hicache_jax/replicated.py``) every process holds the same whole
+pages in L2, so any of them could write any page: each writes only the pages whose hash
+falls to it (``writer``), and no page is written twice. Only process 0 prefetches; what it
+reads reaches the others with its step (``scheduler/prefetch.py``).
 
 One prefetch passes through three thread pools, each because the one before it waits:
   * ``l3-plan`` (here, 2 threads): hashes the prompt, probes L3 for what exists, computes
@@ -73,16 +80,10 @@ class PrefetchTask:
     data: dict = dataclasses.field(default_factory=dict)  # page -> kind -> arrays
     hashes: list = dataclasses.field(default_factory=list)
     pages_read: int = 0
-    applied: bool = False
     given_up: bool = False  # the request stopped waiting; the reads still land in L2
     rows: int = 0  # host rows reserved for what it may bring
     deadline: float = math.inf  # monotonic time after which it is dropped
     handle: PrefetchHandle | None = None
-
-
-def prefetch_timeout(num_tokens: int) -> float:
-    """How long the ``timeout`` policy waits: grows with the prompt (SGLang's rule)."""
-    return min(30.0, 2.0 + 0.1 * num_tokens / 1024)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +107,18 @@ class StorageTier:
         namespace: Namespace,
         cache: PrefixCache,
         *,
-        policy: str = "timeout",
         threshold: int = 256,
         host_rate_limit: float = 0.5,
+        writer: tuple[int, int] = (0, 1),
     ):
         self.client = client
         self.namespace = namespace
         self.cache = cache
         self.rules: PrefixRules = cache.rules
         self.kinds = [k for k in ("full", "swa", "mamba") if k in cache.host]
-        self.policy = policy
         self.threshold = threshold
         self.host_rate_limit = host_rate_limit
+        self.writer = writer  # (this process, processes): which pages this process writes
         self.timeout_s = client.cfg.timeout_s
         self.tasks: dict[str, PrefetchTask] = {}
         self._progress = threading.Event()  # set whenever a prefetch finishes
@@ -160,6 +161,9 @@ class StorageTier:
         """A node's device data reached the host: queue its L3 write (off this thread)."""
         salt = self.cache.salt_of(node)
         h = self.node_hash(node, salt)
+        rank, ranks = self.writer
+        if ranks > 1 and int.from_bytes(h[:4], "little") % ranks != rank:
+            return  # another process holds the same page and writes it
         ns = self.ns(salt)
         items = [
             (page_path(ns, h, SUFFIX[k]), self.cache.host[k].page(getattr(node, "host_" + k))) for k in kinds
@@ -308,10 +312,11 @@ class StorageTier:
             need.append(("mamba", k_pages - 1))
         return need
 
-    def poll(self) -> None:
-        """Move finished prefetches into the host tier and drop those past their deadline
-        (scheduler thread only)."""
-        now = time.monotonic()
+    def take_finished(self, now: float) -> list[PrefetchTask]:
+        """Remove and return the tasks that finished, in issue order, and drop those past
+        their deadline (scheduler thread only; the prefetch owner, ``scheduler/prefetch.py``,
+        decides what to do with them)."""
+        finished = []
         for key, task in list(self.tasks.items()):
             if task.status == "pending":
                 if now > task.deadline:
@@ -319,17 +324,21 @@ class StorageTier:
                     self.counters["prefetch_abandoned"] += 1
                 continue
             self._drop(key, task)
-            task.applied = True
+            finished.append(task)
             if task.status == "done":
-                stored = self.cache.insert_host(
-                    task.tokens, task.salt, task.data, task.hashes, task.end // self.rules.page_size
-                )
                 self.counters["prefetch_completed"] += 1
-                self.counters["prefetch_pages"] += stored
             elif task.status == "below_threshold":
                 self.counters["prefetch_below_threshold"] += 1
             else:
                 self.counters["prefetch_failed"] += 1
+        return finished
+
+    def land(self, landed) -> None:
+        """Insert a finished prefetch's pages into the host tier (a ``prefetch.Landed``)."""
+        stored = self.cache.insert_host(
+            landed.tokens, landed.salt, landed.data, landed.hashes, landed.num_pages
+        )
+        self.counters["prefetch_pages"] += stored
 
     def _drop(self, key: str, task: PrefetchTask) -> None:
         """Forget a task and release its reservation; a late result is never applied."""
@@ -337,28 +346,6 @@ class StorageTier:
         self._reserved -= task.rows
         if task.status == "pending" and task.handle is not None:
             task.handle.cancel()
-
-    def ready(self, key: str) -> bool:
-        """Whether the request may be scheduled now, by the prefetch policy
-        (``best_effort``: at once; ``wait_complete``: when the reads are in;
-        ``timeout``: when they are in or the prompt's timeout has passed). Under any
-        policy a request waits no longer than its task's deadline."""
-        task = self.tasks.get(key)
-        if task is None or task.given_up:
-            return True
-        if self.policy == "best_effort":
-            return self._give_up(task, "prefetch_revoked")
-        now = time.monotonic()
-        if self.policy == "timeout" and now - task.started > prefetch_timeout(task.input_len):
-            return self._give_up(task, "prefetch_timed_out")
-        if now > task.deadline:
-            return self._give_up(task, "prefetch_deadline_exceeded")
-        return False
-
-    def _give_up(self, task: PrefetchTask, counter: str) -> bool:
-        self.counters[counter] += 1
-        task.given_up = True
-        return True
 
     def prefetched_rows(self) -> int:
         """Host rows held for prefetches: reserved by tasks in flight, plus rows they

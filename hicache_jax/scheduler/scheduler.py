@@ -34,6 +34,7 @@ from hicache_jax.config import EngineConfig
 from hicache_jax.request import Req, Status
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
+from hicache_jax.scheduler.prefetch import NOTHING, PrefetchDecisions, Prefetcher
 
 
 class OutOfMemory(RuntimeError):
@@ -45,10 +46,10 @@ class OutOfMemory(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, adapter: CacheAdapter, storage=None):
+    def __init__(self, cfg: EngineConfig, adapter: CacheAdapter, prefetch: Prefetcher | None = None):
         self.cfg = cfg
         self.adapter = adapter
-        self.storage = storage  # L3 tier: its prefetch policy gates admission
+        self.prefetch = prefetch or Prefetcher()  # L3 reads: started on add, gate admission
         self.P = cfg.page_size
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
@@ -57,6 +58,7 @@ class Scheduler:
 
     # ---- queue --------------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        self.prefetch.start(req)
         self.waiting.append(req)
         self.queued_tokens += req.input_len
 
@@ -112,7 +114,10 @@ class Scheduler:
                 end = boundary
         return end
 
-    def schedule(self) -> StepPlan | None:
+    def schedule(self, prefetch: PrefetchDecisions = NOTHING) -> StepPlan | None:
+        """Plan one step; ``prefetch``: what L3 brought since the last step, and which
+        requests still wait for it (``Prefetcher.decide``)."""
+        self.prefetch.apply(prefetch)
         plan = StepPlan(items=[])
         budget = self.cfg.chunked_prefill_size
         for req in list(self.running):  # oldest first
@@ -127,12 +132,10 @@ class Scheduler:
             self._add(plan, req, end)
             if not decode:
                 budget -= end - req.num_computed
-        if self.storage is not None:
-            self.storage.poll()
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
-            if self.storage is not None and not self.storage.ready(req.prefetch_key):
+            if not self.prefetch.ready(req):
                 continue  # still prefetching from L3: later requests may go first
             match = self.adapter.match(req)
             end = self.chunk_end(req, match.end, budget)

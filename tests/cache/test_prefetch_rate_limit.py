@@ -4,7 +4,8 @@ the limit never starves anyone: a refused prompt is schedulable at once, and row
 as requests use what was brought.
 
 The store is faked (every page exists, reads finish at once); decisions are made on the
-test's thread only (``start`` and ``poll``), so each trace runs the same every time."""
+test's thread only (``start``, and ``Prefetcher.decide``/``apply``), so each trace runs the
+same every time. Under ``wait_complete`` a request waits exactly while its task exists."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.storage_tier import StorageTier
+from hicache_jax.scheduler.prefetch import Prefetcher
 from hicache_jax.storage.keys import Namespace
 from hicache_jax.storage.prefetch import PrefetchHandle
 from hicache_jax.storage.ratelog import RateLimitedLog
@@ -75,15 +77,25 @@ def make_tier():
         transfer=Transfer(),
     )
     ns = Namespace(model_fingerprint="fake", kv_dtype="int64", page_size=P, layout_version=1)
-    tier = StorageTier(AllHitClient(), ns, cache, policy="wait_complete", threshold=P, host_rate_limit=LIMIT)
+    tier = StorageTier(AllHitClient(), ns, cache, threshold=P, host_rate_limit=LIMIT)
     return cache, tier
 
 
 def land(tier):
-    """Wait for the reads in flight (they finish without the store), then apply them."""
+    """Wait for the reads in flight (they finish without the store), then apply them as
+    the scheduler does."""
     while tier.pending():
         tier.wait(1.0)
-    tier.poll()
+    prefetcher = Prefetcher(tier, policy="wait_complete")
+    decided = prefetcher.decide()
+    prefetcher.apply(decided)
+    assert not decided.waiting and not tier.tasks
+
+
+def waits(tier, key: str) -> bool:
+    """Whether the request of ``key`` is held by its prefetch (wait_complete: its task is
+    in flight or landed but not yet applied)."""
+    return key in tier.tasks
 
 
 def use(cache, tokens):
@@ -128,12 +140,12 @@ def test_prefetches_hold_at_most_the_limit_and_nobody_starves(ops):
                 assert was_refused == (held + arg > limit), (held, arg, limit)
                 refused += was_refused
                 if was_refused:
-                    assert tier.ready(str(k)), "a refused prefetch must not hold its request"
+                    assert not waits(tier, str(k)), "a refused prefetch must not hold its request"
             elif op == "land":
                 land(tier)
             elif prompts:
                 tokens = prompts[arg % len(prompts)]
-                if tier.ready(str(arg % len(prompts))):
+                if not waits(tier, str(arg % len(prompts))):
                     use(cache, tokens)
             assert tier.prefetched_rows() <= limit
             cache.check_integrity()
@@ -141,7 +153,7 @@ def test_prefetches_hold_at_most_the_limit_and_nobody_starves(ops):
         # the whole allowance is free again.
         land(tier)
         for k, tokens in enumerate(prompts):
-            assert tier.ready(str(k))
+            assert not waits(tier, str(k))
             use(cache, tokens)
         assert tier.prefetched_rows() == 0
         big = [7] * (int(limit) * P + 1)
@@ -159,5 +171,5 @@ def test_a_prompt_larger_than_the_limit_is_never_prefetched_but_runs():
     tokens = list(range(3, 3 + math.ceil(LIMIT * HOST_PAGES + 1) * P + 1))
     tier.start("a", tokens, len(tokens), -1, None)
     assert not tier.tasks and tier.counters["prefetch_refused_host_full"] == 1
-    assert tier.ready("a")
+    assert not waits(tier, "a")
     tier.close()
