@@ -47,6 +47,7 @@ class Match:
     end: int  # tokens: len(nodes) * page_size
     loads: list[tuple[str, Node]] = dataclasses.field(default_factory=list)  # host -> device
     tiers: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    page_tiers: list[str] = dataclasses.field(default_factory=list)  # each page's tier, in order
 
     @property
     def last(self) -> Node | None:
@@ -147,8 +148,9 @@ class PrefixCache:
                 self._want_backup(node)
         # Pages that need no data (before a sliding window) count with the hit's deepest tier.
         fallback = next((t for t in ("storage", "host") if t in page_tier), "device")
-        for tier in page_tier:
-            match.tiers[tier or fallback] += P
+        match.page_tiers = [tier or fallback for tier in page_tier]
+        for tier in match.page_tiers:
+            match.tiers[tier] += P
         return match
 
     def load(self, match: Match) -> bool:

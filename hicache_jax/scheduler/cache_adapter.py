@@ -58,16 +58,34 @@ class CacheAdapter:
         req.own_swa = [False] * n
         if "swa" in self.cache.pools:
             self._drop_swa_before(req, self._window_start(req))
-        req.cached_tokens = match.end
-        req.cached_details = dict(match.tiers)
+        self._count_cached(req, match)
         req.num_inserted_pages = n
         if self.has_mamba:
             req.state_slot = slot[0]
             req.restore_from = match.last.mamba if n else None
         if not self.ensure_pages(req, first_end):
+            req.loaded_tiers = self._origin_tiers(req, match)  # the next attempt finds them on device
             self.release(req)
             return False
         return True
+
+    def _count_cached(self, req: Req, match: Match) -> None:
+        """``cached_tokens`` (and per tier): the prompt served from the cache. After a
+        retraction only pages beyond what the request had computed itself count, added
+        to what its first admission found (as SGLang counts). A page an earlier, refused
+        admission brought to the device counts with the tier it came from."""
+        tiers = self._origin_tiers(req, match)
+        if not req.retractions:
+            req.cached_tokens, req.cached_details = 0, {"device": 0, "host": 0, "storage": 0}
+        for tier in tiers[req.computed_before // self.P :]:
+            req.cached_tokens += self.P
+            req.cached_details[tier] += self.P
+
+    @staticmethod
+    def _origin_tiers(req: Req, match: Match) -> list[str]:
+        """Each matched page's tier before this request's refused admissions loaded it."""
+        came = req.loaded_tiers
+        return [t if t != "device" or j >= len(came) else came[j] for j, t in enumerate(match.page_tiers)]
 
     def ensure_pages(self, req: Req, end: int) -> bool:
         """Own pages for every page up to token ``end``; all or nothing."""

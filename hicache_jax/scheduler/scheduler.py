@@ -171,6 +171,7 @@ class Scheduler:
         the tree (evictable), so it resumes cheaply; its outputs are kept, and per-token seeds
         make the rest come out the same."""
         self.running.remove(req)
+        req.computed_before = max(req.computed_before, req.num_computed)
         self.adapter.finish(req)
         req.status = Status.WAITING
         req.retractions += 1

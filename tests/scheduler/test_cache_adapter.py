@@ -83,3 +83,26 @@ def test_sliding_pages_out_of_the_window_are_freed_while_running():
     assert set(kept) >= window and set(kept) <= window | {5}, (kept, window)
     assert own_swa == [5], "its inserted pages belong to the tree, the partial last page to it"
     sim.check_ownership()
+
+
+def test_cached_tokens_name_the_tier_a_page_came_from_across_a_refused_admission():
+    # 8 device pages: the prompt's 5 cached pages come back from L2, then its 6th page
+    # cannot be had (3 held here): the admission is refused with the 5 loaded. The next
+    # admission finds them on the device, yet they were L2 hits for this request.
+    sim = Sim(Setup(full_pages=8, host_pages=16))
+    a = sim.add("a", PROMPT, 1)
+    while sim.sched.has_work():
+        sim.step()
+    assert sim.cache.evict("full", 100) == 5  # now on the host only
+    held = sim.cache.alloc("full", 3)
+    b = request("b")
+    match = sim.adapter.match(b)
+    assert match.page_tiers == ["host"] * 5
+    assert not sim.adapter.admit(b, match, 22)
+    assert all(n.full is not None for n in match.nodes), "the refused admission loaded them"
+    sim.cache.pools["full"].free(held)
+    match = admit(sim, b, 22)
+    assert match.page_tiers == ["device"] * 5
+    assert b.cached_tokens == 20 and b.cached_details == {"device": 0, "host": 20, "storage": 0}
+    assert a.cached_tokens == 0
+    sim.check_ownership()

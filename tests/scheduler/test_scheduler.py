@@ -186,6 +186,8 @@ def test_retraction_takes_the_newest_and_it_finishes_the_same():
     assert [r.rid for r in sim.finished] == ["old", "new"]
     for r in (old, new):
         assert r.output_ids == [sampled_token(r.rid, k) for k in range(16)]
+        # The prompts share nothing: what a resumed request finds is what it computed itself.
+        assert r.cached_tokens == 0 and sum(r.cached_details.values()) == 0, r.cached_details
 
 
 def test_abort_frees_pages_of_running_and_waiting():
