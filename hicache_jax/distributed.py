@@ -13,15 +13,17 @@ how the tests run two processes of 4 emulated devices each on one machine.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import jax
 import numpy as np
 
-from hicache_jax.config import EngineConfig
+from hicache_jax.config import ConfigError, EngineConfig
+from hicache_jax.failures import EngineLost
 
 
-class PlanDivergence(RuntimeError):
+class PlanDivergence(EngineLost):
     """The processes planned different steps; their device programs would deadlock."""
 
 
@@ -64,4 +66,25 @@ def check_same_plan(step: int, plan_digest: bytes) -> None:
             f"step {step}: processes {differ} planned a different step from process 0 "
             f"(digests {[row.tobytes().hex()[:12] for row in every]}); stopping instead of "
             "launching programs whose collectives would never meet"
+        )
+
+
+def check_same_config(cfg: EngineConfig) -> None:
+    """Every process must run the same engine config (all but ``dist_process_id``): a
+    different seed, pool size or policy on one host plans different steps. Compares one
+    hash per field across processes and raises ``ConfigError`` naming the fields that
+    differ, at start-up rather than at the first step they would change."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    names = [f.name for f in dataclasses.fields(cfg) if f.name != "dist_process_id"]
+    hashes = [hashlib.sha256(repr(getattr(cfg, n)).encode()).digest()[:4] for n in names]
+    mine = np.array([int.from_bytes(h, "little") for h in hashes], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(names))
+    differ = [n for i, n in enumerate(names) if (every[:, i] != every[0, i]).any()]
+    if differ:
+        raise ConfigError(
+            f"process {jax.process_index()}: the processes were started with different settings for "
+            f"{', '.join(differ)}; every process must get the same flags (only --dist_process_id differs)"
         )

@@ -454,6 +454,13 @@ class Engine:
         """Stop L3 work: queued writes get up to ``hicache_storage_timeout_s``, then are dropped."""
         if self.storage is not None:
             self.storage.close()
+            done = self.storage.client.stats()
+            log.info(
+                "L3 at close: %d page writes, %d page reads, %d write errors",
+                done["writes"],
+                done["reads"],
+                self.storage.counters["l3_write_errors"],
+            )
 
     def metrics(self) -> dict:
         """Counters and gauges for /metrics and /get_server_info (plain numbers)."""

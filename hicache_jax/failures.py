@@ -1,4 +1,5 @@
-"""What the engine raises when a step cannot go on. Both leave the engine usable."""
+"""What the engine raises when a step cannot go on. The first two leave the engine usable;
+``EngineLost`` does not."""
 
 from __future__ import annotations
 
@@ -16,3 +17,9 @@ class StepFailed(RuntimeError):
         super().__init__(message)
         self.failed = failed
         self.message = message
+
+
+class EngineLost(RuntimeError):
+    """This process's engine cannot go on: the processes serving one model together planned
+    different steps, or one of them is gone. Serving on would hang in a collective or give
+    wrong answers, so the server fails what is in flight and stops."""

@@ -18,7 +18,17 @@ recorded with the call. A drift (a bug, or a decision read from a clock) is caug
 launch by the per-step plan digest (``distributed.check_same_plan``): every process raises
 ``PlanDivergence`` and stops, rather than hang in collectives that never meet.
 
-While process 0 is idle, the others wait in the broadcast.
+What only process 0 can know travels with its calls as data: the L3 prefetch. Process 0
+alone reads L3 for prefetches; before each ``step`` it decides what landed and which requests
+still wait (``Prefetcher.decide``: a clock and I/O, different on every host), and that
+decision, the landed pages included, is the recorded step's argument. So every process puts
+the same pages in its L2 and admits the same requests. L2 holds whole pages on every
+process (``transfer.py``), and each process writes its own share of them to L3
+(``StorageTier.writer``), so no page is written twice.
+
+While process 0 is idle, the others wait in the broadcast. When process 0 closes its engine
+(the server stops), ``close`` reaches the others and ``follow`` returns. After a divergence,
+or when the others cannot be reached, ``EngineLost`` is raised and nothing more is sent.
 """
 
 from __future__ import annotations
@@ -29,8 +39,7 @@ import uuid
 
 import numpy as np
 
-from hicache_jax.distributed import PlanDivergence
-from hicache_jax.failures import StepFailed
+from hicache_jax.failures import EngineLost, StepFailed
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,7 @@ class LeaderEngine:
     def __init__(self, engine):
         self._engine = engine
         self._calls: list[tuple[str, tuple, dict]] = []
+        self.lost: EngineLost | None = None  # set once: nothing is sent after it
 
     def __getattr__(self, name: str):
         attr = getattr(self._engine, name)
@@ -54,10 +64,26 @@ class LeaderEngine:
             if name == "add_request" and not kwargs.get("rid"):
                 kwargs["rid"] = uuid.uuid4().hex  # drawn here, replayed as given
             if name in DEVICE_CALLS:
+                if self.lost is not None:
+                    if name == "close":  # this process's own L3 work still stops
+                        return attr(*args, **kwargs)
+                    raise self.lost
+                if name == "close":
+                    self._calls.append((name, args, kwargs))
+                    self._send()
+                    attr(*args, **kwargs)
+                    leave()  # every process meets here, then the coordinator may go
+                    return None
+                if name == "step" and kwargs.get("prefetch") is None:
+                    kwargs["prefetch"] = self._engine.prefetch_decisions()  # made here only
                 self._calls.append((name, args, kwargs))
-                _broadcast(self._calls)
-                self._calls = []
-                return attr(*args, **kwargs)
+                self._send()
+                try:
+                    return attr(*args, **kwargs)
+                except StepFailed as e:
+                    if isinstance(e.__cause__, EngineLost):
+                        self.lost = e.__cause__
+                    raise
             result = attr(*args, **kwargs)  # a refused call raises here and is not recorded
             # A stream only shapes what process 0 returns; elsewhere the request is dropped.
             self._calls.append((name, args[:1], {}) if name == "pop_output" else (name, args, kwargs))
@@ -65,21 +91,44 @@ class LeaderEngine:
 
         return call
 
+    def _send(self) -> None:
+        try:
+            _broadcast(self._calls)
+        except Exception as e:  # a process died or the network broke: no step can follow
+            self.lost = EngineLost(f"cannot reach the other processes: {type(e).__name__}: {e}")
+            raise self.lost from e
+        finally:
+            self._calls = []
+
 
 def follow(engine) -> None:
-    """Replay process 0's calls on this process's engine until it closes."""
+    """Replay process 0's calls on this process's engine until it closes; raises
+    ``EngineLost`` (``PlanDivergence``) when the processes disagree."""
     while True:
         for name, args, kwargs in _receive():
             try:
                 getattr(engine, name)(*args, **kwargs)
-            except (PlanDivergence, StepFailed) as e:
-                if isinstance(e, PlanDivergence) or isinstance(e.__cause__, PlanDivergence):
-                    raise
+            except EngineLost:
+                raise
+            except StepFailed as e:
+                if isinstance(e.__cause__, EngineLost):
+                    raise e.__cause__ from None
                 log.warning("replayed %s failed as on process 0: %s", name, e)
             except Exception as e:  # process 0 saw the same failure and answered it
                 log.warning("replayed %s failed: %s: %s", name, type(e).__name__, e)
             if name == "close":
+                leave()
                 return
+
+
+def leave() -> None:
+    """Leave ``jax.distributed`` together (a barrier of every process). A process that
+    just exits takes the coordination service (process 0) or its heartbeat away, and the
+    others abort."""
+    import jax
+
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()
 
 
 def _bucket(n: int) -> int:

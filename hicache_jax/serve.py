@@ -32,6 +32,14 @@ def _die(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _lost(error: BaseException) -> None:
+    """Exit at once after ``EngineLost``: exiting normally would wait, in JAX's exit
+    hooks, for processes that are gone or stopping too."""
+    print(f"hicache-jax-serve: error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(3)
+
+
 def python_log_level(fv: flags.FlagValues, log_level: str) -> int:
     """absl's ``-v``/``--verbosity`` when the command line gives it (``-v=1``: debug), as
     absl users expect; else ``--log_level``."""
@@ -56,6 +64,10 @@ def main(argv: list[str]) -> None:
         from hicache_jax import distributed
 
         distributed.initialize(engine_cfg)  # before JAX starts a backend
+        try:
+            distributed.check_same_config(engine_cfg)
+        except ValueError as e:  # config.ConfigError: the flags differ between processes
+            _die(str(e), 2)
 
     t0 = time.perf_counter()
     what = engine_cfg.model_path or f"preset {engine_cfg.preset!r}"
@@ -71,20 +83,27 @@ def main(argv: list[str]) -> None:
         _die(f"cannot start the engine: {e}", 1)
     log.info("engine ready in %.1fs", time.perf_counter() - t0)
 
+    from hicache_jax.failures import EngineLost
     from hicache_jax.replicated import LeaderEngine, follow
 
     if engine_cfg.dist_process_id > 0:  # only process 0 serves HTTP; the others replay it
         log.info(
             "process %d of %d: following process 0", engine_cfg.dist_process_id, engine_cfg.dist_num_processes
         )
-        follow(engine)
+        try:
+            follow(engine)
+        except EngineLost as e:
+            _lost(e)
+        log.info("process 0 closed the engine; stopping")
         return
     if engine_cfg.dist_num_processes > 1:
         engine = LeaderEngine(engine)
 
     from hicache_jax.server.launch import run_server
 
-    run_server(engine, server_cfg)
+    lost = run_server(engine, server_cfg)
+    if lost is not None:
+        _lost(lost)
 
 
 def run() -> None:

@@ -21,7 +21,9 @@ layers, ``Hkv`` KV heads, ``D`` head dim, ``b`` bytes per value and ``h`` hosts:
                          prefetch is all or nothing across h stores.
 
 One host serves every tp_size this stack runs on CPU and most single-host TPU slices;
-there whole pages cost nothing beyond the copy itself.
+there whole pages cost nothing beyond the copy itself. Over several processes a read
+gathers each page onto every device (``replicate``), so every process gets the whole page
+from its own devices, and a write gives every process the same whole pages.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class PageTransfer:
         self.chunk_bytes = chunk_bytes
         kinds = runner.cfg.layer_kinds
         self.shardings = runner.model.cache_shardings()
+        mesh = runner.model.mesh
+        # Over several processes a host reads only its own devices: gather pages onto all.
+        self.replicate = sharding.replicated(mesh) if jax.process_count() > 1 and mesh is not None else None
         self.layers = {
             "full": [i for i, k in enumerate(kinds) if k == "attention"],
             "swa": [i for i, k in enumerate(kinds) if k == "sliding"],
@@ -108,7 +113,7 @@ class PageTransfer:
         n = len(idx)
         padded = np.zeros(_bucket(n), np.int32)
         padded[:n] = idx
-        out = _gather_jit(self.runner.cache, padded, **self._static(kind))
+        out = _gather_jit(self.runner.cache, padded, **self._static(kind), replicate=self.replicate)
         return {k: np.asarray(v)[:n] for k, v in out.items()}
 
     def _write(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
@@ -135,7 +140,10 @@ class PageTransfer:
                 idx = jax.ShapeDtypeStruct((b,), np.int32)
                 data = {k: jax.ShapeDtypeStruct((b,) + s, d) for k, (s, d) in layout.items()}
                 static = self._static(kind)
-                yield f"read {kind} x{b}", _gather_jit.lower(self.runner.cache, idx, **static)
+                yield (
+                    f"read {kind} x{b}",
+                    _gather_jit.lower(self.runner.cache, idx, **static, replicate=self.replicate),
+                )
                 yield (
                     f"write {kind} x{b}",
                     _scatter_jit.lower(self.runner.cache, idx, data, **static, shardings=self.shardings),
@@ -143,15 +151,17 @@ class PageTransfer:
 
 
 @jax.named_scope("transfer_gather")
-def _gather(cache, idx, *, layers, mamba, kv_repeat):
+def _gather(cache, idx, *, layers, mamba, kv_repeat, replicate):
     if mamba:
-        return {
+        out = {
             "conv": jnp.stack([cache[i].conv[idx] for i in layers], axis=1),
             "ssm": jnp.stack([cache[i].ssm[idx] for i in layers], axis=1),
         }
-    r = kv_repeat  # keep one copy of each replicated KV head
-    kv = [jnp.stack([cache[i].k[idx][:, :, ::r], cache[i].v[idx][:, :, ::r]], axis=1) for i in layers]
-    return {"kv": jnp.stack(kv, axis=1)}
+    else:
+        r = kv_repeat  # keep one copy of each replicated KV head
+        kv = [jnp.stack([cache[i].k[idx][:, :, ::r], cache[i].v[idx][:, :, ::r]], axis=1) for i in layers]
+        out = {"kv": jnp.stack(kv, axis=1)}
+    return sharding.constrain(out, replicate)
 
 
 @jax.named_scope("transfer_scatter")
@@ -174,7 +184,7 @@ def _scatter(cache, idx, data, *, layers, mamba, kv_repeat, shardings):
 
 
 # Module-level jits: engines in one process share compiled transfers.
-_gather_jit = jax.jit(_gather, static_argnames=("layers", "mamba", "kv_repeat"))
+_gather_jit = jax.jit(_gather, static_argnames=("layers", "mamba", "kv_repeat", "replicate"))
 _scatter_jit = jax.jit(
     _scatter, static_argnames=("layers", "mamba", "kv_repeat", "shardings"), donate_argnums=(0,)
 )

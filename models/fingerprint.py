@@ -47,7 +47,17 @@ def params_fingerprint(params, label: str = "") -> str:
     """Hash every parameter's bytes (for models built in memory: presets, tests)."""
     h = hashlib.sha256(b"hicache-jax params v1" + label.encode())
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        a = np.asarray(leaf)
+        a = _whole(leaf)
         h.update(jax.tree_util.keystr(path).encode() + str(a.dtype).encode() + str(a.shape).encode())
         h.update(a.tobytes())
     return h.hexdigest()[:32]
+
+
+def _whole(leaf) -> np.ndarray:
+    """A parameter's whole value; over several processes a sharded one is gathered (every
+    process must call this, in the same order)."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)

@@ -12,7 +12,18 @@ FAMILIES = ("mistral", "gemma3", "bamba", "llama")
 PAGE = 16  # page size the tests use; the window is one page and a bit
 
 
-def hf_config(family: str):
+def hf_config(family: str, **overrides):
+    """The family's tiny config; ``overrides`` replace its fields (e.g. more heads)."""
+
+    cfg = _hf_config(family)
+    for name, value in overrides.items():
+        if not hasattr(cfg, name):
+            raise ValueError(f"{family}: no config field {name!r}")
+        setattr(cfg, name, value)
+    return cfg
+
+
+def _hf_config(family: str):
     import transformers as tf
 
     common = dict(
@@ -73,11 +84,11 @@ def randomize(model, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
 
 
-def hf_model(family: str, seed: int = 0):
+def hf_model(family: str, seed: int = 0, **overrides):
     import torch
     import transformers as tf
 
-    cfg = hf_config(family)
+    cfg = hf_config(family, **overrides)
     cls = {
         "mistral": tf.MistralForCausalLM,
         "llama": tf.LlamaForCausalLM,
@@ -90,8 +101,8 @@ def hf_model(family: str, seed: int = 0):
     return model
 
 
-def make(family: str, out_dir: str, seed: int = 0, **save_kwargs) -> str:
-    hf_model(family, seed).save_pretrained(out_dir, **save_kwargs)
+def make(family: str, out_dir: str, seed: int = 0, overrides: dict | None = None, **save_kwargs) -> str:
+    hf_model(family, seed, **(overrides or {})).save_pretrained(out_dir, **save_kwargs)
     return out_dir
 
 

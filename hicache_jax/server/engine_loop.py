@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 
-from hicache_jax.failures import StepFailed
+from hicache_jax.failures import EngineLost, StepFailed
 from hicache_jax.flush_result import FlushResult
 from hicache_jax.outputs import OutputDelta, OutputStream
 from hicache_jax.sampling_params import InvalidRequest
@@ -65,6 +65,8 @@ class EngineLoop:
         self.started = time.time()
         self.stats = {"aborted_requests": 0, "engine_errors": 0}
         self.healthy = True
+        self.fatal: EngineLost | None = None  # why the engine was lost, if it was
+        self.on_fatal = lambda: None  # called on the engine thread then (stops the server)
         self.paused = False  # /pause_generation: no step runs until /continue_generation
         self.latency = RequestLatency()  # TTFT / TPOT / e2e histograms, fed on the engine thread
         self.profiler = Profiler()  # /start_profile, /stop_profile: touched on the engine thread only
@@ -144,6 +146,12 @@ class EngineLoop:
         log.info("engine loop started")
         try:
             self._serve()
+        except EngineLost as e:  # over several processes: stop the server, not only the loop
+            log.error("engine lost, stopping the server: %s: %s", type(e).__name__, e)
+            self.healthy = False
+            self.fatal = e
+            self._fail_all(f"the engine stopped: {type(e).__name__}: {e}")
+            self.on_fatal()
         except BaseException:
             log.exception("engine loop died; the server is unhealthy")
             self.healthy = False
@@ -277,10 +285,14 @@ class EngineLoop:
         try:
             touched = self.engine.step()
         except StepFailed as e:  # the engine failed its running requests and rebuilt itself
+            if isinstance(e.__cause__, EngineLost):
+                raise e.__cause__ from None  # the processes disagree: nothing can be served
             self.stats["engine_errors"] += 1
             self._fail(e.failed, e.message)
             self.healthy = getattr(self.engine, "broken", None) is None
             return True
+        except EngineLost:
+            raise
         except Exception as e:  # unknown state: fail everything in flight, keep serving
             log.exception("engine step failed; aborting every request in flight")
             self.stats["engine_errors"] += 1
