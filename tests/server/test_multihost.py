@@ -11,7 +11,8 @@ binary, every tier on (jax.distributed over gloo on 127.0.0.1; HTTP on process 0
   both with ``PlanDivergence`` within seconds: the request gets an error naming it, and
   both exit with status 3, instead of hanging in a collective;
 * the pair stops cleanly: SIGTERM to process 0 closes the engine on process 1 too, and both
-  leave ``jax.distributed`` together.
+  leave ``jax.distributed`` together;
+* processes started with different settings refuse to start, naming the flag.
 """
 
 from __future__ import annotations
@@ -201,3 +202,25 @@ def test_a_plan_divergence_stops_both_processes_within_seconds(tmp_path, checkpo
             assert "PlanDivergence: step" in log, log[-3000:]
     finally:
         pair.close()
+
+
+def test_processes_started_with_different_settings_refuse_to_start(tmp_path, checkpoint):
+    env = server_env()
+    env["XLA_FLAGS"] = with_device_count(env["XLA_FLAGS"], 4)
+    flags = [*FLAGS, f"--model_path={checkpoint}", f"--dist_coordinator=127.0.0.1:{free_port()}"]
+    serve = [sys.executable, "-m", "hicache_jax.serve", *flags]
+    procs = [
+        subprocess.Popen(
+            [*serve, f"--dist_process_id={i}", f"--random_seed={i}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 2, out[-3000:]
+        assert "different settings for random_seed; every process must get the same flags" in out, out[-3000:]
