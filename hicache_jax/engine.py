@@ -36,6 +36,7 @@ from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import EngineConfig
 from hicache_jax.failures import EngineStalled, StepFailed
 from hicache_jax.flush_result import FlushResult
+from hicache_jax.metric_kinds import Metrics
 from hicache_jax.models.batch import page_group
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
@@ -122,7 +123,7 @@ class Engine:
         self._inflight: Launched | None = None
         self.broken: BaseException | None = None  # a failed step's cause, until recover()
         self._rng = random.Random(cfg.random_seed)
-        self.stats = {
+        stats = {
             "steps": 0,
             "overlapped_steps": 0,  # planned before the previous step's tokens were read
             "requests_finished": 0,
@@ -133,6 +134,7 @@ class Engine:
             "cached_tokens_host": 0,
             "cached_tokens_storage": 0,
         }
+        self.stats = Metrics().counters(stats)
         if cfg.warmup:
             self.warmup()
 
@@ -462,21 +464,19 @@ class Engine:
                 self.storage.counters["l3_write_errors"],
             )
 
-    def metrics(self) -> dict:
+    def metrics(self) -> Metrics:
         """Counters and gauges for /metrics and /get_server_info (plain numbers)."""
-        out = dict(self.stats)
-        out["num_running_reqs"] = len(self.scheduler.running)
-        out["num_waiting_reqs"] = len(self.scheduler.waiting)
-        out["num_retractions"] = self.scheduler.num_retractions
+        out = self.stats.copy().counters({"num_retractions": self.scheduler.num_retractions})
+        out.gauges(
+            {"num_running_reqs": len(self.scheduler.running), "num_waiting_reqs": len(self.scheduler.waiting)}
+        )
         for kind, pool in self.prefix_cache.pools.items():
-            out[f"pool_{kind}_used"] = pool.num_used
-            out[f"pool_{kind}_size"] = pool.size
+            out.gauges({f"pool_{kind}_used": pool.num_used, f"pool_{kind}_size": pool.size})
         for kind, pool in self.prefix_cache.host.items():
-            out[f"host_pool_{kind}_used"] = pool.index.num_used
-            out[f"host_pool_{kind}_size"] = pool.size
-        out.update(self.prefix_cache.counters)
+            out.gauges({f"host_pool_{kind}_used": pool.index.num_used, f"host_pool_{kind}_size": pool.size})
+        out.add(self.prefix_cache.counters)
         if self.storage is not None:
-            out.update(self.storage.stats())
+            out.add(self.storage.stats())
         return out
 
     def pages_in_use(self) -> dict[str, int]:

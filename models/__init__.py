@@ -1,7 +1,7 @@
 """Flax NNX models, layers, kernels and weight I/O (imported as ``hicache_jax.models``)."""
 
-from hicache_jax.models.batch import ForwardBatch, build_batch
-from hicache_jax.models.causal_lm import CausalLM, make_step
+from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import MambaConfig, ModelConfig
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -14,8 +14,6 @@ __all__ = [
     "KernelConfig",
     "MambaConfig",
     "ModelConfig",
-    "build_batch",
     "load_hf",
     "load_model",
-    "make_step",
 ]

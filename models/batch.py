@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 
 PAGE_GROUPS = ("full", "swa")
 
@@ -72,77 +71,3 @@ jax.tree_util.register_dataclass(
     ],
     meta_fields=["decode_only"],
 )
-
-
-def build_batch(
-    seqs: list[tuple[list[int] | np.ndarray, int, np.ndarray]],
-    *,
-    groups: tuple[str, ...],
-    page_size: int,
-    num_tokens: int | None = None,
-    num_seqs: int | None = None,
-    max_pages: int | None = None,
-    logits: str = "last",
-    num_logits: int | None = None,
-    state_slots: list[int] | None = None,
-    has_initial_state: list[bool] | None = None,
-) -> ForwardBatch:
-    """Build a host-side ForwardBatch.
-
-    ``seqs``: per sequence ``(new_token_ids, num_cached_tokens, page_table)``; the page
-    table (one per sequence, shared by every group here) must cover
-    ``num_cached + len(new)`` tokens. ``logits="last"`` returns logits of each sequence's
-    last new token, ``"all"`` of every new token. Shapes pad to ``num_tokens`` /
-    ``num_seqs`` / ``max_pages`` when given.
-    """
-    q_lens = [len(s[0]) for s in seqs]
-    total = sum(q_lens)
-    T = num_tokens or total
-    S = num_seqs or len(seqs)
-    P = max_pages or max(len(s[2]) for s in seqs)
-    if T < total or S < len(seqs):
-        raise ValueError(f"batch of {len(seqs)} seqs / {total} tokens exceeds padding {S}/{T}")
-    ids = np.zeros(T, np.int32)
-    pos = np.zeros(T, np.int32)
-    slots = np.full(T, -1, np.int32)
-    cu = np.zeros(S + 1, np.int32)
-    kv = np.zeros(S, np.int32)
-    table = np.zeros((S, P), np.int32)
-    rows: list[int] = []
-    t = 0
-    for i, (new, cached, pages) in enumerate(seqs):
-        n = len(new)
-        pages = np.asarray(pages, np.int32)
-        if cached + n > len(pages) * page_size:
-            raise ValueError(f"seq {i}: {cached + n} tokens do not fit {len(pages)} pages")
-        ids[t : t + n] = np.asarray(new, np.int32)
-        p = np.arange(cached, cached + n)
-        pos[t : t + n] = p
-        slots[t : t + n] = pages[p // page_size] * page_size + p % page_size
-        table[i, : len(pages)] = pages
-        kv[i] = cached + n
-        rows.extend(range(t, t + n) if logits == "all" else [t + n - 1])
-        t += n
-        cu[i + 1] = t
-    cu[len(seqs) + 1 :] = t
-    R = num_logits or len(rows)
-    logit_rows = np.zeros(R, np.int32)
-    logit_rows[: len(rows)] = rows
-    st = np.full(S, -1, np.int32)
-    hi = np.zeros(S, bool)
-    if state_slots is not None:
-        st[: len(seqs)] = state_slots
-        hi[: len(seqs)] = has_initial_state
-    return ForwardBatch(
-        input_ids=ids,
-        positions=pos,
-        cu_q_lens=cu,
-        kv_lens=kv,
-        num_seqs=np.int32(len(seqs)),
-        page_tables={g: table for g in groups},
-        slot_mappings={g: slots for g in groups},
-        state_slots=st,
-        has_initial_state=hi,
-        logits_indices=logit_rows,
-        decode_only=all(q == 1 for q in q_lens),
-    )

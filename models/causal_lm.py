@@ -143,16 +143,3 @@ class CausalLM(nnx.Module):
 
     def cache_shardings(self) -> tuple | None:
         return None if self.mesh is None else cache_shardings(self.cfg, self.mesh)
-
-
-def make_step(model: CausalLM):
-    """A jitted ``step(params, cache, batch) -> (cache, logits)`` with the cache donated.
-
-    The graph is split from the state so the weights are an argument, not a constant
-    baked into the program."""
-    graphdef, params = nnx.split(model)
-
-    def step(params, cache, batch):
-        return nnx.merge(graphdef, params)(cache, batch)
-
-    return params, jax.jit(step, donate_argnums=(1,))

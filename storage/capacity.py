@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hicache_jax.metric_kinds import Metrics
 from hicache_jax.storage.guard import GuardConfig, StoreGuard
 from hicache_jax.storage.journal import JOURNAL, RecencyLog, Segment
 from hicache_jax.storage.layout import META
@@ -345,19 +346,19 @@ class Capacity:
         return self._store().write_if(key, value, generation)
 
     # -- reporting / shutdown ----------------------------------------------------------
-    def stats(self) -> dict[str, int]:
-        out = self.counters.snapshot()
-        out["journal_dropped"] = self.journal.dropped
-        return out
+    def stats(self) -> Metrics:
+        return self.counters.snapshot().counters({"journal_dropped": self.journal.dropped})
 
-    def health(self) -> dict[str, int]:
+    def health(self) -> Metrics:
         """Gauges: the store's size as last seen, and whether this server is the evictor."""
-        out = {
-            "capacity_used_bytes": self._used + self._since,
-            "capacity_evictor_used": int(self.lease.held()),
-        }
+        out = Metrics().gauges(
+            {
+                "capacity_used_bytes": self._used + self._since,
+                "capacity_evictor_used": int(self.lease.held()),
+            }
+        )
         if self.index is not None:
-            out["capacity_pages_used"] = self.index.pages
+            out.gauges({"capacity_pages_used": self.index.pages})
         return out
 
     def close(self, final_tick: bool = True) -> None:

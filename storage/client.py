@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from hicache_jax.metric_kinds import Metrics
 from hicache_jax.storage.base import L3Store
 from hicache_jax.storage.breaker import BreakerConfig
 from hicache_jax.storage.capacity import Capacity, CapacityConfig
@@ -401,22 +402,22 @@ class StorageClient:
         if self.capacity is not None:
             self.capacity.forget()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> Metrics:
         """Counters plus the gauges `pending_writes` and `pending_write_bytes` (queued or
         being written), and the guard's counters."""
-        out = self._stats.snapshot()
-        out.update(self.guard.counters.snapshot())
-        out["pending_writes"], out["pending_write_bytes"] = self._writes.pending()
+        out = self._stats.snapshot().add(self.guard.counters.snapshot())
+        writes, nbytes = self._writes.pending()
+        out.gauges({"pending_writes": writes, "pending_write_bytes": nbytes})
         if self.capacity is not None:
-            out.update(self.capacity.stats())
+            out.add(self.capacity.stats())
         return out
 
-    def health(self) -> dict[str, int]:
+    def health(self) -> Metrics:
         """Gauges: read/write breaker open (1/0), store calls stuck past their deadline, and
         with a capacity limit the store's size as last seen and whether we are the evictor."""
         out = self.guard.health()
         if self.capacity is not None:
-            out.update(self.capacity.health())
+            out.add(self.capacity.health())
         return out
 
     def close(self, timeout: float | None = None) -> DrainReport:

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from hicache_jax.metric_kinds import Metrics
 from hicache_jax.storage.breaker import CLOSED, OPEN, BreakerConfig, CircuitBreaker
 from hicache_jax.storage.ratelog import RateLimitedLog
 from hicache_jax.storage.stats import Counters
@@ -175,9 +176,8 @@ class StoreGuard:
         else:
             self.ratelog.warning(f"{path}-error", "L3 %s failed: %s: %s", what, type(err).__name__, err)
 
-    def health(self) -> dict[str, int]:
+    def health(self) -> Metrics:
         """Gauges: breakers not closed (1: open, or half-open waiting for a good probe) and
         calls stuck now."""
-        out = {f"{p}_breaker_open": int(self.breakers[p].state() != CLOSED) for p in PATHS}
-        out["stuck_calls"] = self.stuck
-        return out
+        out = Metrics().gauges({f"{p}_breaker_open": int(self.breakers[p].state() != CLOSED) for p in PATHS})
+        return out.gauges({"stuck_calls": self.stuck})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from hicache_jax.metric_kinds import Metrics
+
 
 class Counters:
     """A fixed set of named integer counters; `add` and `snapshot` are thread-safe.
@@ -22,9 +24,10 @@ class Counters:
                     raise KeyError(f"unknown counter {name!r}")
                 self._values[name] += delta
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> Metrics:
+        """The values, declared counters."""
         with self._lock:
-            return dict(self._values)
+            return Metrics().counters(self._values)
 
     def __getitem__(self, name: str) -> int:
         with self._lock:

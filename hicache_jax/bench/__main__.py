@@ -74,15 +74,13 @@ flags.DEFINE_float("trace_time_scale", 1.0, "multiplies the trace's timestamps (
 flags.DEFINE_integer("max_requests", 0, "replay at most this many trace requests (0: all)")
 
 
+def _from_flags(cls, prefix: str):
+    """A workload config from its flags: field ``x`` from ``--<prefix>x``."""
+    return cls(**{f.name: getattr(F, prefix + f.name) for f in dataclasses.fields(cls)})
+
+
 def config_from_flags() -> BenchConfig:
-    qa = DocQAConfig(
-        documents=F.qa_documents,
-        questions=F.qa_questions,
-        doc_tokens=F.qa_doc_tokens,
-        question_tokens=F.qa_question_tokens,
-        output_tokens=F.qa_output_tokens,
-        rate=F.qa_rate,
-    )
+    qa = _from_flags(DocQAConfig, "qa_")
     env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} if F.compilation_cache_dir else {}
     env |= {"JAX_COMPILATION_CACHE_DIR": F.compilation_cache_dir} if F.compilation_cache_dir else {}
     trace = None
@@ -99,15 +97,7 @@ def config_from_flags() -> BenchConfig:
         out_dir=F.out_dir,
         configs=tuple(F.configs),
         workloads=tuple(F.workloads),
-        chat=ChatConfig(
-            clients=F.chat_clients,
-            rounds=F.chat_rounds,
-            system_tokens=F.chat_system_tokens,
-            user_tokens=F.chat_user_tokens,
-            output_tokens=F.chat_output_tokens,
-            arrival_rate=F.chat_arrival_rate,
-            think_s=F.chat_think_s,
-        ),
+        chat=_from_flags(ChatConfig, "chat_"),
         qa=qa,
         restart=dataclasses.replace(qa, questions=F.restart_questions),
         trace=trace,

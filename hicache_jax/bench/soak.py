@@ -23,11 +23,16 @@ import time
 import httpx
 import numpy as np
 
+from hicache_jax.bench.workloads import positive
+
 VOCAB = (3, 500)  # tiny presets: ids below 3 are special
 
 
 @dataclasses.dataclass(frozen=True)
 class SoakConfig:
+    """Rounds of ``requests_per_round`` requests from ``clients`` concurrent clients; the
+    shares are of the requests (streaming, OpenAI route, aborted, disconnected)."""
+
     clients: int = 16
     rounds: int = 4
     requests_per_round: int = 100
@@ -42,13 +47,13 @@ class SoakConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.clients < 1 or self.rounds < 1 or self.requests_per_round < 1:
-            raise ValueError("clients, rounds and requests_per_round must be >= 1")
+        positive(self, "clients", "rounds", "requests_per_round", "max_new_tokens", "num_prefixes")
+        positive(self, "request_timeout_s")
         if self.max_prompt < 2:
-            raise ValueError("max_prompt must be >= 2")
+            raise ValueError(f"SoakConfig.max_prompt must be >= 2, got {self.max_prompt}")
         shares = (self.stream_share, self.openai_share, self.abort_share, self.disconnect_share)
         if any(not 0 <= s <= 1 for s in shares):
-            raise ValueError("shares must be in [0, 1]")
+            raise ValueError(f"SoakConfig shares must be in [0, 1], got {shares}")
 
 
 @dataclasses.dataclass(frozen=True)

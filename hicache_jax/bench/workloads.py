@@ -33,7 +33,8 @@ def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(FIRST_ID, vocab, n).tolist()
 
 
-def _positive(cfg, *names: str) -> None:
+def positive(cfg, *names: str) -> None:
+    """Refuse a config whose named fields are not all > 0, naming the first that is not."""
     for name in names:
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{type(cfg).__name__}.{name} must be > 0, got {getattr(cfg, name)}")
@@ -50,7 +51,7 @@ class ChatConfig:
     think_s: float = 0.5  # mean pause between a reply and the next turn
 
     def __post_init__(self):
-        _positive(self, "clients", "rounds", "system_tokens", "user_tokens", "output_tokens", "arrival_rate")
+        positive(self, "clients", "rounds", "system_tokens", "user_tokens", "output_tokens", "arrival_rate")
         if self.think_s < 0:
             raise ValueError(f"ChatConfig.think_s must be >= 0, got {self.think_s}")
 
@@ -94,7 +95,7 @@ class DocQAConfig:
     rate: float = 4.0  # requests per second
 
     def __post_init__(self):
-        _positive(self, "documents", "questions", "doc_tokens", "question_tokens", "output_tokens", "rate")
+        positive(self, "documents", "questions", "doc_tokens", "question_tokens", "output_tokens", "rate")
 
     @property
     def num_requests(self) -> int:
@@ -135,7 +136,7 @@ class TraceConfig:
     rounds: int = 8  # the replay is cut into this many equal parts for per-round counts
 
     def __post_init__(self):
-        _positive(self, "block_tokens", "trace_block_tokens", "rounds")
+        positive(self, "block_tokens", "trace_block_tokens", "rounds")
         if self.time_scale < 0:
             raise ValueError(f"TraceConfig.time_scale must be >= 0, got {self.time_scale}")
 

@@ -37,6 +37,7 @@ from hicache_jax.cache.lru import LruQueue
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.radix import Node, RadixTree
+from hicache_jax.metric_kinds import Metrics
 
 KINDS = ("full", "swa", "mamba")
 
@@ -74,7 +75,7 @@ class PrefixCache:
         self.trees: dict[str | None, RadixTree] = {}
         self.pending_backup: dict[int, Node] = {}  # id -> node, in insertion order
         self.on_backup: Callable[[Node, tuple[str, ...]], None] | None = None
-        self.counters = {"host_loads": 0, "host_backups": 0, "backup_skipped": 0}
+        self.counters = Metrics().counters({"host_loads": 0, "host_backups": 0, "backup_skipped": 0})
         self.storage_rows = 0  # host rows of nodes L3 filled that no match used yet
         # Eviction order, per pool: device pages, then host copies of device data (they go
         # first) and host-only pages.

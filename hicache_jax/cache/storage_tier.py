@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.radix import Node
+from hicache_jax.metric_kinds import Metrics
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.guard import L3Unavailable
 from hicache_jax.storage.keys import Namespace, page_hashes
@@ -125,7 +126,7 @@ class StorageTier:
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="l3-plan")
         self._reserved = 0  # host rows reserved by tasks in self.tasks (scheduler thread only)
         self._closed = False
-        self.counters = {
+        counters = {
             "prefetch_issued": 0,
             "prefetch_completed": 0,
             "prefetch_revoked": 0,
@@ -139,6 +140,7 @@ class StorageTier:
             "prefetch_pages": 0,
             "l3_write_errors": 0,
         }
+        self.counters = Metrics().counters(counters)
         cache.on_backup = self._on_backup
 
     # ---- keys ---------------------------------------------------------------------------
@@ -387,13 +389,15 @@ class StorageTier:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close(timeout)
 
-    def stats(self) -> dict:
-        out = dict(self.counters)
-        out.update({f"l3_{k}": v for k, v in self.client.stats().items()})
-        out["prefetch_host_rows_in_flight"] = self._reserved
-        out["prefetch_host_rows_used"] = self.cache.storage_rows
-        out.update({f"storage_{k}": v for k, v in self.client.health().items()})
-        return out
+    def stats(self) -> Metrics:
+        out = self.counters.copy().add(self.client.stats(), prefix="l3_")
+        out.gauges(
+            {
+                "prefetch_host_rows_in_flight": self._reserved,
+                "prefetch_host_rows_used": self.cache.storage_rows,
+            }
+        )
+        return out.add(self.client.health(), prefix="storage_")
 
     def pending(self) -> Sequence[PrefetchTask]:
         return [t for t in self.tasks.values() if t.status == "pending"]

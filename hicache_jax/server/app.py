@@ -17,7 +17,7 @@ import hmac
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 import hicache_jax
 from hicache_jax.server import errors, metrics
@@ -27,12 +27,9 @@ from hicache_jax.server.profiler import ProfileError
 from hicache_jax.server.protocol import GenerateRequest, ProfileRequest, parse_body
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import (
-    DONE,
-    SSE_HEADERS,
-    ClientGone,
     CumulativeStream,
     Watch,
-    sse,
+    stream_response,
     wait_whole,
 )
 
@@ -151,7 +148,7 @@ def create_app(state: ServerState) -> FastAPI:
         reqs, batched = body.to_engine_requests()
         watch = Watch(state.loop, await state.loop.generate(reqs), request)
         if body.stream:
-            return StreamingResponse(_stream(watch), media_type="text/event-stream", headers=SSE_HEADERS)
+            return stream_response(watch, _events(watch))
         outs = await wait_whole(watch)
         if outs is None:
             return error_response(499, "client closed the request")
@@ -161,17 +158,9 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _stream(watch: Watch) -> AsyncIterator[bytes]:
-    """SGLang's stream: each event carries the text and ids so far, then ``[DONE]``. The
-    engine loop sends deltas; ``CumulativeStream`` adds them up."""
+async def _events(watch: Watch) -> AsyncIterator[bytes]:
+    """SGLang's stream: each event carries the text and ids so far. The engine loop sends
+    deltas; ``CumulativeStream`` adds them up."""
     events = CumulativeStream()
-    try:
-        async for upd in watch.updates(watch.sinks[0]):
-            yield events.event(upd.out)
-    except ApiError as e:  # headers already sent: report in-band
-        yield sse({"error": {"message": e.message, "type": "server_error", "code": e.status}})
-    except ClientGone:
-        return
-    finally:
-        watch.close()
-    yield DONE
+    async for upd in watch.updates(watch.sinks[0]):
+        yield events.event(upd.out)

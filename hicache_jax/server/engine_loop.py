@@ -24,6 +24,7 @@ import time
 
 from hicache_jax.failures import EngineLost, StepFailed
 from hicache_jax.flush_result import FlushResult
+from hicache_jax.metric_kinds import Metrics
 from hicache_jax.outputs import OutputDelta, OutputStream
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.server.errors import ApiError
@@ -63,7 +64,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._tokens: collections.deque[tuple[float, int]] = collections.deque()
         self.started = time.time()
-        self.stats = {"aborted_requests": 0, "engine_errors": 0}
+        self.stats = Metrics().counters({"aborted_requests": 0, "engine_errors": 0})
         self.healthy = True
         self.fatal: EngineLost | None = None  # why the engine was lost, if it was
         self.on_fatal = lambda: None  # called on the engine thread then (stops the server)
@@ -232,7 +233,7 @@ class EngineLoop:
             case ClearStorage(reply):
                 reply.set((False, f"clear_storage failed: {why}"))
             case GetMetrics(reply):
-                reply.set({"engine_errors": self.stats["engine_errors"]})
+                reply.set(Metrics().counters({"engine_errors": self.stats["engine_errors"]}))
             case Pause(_, reply):
                 reply.set(None)
             case StartProfile(_, _, reply) | StopProfile(reply):
@@ -381,17 +382,17 @@ class EngineLoop:
             return False, f"clear_storage failed: {e}"
         return result is not False, "L3 storage cleared" if result is not False else "clear_storage refused"
 
-    def _metrics(self) -> dict:
-        out = {k: v for k, v in self.engine.metrics().items() if isinstance(v, (int, float))}
-        out.update(self.stats)
-        out["generation_paused"] = int(self.paused)
-        if len(self._tokens) >= 2:
+    def _metrics(self) -> Metrics:
+        out = Metrics().add(self.engine.metrics()).add(self.stats)
+        throughput = 0.0
+        if len(self._tokens) >= 2 and time.monotonic() - self._tokens[-1][0] <= THROUGHPUT_WINDOW_S:
             (t0, n0), (t1, n1) = self._tokens[0], self._tokens[-1]
-            out["gen_throughput"] = (n1 - n0) / max(t1 - t0, 1e-6)
-        else:
-            out["gen_throughput"] = 0.0
-        if self._tokens and time.monotonic() - self._tokens[-1][0] > THROUGHPUT_WINDOW_S:
-            out["gen_throughput"] = 0.0
-        out["uptime_s"] = time.time() - self.started
-        out["histograms"] = self.latency.snapshot()  # not a number: metrics.render exports it
-        return out
+            throughput = (n1 - n0) / max(t1 - t0, 1e-6)
+        out.gauges(
+            {
+                "generation_paused": int(self.paused),
+                "gen_throughput": throughput,
+                "uptime_s": time.time() - self.started,
+            }
+        )
+        return out.histograms({"histograms": self.latency.snapshot()})  # metrics.render exports them

@@ -12,27 +12,37 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from hicache_jax.sampling_params import show
 from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hicache_jax.server.protocol import parse_body
 from hicache_jax.server.state import ServerState
-from hicache_jax.server.streaming import DONE, SSE_HEADERS, ClientGone, Watch, sse, wait_whole
+from hicache_jax.server.streaming import Watch, sse, stream_response, wait_whole
 
 router = APIRouter()
+
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _check_model(state: ServerState, model: str) -> None:
-    if model != state.served_model_name:
-        raise ApiError(404, f"model {show(model)} not found; this server serves {state.served_model_name!r}")
+async def _accept(request: Request, protocol: type[Body]) -> tuple[Body, ServerState]:
+    """The parsed body and the server's state, once the body names the served model and asks
+    only for what the server supports."""
+    body = await parse_body(request, protocol)
+    s = _state(request)
+    if body.model != s.served_model_name:
+        raise ApiError(404, f"model {show(body.model)} not found; this server serves {s.served_model_name!r}")
+    body.check_supported()
+    return body, s
 
 
 # ---- response pieces -----------------------------------------------------------------------------
@@ -114,26 +124,13 @@ async def models(request: Request) -> dict:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    body = await parse_body(request, CompletionRequest)
-    s = _state(request)
-    _check_model(s, body.model)
-    body.check_supported()
+    body, s = await _accept(request, CompletionRequest)
     prompts = body.prompts()
     if body.stream and len(prompts) > 1:
         raise ApiError(400, "stream=true takes a single prompt; send one request per prompt")
     want_lp = body.logprobs is not None
-    reqs = [
-        dict(
-            p,
-            rid=f"cmpl-{uuid.uuid4().hex}",
-            sampling_params=body.sampling_params(body.max_tokens if body.max_tokens is not None else 16),
-            return_logprob=want_lp,
-            top_logprobs_num=body.logprobs or 0,
-            cache_salt=body.cache_salt,
-            stream=body.stream,
-        )
-        for p in prompts
-    ]
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    reqs = [_engine_request(p, "cmpl", body, max_tokens, want_lp, body.logprobs) for p in prompts]
     created = int(time.time())
 
     def choice(i: int, text: str, logprobs: tuple, offset: int, reason: str | None) -> dict:
@@ -180,22 +177,12 @@ async def completions(request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    body = await parse_body(request, ChatCompletionRequest)
-    s = _state(request)
-    _check_model(s, body.model)
-    body.check_supported()
+    body, s = await _accept(request, ChatCompletionRequest)
     messages = [m.as_template_input() for m in body.messages]
     ids = await asyncio.to_thread(s.chat.encode, messages, True, body.chat_template_kwargs)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    req = dict(
-        input_ids=ids,
-        rid=rid,
-        sampling_params=body.sampling_params(body.max_new_tokens(len(ids), s.max_request_tokens)),
-        return_logprob=body.logprobs,
-        top_logprobs_num=body.top_logprobs or 0,
-        cache_salt=body.cache_salt,
-        stream=body.stream,
-    )
+    max_tokens = body.max_new_tokens(len(ids), s.max_request_tokens)
+    req = _engine_request({"input_ids": ids}, "chatcmpl", body, max_tokens, body.logprobs, body.top_logprobs)
+    rid = req["rid"]
     created = int(time.time())
 
     def frame(choices: list, obj: str, **extra) -> dict:
@@ -239,6 +226,20 @@ async def chat_completions(request: Request) -> Response:
     return await _respond(s, request, [req], body.stream, chunks, whole)
 
 
+def _engine_request(prompt: dict, kind: str, body, max_tokens: int, logprobs: bool, top: int | None) -> dict:
+    """The engine loop's request for one prompt (``text`` or ``input_ids``) of an OpenAI body:
+    a fresh ``<kind>-<hex>`` id and the body's sampling, logprob, salt and stream settings."""
+    return dict(
+        prompt,
+        rid=f"{kind}-{uuid.uuid4().hex}",
+        sampling_params=body.sampling_params(max_tokens),
+        return_logprob=logprobs,
+        top_logprobs_num=top or 0,
+        cache_salt=body.cache_salt,
+        stream=body.stream,
+    )
+
+
 async def _respond(
     s: ServerState,
     request: Request,
@@ -250,20 +251,7 @@ async def _respond(
     """Queue the requests; stream SSE chunks, or wait for every output and answer once."""
     watch = Watch(s.loop, await s.loop.generate(reqs), request)
     if stream:
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in chunks(watch):
-                    yield chunk
-            except ApiError as e:  # headers are sent: report in-band, as OpenAI does
-                yield sse({"error": {"message": e.message, "type": "server_error", "code": e.status}})
-            except ClientGone:
-                return
-            finally:
-                watch.close()
-            yield DONE
-
-        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return stream_response(watch, chunks(watch))
     outs = await wait_whole(watch)
     if outs is None:
         return error_response(499, "client closed the request")

@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from hicache_jax.outputs import OutputDelta
 from hicache_jax.server.engine_loop import EngineLoop
@@ -92,6 +93,26 @@ async def wait_whole(watch: Watch) -> list[dict] | None:
         return None
     finally:
         watch.close()
+
+
+def stream_response(watch: Watch, chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    """An SSE response: ``chunks``, then ``[DONE]``. Its headers are sent by the time an
+    ApiError comes, so that is reported in-band (as OpenAI does); a client that left ends
+    it. The watch is closed either way."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except ApiError as e:
+            yield sse({"error": {"message": e.message, "type": "server_error", "code": e.status}})
+        except ClientGone:
+            return
+        finally:
+            watch.close()
+        yield DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 class CumulativeStream:

@@ -5,8 +5,8 @@ and a decode-only step."""
 import numpy as np
 import pytest
 
-from hicache_jax.models import KernelConfig, build_batch, load_hf, make_step
-from hicache_jax.models.batch import page_group
+from hicache_jax.models import KernelConfig, load_hf
+from tests.models.steps import build_step, jit_forward, kv_groups, logits_of, sequence
 
 P = 16
 
@@ -14,24 +14,22 @@ P = 16
 def two_steps(model):
     """Step 1: seq A prefills 20 tokens, seq B 9. Step 2 (mixed): A continues with 12
     tokens, B decodes one. Step 3: both decode."""
-    params, step = make_step(model)
-    groups = tuple(sorted({page_group(k) for k in model.cfg.layer_kinds if k != "mamba"}))
+    params, step = jit_forward(model)
     cache = model.allocate_cache(num_pages=8, page_size=P, num_state_slots=2, fill=np.nan)
     rng = np.random.RandomState(0)
-    a, b = rng.randint(0, 512, 33).tolist(), rng.randint(0, 512, 11).tolist()
-    pa, pb = [1, 2, 3], [5]
+    a = sequence(rng.randint(0, 512, 33), pages=[1, 2, 3], state_slot=0)
+    b = sequence(rng.randint(0, 512, 11), pages=[5], state_slot=1)
     out = []
     for (na, ca), (nb, cb) in (((20, 0), (9, 0)), ((12, 20), (1, 9)), ((1, 32), (1, 10))):
-        batch = build_batch(
-            [(a[ca : ca + na], ca, pa), (b[cb : cb + nb], cb, pb)],
-            groups=groups,
+        batch, rows = build_step(
+            [(a, ca, ca + na), (b, cb, cb + nb)],
+            groups=kv_groups(model),
             page_size=P,
-            logits="all",
-            state_slots=[0, 1],
-            has_initial_state=[ca > 0, cb > 0],
+            max_pages=3,
+            all_logits=True,
         )
         cache, logits = step(params, cache, batch)
-        out.append(np.asarray(logits))
+        out.append(logits_of(logits, rows))
     return out
 
 

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from hicache_jax.models import build_batch, load_hf, make_step
-from hicache_jax.models.batch import page_group
+from hicache_jax.models import load_hf
 from tests.hf_checkpoints import PAGE
+from tests.models.steps import build_step, jit_forward, kv_groups, logits_of, sequence
 
 FAMILIES = ["mistral", "gemma3", "bamba"]
 LENGTH = 70  # > 3 windows of 20; > 4 SSD chunks
@@ -14,27 +14,22 @@ LENGTH = 70  # > 3 windows of 20; > 4 SSD chunks
 
 def run_chunked(model, step, params, ids, chunk, *, state_slot=0):
     """Feed ``ids`` ``chunk`` tokens per step; return the logits of every token."""
-    cfg = model.cfg
     n_pages = -(-len(ids) // PAGE)
     cache = model.allocate_cache(num_pages=n_pages + 1, page_size=PAGE, num_state_slots=2, fill=np.nan)
     # Mamba slots start as NaN too: a fresh sequence must not read them.
-    pages = np.arange(1, n_pages + 1)  # page 0 unused (NaN)
-    groups = tuple(sorted({page_group(k) for k in cfg.layer_kinds if k != "mamba"}))
+    seq = sequence(ids, pages=range(1, n_pages + 1), state_slot=state_slot)  # page 0 unused (NaN)
     out = []
     for start in range(0, len(ids), chunk):
-        new = ids[start : start + chunk]
-        batch = build_batch(
-            [(new, start, pages)],
-            groups=groups,
+        batch, rows = build_step(
+            [(seq, start, min(start + chunk, len(ids)))],
+            groups=kv_groups(model),
             page_size=PAGE,
+            max_pages=n_pages,
             num_tokens=chunk,
-            logits="all",
-            num_logits=chunk,
-            state_slots=[state_slot],
-            has_initial_state=[start > 0],
+            all_logits=True,
         )
         cache, logits = step(params, cache, batch)
-        out.append(np.asarray(logits)[: len(new)])
+        out.append(logits_of(logits, rows))
     return np.concatenate(out)
 
 
@@ -43,7 +38,7 @@ def test_chunks_match_full_pass(checkpoint_dir, family):
     model = load_hf(checkpoint_dir(family))
     ids = np.random.RandomState(1).randint(0, model.cfg.vocab_size, LENGTH)
     full = np.asarray(jax.jit(model.forward_full)(ids[None]))[0]
-    params, step = make_step(model)
+    params, step = jit_forward(model)
     for chunk in (1, 7, 64):
         got = run_chunked(model, step, params, ids, chunk)
         assert not np.isnan(got).any(), f"chunk {chunk}: NaN leaked from unused pages/slots"

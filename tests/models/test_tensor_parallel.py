@@ -12,17 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hicache_jax.models import (
-    CausalLM,
-    KernelConfig,
-    ModelConfig,
-    build_batch,
-    load_hf,
-    make_step,
-)
-from hicache_jax.models.batch import page_group
+from hicache_jax.models import CausalLM, KernelConfig, ModelConfig, load_hf
 from hicache_jax.models.presets import preset_config
 from hicache_jax.models.sharding import check_tp, make_mesh, shard_model
+from tests.models.steps import build_step, jit_forward, kv_groups, logits_of, sequence
 
 P = 16
 ATOL = 1e-4
@@ -43,27 +36,21 @@ HEADS8 = ModelConfig(
 def steps(model):
     """Seq A prefills 10 tokens beside B's 9; then A's next 10 (a chunked prefill) beside
     B's first decode (a mixed step); then both decode. Returns each step's logits."""
-    params, step = make_step(model)
-    groups = tuple(sorted({page_group(k) for k in model.cfg.layer_kinds if k != "mamba"}))
+    params, step = jit_forward(model)
     cache = model.allocate_cache(num_pages=8, page_size=P, num_state_slots=2, fill=np.nan)
     rng = np.random.RandomState(0)
-    a, b = rng.randint(0, 512, 21).tolist(), rng.randint(0, 512, 11).tolist()
+    a = sequence(rng.randint(0, 512, 21), pages=[1, 2], state_slot=0)
+    b = sequence(rng.randint(0, 512, 11), pages=[5], state_slot=1)
     out = []
     plan = (((10, 0), (9, 0)), ((10, 10), (1, 9)), ((1, 20), (1, 10)))
     for (na, ca), (nb, cb) in plan:
-        seqs = [(a[ca : ca + na], ca, [1, 2]), (b[cb : cb + nb], cb, [5])]
-        decode = all(len(s[0]) == 1 for s in seqs)
-        batch = build_batch(
-            seqs,
-            groups=groups,
-            page_size=P,
-            num_tokens=None if decode else 24,
-            max_pages=2,
-            state_slots=[0, 1],
-            has_initial_state=[ca > 0, cb > 0],
+        work = [(a, ca, ca + na), (b, cb, cb + nb)]
+        decode = na == nb == 1
+        batch, rows = build_step(
+            work, groups=kv_groups(model), page_size=P, max_pages=2, num_tokens=None if decode else 24
         )
         cache, logits = step(params, cache, batch)
-        out.append(np.asarray(logits))
+        out.append(logits_of(logits, rows))
     return out
 
 

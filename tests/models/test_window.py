@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from hicache_jax.models import build_batch, load_hf
+from hicache_jax.models import load_hf
 from hicache_jax.models.causal_lm import CausalLM
+from tests.models.steps import build_step, sequence
 
 WINDOW = 20
 
@@ -12,7 +13,8 @@ def layer_outputs(model: CausalLM, layer: int, x: np.ndarray) -> np.ndarray:
     """Run one attention layer on hidden states ``x [T, hidden]`` of one sequence."""
     T = x.shape[0]
     cache = model.allocate_cache(num_pages=1, page_size=T, num_state_slots=1)
-    batch = build_batch([(np.zeros(T, np.int32), 0, [0])], groups=("full", "swa"), page_size=T)
+    work = [(sequence(np.zeros(T, np.int32), pages=[0]), 0, T)]
+    batch, _ = build_step(work, groups=("full", "swa"), page_size=T, max_pages=1)
     _, out = model.layers[layer].mixer(cache[layer], x, batch)
     return np.asarray(out)
 

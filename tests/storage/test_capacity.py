@@ -187,4 +187,5 @@ def test_cleared_store_starts_a_fresh_index(tmp_path):
     assert c.flush(10)
     c.capacity.tick()
     assert c.capacity.index.pages == 2 and c.health()["capacity_used_bytes"] == stored_bytes(c.store)
+    assert c.stats().undeclared() == c.health().undeclared() == []  # /metrics knows every kind
     c.close()

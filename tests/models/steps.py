@@ -1,0 +1,75 @@
+"""Model steps for the model tests, laid out by the engine's own ``BatchBuilder``.
+
+A test names each sequence (its tokens, pages and Mamba state slot) and, per step, which of
+its tokens the step feeds; the builder lays them out as the engine would. Shapes are the
+tight ones (no buckets), so each test compiles as few programs as it needs.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hicache_jax.models.batch import ForwardBatch, page_group
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.request import Req
+from hicache_jax.sampling_params import SamplingParams
+from hicache_jax.scheduler.plan import BatchBuilder, StepPlan, WorkItem
+
+
+def jit_forward(model: CausalLM):
+    """``(params, step)``: a jitted ``step(params, cache, batch) -> (cache, logits)`` with the
+    cache donated and the weights an argument (as the runner passes them)."""
+    graphdef, params = nnx.split(model)
+
+    def step(params, cache, batch):
+        return nnx.merge(graphdef, params)(cache, batch)
+
+    return params, jax.jit(step, donate_argnums=(1,))
+
+
+def kv_groups(model: CausalLM) -> tuple[str, ...]:
+    return tuple(sorted({page_group(k) for k in model.cfg.layer_kinds if k != "mamba"}))
+
+
+def sequence(tokens, pages, state_slot: int | None = None) -> Req:
+    """A request holding the whole sequence ``tokens`` in ``pages`` (both page groups)."""
+    pages = [int(p) for p in pages]
+    req = Req(rid=f"seq{state_slot}", input_ids=[int(t) for t in tokens], sampling=SamplingParams())
+    req.full_pages, req.swa_pages, req.state_slot = pages, list(pages), state_slot
+    return req
+
+
+def build_step(
+    work: list[tuple[Req, int, int]],
+    *,
+    groups: tuple[str, ...],
+    page_size: int,
+    max_pages: int,
+    num_tokens: int | None = None,
+    all_logits: bool = False,
+) -> tuple[ForwardBatch, list]:
+    """One step feeding tokens ``start:end`` of each ``(req, start, end)``.
+
+    Returns the batch and, per sequence, the index of its logits rows: every fed token's
+    (``all_logits``) or the last one's. Tokens pad to ``num_tokens`` when given."""
+    plan = StepPlan([WorkItem(req, start, end, has_initial_state=start > 0) for req, start, end in work])
+    S = len(plan.items)
+    T = num_tokens or plan.num_tokens
+    builder = BatchBuilder(
+        page_size=page_size, groups=groups, max_running=S, max_prefill=T, max_pages=max_pages
+    )
+    shape = (T, S, T if all_logits else S, plan.decode_only)
+    batch, _, _, _, first = builder.build(plan, shape=shape)
+    if all_logits:
+        rows = [slice(f, f + i.num_tokens) for f, i in zip(first, plan.items)]
+    else:
+        rows = list(range(S))
+    return batch, rows
+
+
+def logits_of(logits, rows) -> np.ndarray:
+    """The rows ``build_step`` named, in sequence order, as one host array."""
+    logits = np.asarray(logits)
+    return np.concatenate([logits[r] if isinstance(r, slice) else logits[r][None] for r in rows])
