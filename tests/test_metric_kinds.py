@@ -1,6 +1,6 @@
 """``Metrics``: kinds travel with the numbers through copies, prefixes and updates."""
 
-import pytest
+import logging
 
 from hicache_jax.metric_kinds import COUNTER, GAUGE, Metrics
 from hicache_jax.server import metrics as exporter
@@ -23,12 +23,13 @@ def test_kinds_follow_their_keys():
     assert out.undeclared() == []
 
 
-def test_a_number_nobody_declared_is_refused():
+def test_a_number_nobody_declared_goes_out_untyped_and_is_named(caplog):
     out = Metrics().counters({"steps": 1}).add({"new_thing": 1.5})  # a plain dict declares nothing
     assert out.undeclared() == ["new_thing"]
     out["other"] = 2
     assert out.undeclared() == ["new_thing", "other"]
-    with pytest.raises(ValueError, match=r"without a declared kind.*\['new_thing', 'other'\]"):
-        exporter.render(out)
-    with pytest.raises(ValueError, match="without a declared kind"):
-        exporter.render({"steps": 1})
+    with caplog.at_level(logging.WARNING):
+        text = exporter.render(out).decode()
+    assert "# TYPE hicache_new_thing untyped" in text and "# TYPE hicache_other untyped" in text
+    assert "# TYPE hicache_steps counter" in text, "a declared kind is kept"
+    assert "['new_thing', 'other']" in caplog.text

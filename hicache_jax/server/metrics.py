@@ -3,19 +3,28 @@
 Every key of ``Engine.metrics()`` (plus the engine loop's own) is exported as
 ``hicache_<key>``, so numbers the engine grows later (L3 bytes, prefetch outcomes, ...)
 appear without a server change. Each is a counter or a gauge as its producer declared it
-(``hicache_jax/metric_kinds.py``); a key nobody declared is refused, not guessed. Hit rates
+(``hicache_jax/metric_kinds.py``); a key nobody declared is exported untyped, with a
+warning naming it, never guessed (and ``tests/server/test_metrics.py`` fails on it). Hit rates
 per tier are derived here. The ``histograms`` entry (``latency.py``: TTFT, TPOT, e2e) becomes
 Prometheus histograms.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    UnknownMetricFamily,
+)
 
 from hicache_jax.metric_kinds import COUNTER, GAUGE, Metrics
+
+log = logging.getLogger(__name__)
 
 PREFIX = "hicache_"
 TIERS = ("device", "host", "storage")
@@ -42,10 +51,13 @@ class _Snapshot:
         m = self.metrics
         for key, value in sorted(m.items()):
             doc = HELP.get(key, key.replace("_", " "))
-            if m.kinds[key] == COUNTER:
+            kind = m.kinds.get(key)
+            if kind == COUNTER:
                 yield CounterMetricFamily(_name(key.removesuffix("_total")), doc, value=value)
-            elif m.kinds[key] == GAUGE:
+            elif kind == GAUGE:
                 yield GaugeMetricFamily(_name(key), doc, value=value)
+            elif kind is None:
+                yield UnknownMetricFamily(_name(key), doc, value=value)
             else:
                 yield from _histograms(value)
         prompt = m.get("prompt_tokens", 0)
@@ -67,11 +79,18 @@ def _histograms(snapshots: dict):
         yield HistogramMetricFamily(_name(key), key.replace("_", " "), buckets=buckets, sum_value=h["sum"])
 
 
+_warned: set[str] = set()
+
+
 def render(metrics: Metrics) -> bytes:
-    """The Prometheus text of ``metrics``; every key must have a declared kind."""
-    undeclared = metrics.undeclared() if isinstance(metrics, Metrics) else sorted(metrics)
-    if undeclared:
-        raise ValueError(f"metrics without a declared kind (counter or gauge): {undeclared}")
+    """The Prometheus text of ``metrics``; a key without a declared kind goes out untyped,
+    and is named in a warning once per process."""
+    if not isinstance(metrics, Metrics):
+        metrics = Metrics().add(metrics)
+    new = [k for k in metrics.undeclared() if k not in _warned]
+    if new:
+        _warned.update(new)
+        log.warning("metrics without a declared kind (exported untyped): %s", new)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(metrics))
     return generate_latest(registry)
