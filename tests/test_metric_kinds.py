@@ -31,5 +31,5 @@ def test_a_number_nobody_declared_goes_out_untyped_and_is_named(caplog):
     with caplog.at_level(logging.WARNING):
         text = exporter.render(out).decode()
     assert "# TYPE hicache_new_thing untyped" in text and "# TYPE hicache_other untyped" in text
-    assert "# TYPE hicache_steps counter" in text, "a declared kind is kept"
+    assert "# TYPE hicache_steps_total counter" in text, "a declared kind is kept"
     assert "['new_thing', 'other']" in caplog.text
