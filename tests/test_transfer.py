@@ -30,7 +30,7 @@ def _runner(rng):
         )
         for kind in cfg.layer_kinds
     )
-    model = types.SimpleNamespace(cache_shardings=lambda: None)  # one device: no mesh
+    model = types.SimpleNamespace(cache_shardings=lambda: None, mesh=None)  # one device: no mesh
     return types.SimpleNamespace(cfg=cfg, cache=cache, model=model)
 
 
