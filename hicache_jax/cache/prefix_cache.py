@@ -187,6 +187,11 @@ class PrefixCache:
         return pool.alloc(n)
 
     def _evictable(self, node: Node, kind: str) -> bool:
+        return self.may_evict(node, kind, device_below=lambda n: n.dev_kids > 0)
+
+    def may_evict(self, node: Node, kind: str, device_below) -> bool:
+        """The eviction rule for ``node``'s ``kind`` page; ``device_below(node)``: whether a
+        device page hangs below it (a maintained count here; a scan in the tests)."""
         if getattr(node, kind) is None:
             return False
         if kind == "swa":
@@ -196,7 +201,7 @@ class PrefixCache:
         if kind == "full" and node.host_full is None and node.children:
             if self.write_policy == "write_back" and "full" in self.host:
                 return True  # backed up on eviction, then only its device page goes
-            return not node.dev_kids  # goes with its host-only subtree
+            return not device_below(node)  # goes with its host-only subtree
         return True
 
     @staticmethod

@@ -43,19 +43,9 @@ def _device_below(node: Node) -> bool:
 class ScanCache(PrefixCache):
     """Chooses victims by scanning everything (the definition, not the data structure)."""
 
-    def _can_evict(self, node: Node, kind: str) -> bool:
-        if getattr(node, kind) is None:
-            return False
-        if kind == "swa":
-            return node.swa_lock == 0
-        if node.lock_ref:
-            return False
-        if kind == "full" and node.host_full is None and node.children:
-            return (self.write_policy == "write_back" and "full" in self.host) or not _device_below(node)
-        return True
-
     def _victim(self, kind):
-        cands = [x for x in self.nodes() if self._can_evict(x, kind)]
+        # The same rule, with "a device page below" found by a scan, not the kept count.
+        cands = [x for x in self.nodes() if self.may_evict(x, kind, device_below=_device_below)]
         return min(cands, key=lambda x: (x.last_access, -x.depth), default=None)
 
     def _host_victim(self, kind):
