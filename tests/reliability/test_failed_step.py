@@ -39,18 +39,30 @@ def fail_once(monkeypatch, obj, name):
     return calls
 
 
-def test_failed_step_fails_running_rebuilds_and_serves_exactly(monkeypatch):
+@pytest.mark.parametrize("where", ["launch", "fetch", "fetch after a run-ahead launch"])
+def test_failed_step_fails_running_rebuilds_and_serves_exactly(monkeypatch, where):
+    """A step fails when it is launched, or when its results are read (an asynchronous
+    device error surfaces there), also after the next step was already launched."""
     engine = Engine(CFG)
     first = TraceReq(tuple(_tokens(1, 100)), 6, 0.0, 0, 0)
     run_trace(engine, [first])  # its pages reach the tree and (write_through) L2
     assert engine.prefix_cache.host["full"].index.num_used > 0
     rids = [
-        engine.add_request(input_ids=_tokens(s, 40), sampling_params={"max_new_tokens": 4}) for s in (2, 3)
+        engine.add_request(input_ids=_tokens(s, 40), sampling_params={"max_new_tokens": 8}) for s in (2, 3)
     ]
-    engine.step()  # both running now
-    fail_once(monkeypatch, engine.runner, "launch")
+    while len(engine.scheduler.running) < 2:  # both running (chunked prefill admits them in turn)
+        engine.step()
+    if where == "fetch after a run-ahead launch":
+        # Both decoding: the next step is planned and launched before this one is read.
+        while not all(r.remaining == 1 for r in engine.scheduler.running):
+            engine.step()
+        engine.step()  # a decode-only step in flight
+    overlapped = engine.stats["overlapped_steps"]
+    fail_once(monkeypatch, engine.runner, "launch" if where == "launch" else "fetch")
     with pytest.raises(StepFailed) as e:
         engine.step()
+    assert (engine.stats["overlapped_steps"] > overlapped) == (where == "fetch after a run-ahead launch")
+    assert engine._inflight is None, "a launched step was left in flight"
     assert sorted(e.value.failed) == sorted(rids)
     for rid in rids:
         reason = engine.pop_output(rid)["meta_info"]["finish_reason"]
