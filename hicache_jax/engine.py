@@ -48,6 +48,7 @@ from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
 from hicache_jax.scheduler.prefetch import PrefetchDecisions, Prefetcher
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
+from hicache_jax.step_results import append_token, record_input_logprobs, stop_reason
 from hicache_jax.transfer import PageTransfer
 from hicache_jax.validation import validate_cache_salt, validate_prompt, validate_rid
 from hicache_jax.warmup import WarmupReport, warmup
@@ -341,22 +342,15 @@ class Engine:
             if req.status is not Status.RUNNING:
                 continue  # aborted, or finished a step earlier (an overlap step's extra token)
             if item.wants_input_logprobs:
-                self._record_input_logprobs(req, item, out, first_rows[s])
+                record_input_logprobs(req, item, out, first_rows[s])
             finished = None
             if item.samples:
                 req.pending -= 1
                 if len(req.output_ids) >= req.sampling.max_new_tokens:
                     finished = {"type": "length", "length": req.sampling.max_new_tokens}
                 else:
-                    tok = int(out.next_ids[s])
-                    req.output_ids.append(tok)
-                    top = None
-                    if req.top_logprobs_num:
-                        top = list(zip(out.next_top_logprobs[s].tolist(), out.next_top_ids[s].tolist()))
-                    req.output_logprobs.append((float(out.next_logprobs[s]), top))
+                    tok = append_token(req, out, s, now)
                     self.stats["generated_tokens"] += 1
-                    if req.first_token_time is None:
-                        req.first_token_time = now
                     finished = self._stop_reason(req, tok)
                 touched.append(req)
             if finished:
@@ -367,37 +361,14 @@ class Engine:
                 self.adapter.after_step(req, insert=item.num_tokens > 1 or item.start < req.input_len)
         return touched
 
-    def _record_input_logprobs(self, req: Req, item, out, row0: int) -> None:
-        lsl = req.logprob_start_len
-        for q in range(max(item.start, lsl), min(item.end, req.input_len - 1)):
-            row = row0 + q - item.start
-            top = None
-            if req.top_logprobs_num:
-                top = list(zip(out.row_top_logprobs[row].tolist(), out.row_top_ids[row].tolist()))
-            req.input_logprobs[q + 1] = (float(out.target_logprobs[row]), top)
-        if lsl < req.input_len and lsl not in req.input_logprobs:
-            req.input_logprobs[lsl] = (None, None)  # the first scored token has no context row
-
     def _stop_reason(self, req: Req, tok: int) -> dict | None:
-        sp = req.sampling
-        if tok in sp.stop_token_ids:
-            return {"type": "stop", "matched": tok}
-        if not sp.ignore_eos and tok in self.model.cfg.eos_token_ids:
-            return {"type": "stop", "matched": tok}
-        if sp.stop and self.tokenizer.has_text:
-            # A new match ends in the newest token. A character is at most 4 UTF-8 bytes and
-            # a token at least one, so the last 4 tokens per character hold any match (one
-            # more in front: a window's first token may lose its leading space).
-            window = 4 * max(len(s) for s in sp.stop) + 1
-            text = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False) or ""
-            for s in sp.stop:
-                if s in text:
-                    return {"type": "stop", "matched": s}
-        if len(req.output_ids) >= sp.max_new_tokens:
-            return {"type": "length", "length": sp.max_new_tokens}
-        if req.input_len + len(req.output_ids) >= self.context_len:
-            return {"type": "length", "length": len(req.output_ids)}
-        return None
+        return stop_reason(
+            req,
+            tok,
+            eos_token_ids=self.model.cfg.eos_token_ids,
+            tokenizer=self.tokenizer,
+            context_len=self.context_len,
+        )
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.status = Status.FINISHED

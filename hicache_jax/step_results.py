@@ -1,0 +1,56 @@
+"""What one step's results do to a request: its new token with its logprobs, its prompt
+logprobs, and whether it stops. Plain functions of the request and the step's host arrays
+(``SamplingOutputs`` read back), so ``Engine._postprocess`` only puts them in order."""
+
+from __future__ import annotations
+
+from hicache_jax.request import Req
+
+
+def append_token(req: Req, out, row: int, now: float) -> int:
+    """Append the token sampled in ``row`` (with its logprob and top logprobs) to ``req``."""
+    tok = int(out.next_ids[row])
+    req.output_ids.append(tok)
+    top = None
+    if req.top_logprobs_num:
+        top = list(zip(out.next_top_logprobs[row].tolist(), out.next_top_ids[row].tolist()))
+    req.output_logprobs.append((float(out.next_logprobs[row]), top))
+    if req.first_token_time is None:
+        req.first_token_time = now
+    return tok
+
+
+def record_input_logprobs(req: Req, item, out, row0: int) -> None:
+    """The prompt logprobs of ``item``'s chunk (its rows start at ``row0``)."""
+    lsl = req.logprob_start_len
+    for q in range(max(item.start, lsl), min(item.end, req.input_len - 1)):
+        row = row0 + q - item.start
+        top = None
+        if req.top_logprobs_num:
+            top = list(zip(out.row_top_logprobs[row].tolist(), out.row_top_ids[row].tolist()))
+        req.input_logprobs[q + 1] = (float(out.target_logprobs[row]), top)
+    if lsl < req.input_len and lsl not in req.input_logprobs:
+        req.input_logprobs[lsl] = (None, None)  # the first scored token has no context row
+
+
+def stop_reason(req: Req, tok: int, *, eos_token_ids, tokenizer, context_len: int) -> dict | None:
+    """Why ``req`` stops after its newest token ``tok`` (SGLang's ``finish_reason``), or None."""
+    sp = req.sampling
+    if tok in sp.stop_token_ids:
+        return {"type": "stop", "matched": tok}
+    if not sp.ignore_eos and tok in eos_token_ids:
+        return {"type": "stop", "matched": tok}
+    if sp.stop and tokenizer.has_text:
+        # A new match ends in the newest token. A character is at most 4 UTF-8 bytes and
+        # a token at least one, so the last 4 tokens per character hold any match (one
+        # more in front: a window's first token may lose its leading space).
+        window = 4 * max(len(s) for s in sp.stop) + 1
+        text = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False) or ""
+        for s in sp.stop:
+            if s in text:
+                return {"type": "stop", "matched": s}
+    if len(req.output_ids) >= sp.max_new_tokens:
+        return {"type": "length", "length": sp.max_new_tokens}
+    if req.input_len + len(req.output_ids) >= context_len:
+        return {"type": "length", "length": len(req.output_ids)}
+    return None
