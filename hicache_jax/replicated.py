@@ -26,7 +26,9 @@ the same pages in its L2 and admits the same requests. L2 holds whole pages on e
 process (``transfer.py``), and each process writes its own share of them to L3
 (``StorageTier.writer``), so no page is written twice.
 
-While process 0 is idle, the others wait in the broadcast. When process 0 closes its engine
+While process 0 is idle, the others wait in the broadcast; the engine loop calls
+``heartbeat`` while idle, so they hear from it (an empty call list) at least every
+``HEARTBEAT_S`` and never sit in one collective for long. When process 0 closes its engine
 (the server stops), ``close`` reaches the others and ``follow`` returns. After a divergence,
 or when the others cannot be reached, ``EngineLost`` is raised and nothing more is sent.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 import uuid
 
 import numpy as np
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 
 DEVICE_CALLS = frozenset({"step", "sync", "flush_cache", "clear_storage", "recover", "close"})
 STATE_CALLS = frozenset({"add_request", "abort", "pop_output"})
+HEARTBEAT_S = 2.0  # while process 0 is idle, the others hear from it at least this often
 
 
 class LeaderEngine:
@@ -53,7 +57,14 @@ class LeaderEngine:
     def __init__(self, engine):
         self._engine = engine
         self._calls: list[tuple[str, tuple, dict]] = []
+        self._sent = time.monotonic()
         self.lost: EngineLost | None = None  # set once: nothing is sent after it
+
+    def heartbeat(self) -> None:
+        """Called while idle: send what is recorded (maybe nothing) if the others have not
+        heard from this process for ``HEARTBEAT_S``."""
+        if self.lost is None and time.monotonic() - self._sent >= HEARTBEAT_S:
+            self._send()
 
     def __getattr__(self, name: str):
         attr = getattr(self._engine, name)
@@ -92,6 +103,7 @@ class LeaderEngine:
         return call
 
     def _send(self) -> None:
+        self._sent = time.monotonic()
         try:
             _broadcast(self._calls)
         except Exception as e:  # a process died or the network broke: no step can follow

@@ -68,6 +68,7 @@ class EngineLoop:
         self.healthy = True
         self.fatal: EngineLost | None = None  # why the engine was lost, if it was
         self.on_fatal = lambda: None  # called on the engine thread then (stops the server)
+        self._heartbeat = getattr(engine, "heartbeat", None)  # replicated.LeaderEngine's
         self.paused = False  # /pause_generation: no step runs until /continue_generation
         self.latency = RequestLatency()  # TTFT / TPOT / e2e histograms, fed on the engine thread
         self.profiler = Profiler()  # /start_profile, /stop_profile: touched on the engine thread only
@@ -177,6 +178,8 @@ class EngineLoop:
             busy = self.engine.has_unfinished() and not self.paused
             if not busy:
                 self._drain(timeout=0.1)
+                if self._heartbeat is not None:
+                    self._heartbeat()  # over several processes: the others hear from this one
             else:
                 self._drain(timeout=None if progressed else 0.001)
             if getattr(self.engine, "broken", None) is not None:
