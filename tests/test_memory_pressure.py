@@ -1,4 +1,4 @@
-"""Under memory pressure (a few pages, 16 concurrent requests) requests are retracted and
+"""Under memory pressure (a few pages, 12 concurrent requests) requests are retracted and
 resumed, yet each ends with the output it gets alone; nothing leaks."""
 
 import numpy as np
@@ -22,17 +22,17 @@ def test_pressure_gives_the_outputs_of_solo_runs(preset):
     rng = np.random.RandomState(0)
     shared = rng.randint(3, 500, 24).tolist()
     prompts = [
-        shared[: rng.randint(0, 24)] + rng.randint(3, 500, rng.randint(5, 30)).tolist() for _ in range(16)
+        shared[: rng.randint(0, 24)] + rng.randint(3, 500, rng.randint(5, 30)).tolist() for _ in range(12)
     ]
     params = [
         {
-            "max_new_tokens": 20,
+            "max_new_tokens": 14,
             "ignore_eos": True,
             "temperature": 0.0 if i % 2 else 0.8,
             "top_k": 50,
             "seed": i,
         }
-        for i in range(16)
+        for i in range(12)
     ]
     base = dict(
         preset=preset,
@@ -46,7 +46,7 @@ def test_pressure_gives_the_outputs_of_solo_runs(preset):
     solo = Engine(EngineConfig(**base, disable_radix_cache=True))
     alone = [run(solo, [p], [sp])[0]["output_ids"] for p, sp in zip(prompts, params)]
 
-    tight = Engine(EngineConfig(**base))  # 12 pages for ~16 x 4 needed
+    tight = Engine(EngineConfig(**base))  # 12 pages for ~12 x 3 needed
     outs = run(tight, prompts, params, check_every_step=True)
     assert tight.scheduler.num_retractions > 0, "the pool was meant to be too small"
     for i, (o, a) in enumerate(zip(outs, alone)):
