@@ -66,41 +66,52 @@ class LeaderEngine:
         if self.lost is None and time.monotonic() - self._sent >= HEARTBEAT_S:
             self._send()
 
+    def step(self, prefetch=None):
+        """A step, with what the L3 prefetch brought as decided here: only process 0 reads
+        L3, so its decision is the step's argument everywhere."""
+        if prefetch is None and self.lost is None:
+            prefetch = self._engine.prefetch_decisions()
+        return self._device_call("step", (), {"prefetch": prefetch})
+
+    def close(self) -> None:
+        """Close every process's engine, then leave ``jax.distributed`` together; after
+        ``lost``, only this process's own (its L3 work still stops)."""
+        if self.lost is not None:
+            return self._engine.close()
+        self._calls.append(("close", (), {}))
+        self._send()
+        self._engine.close()
+        leave()  # every process meets here, then the coordinator may go
+
     def __getattr__(self, name: str):
         attr = getattr(self._engine, name)
-        if name not in DEVICE_CALLS and name not in STATE_CALLS:
+        if name in DEVICE_CALLS:
+            return lambda *args, **kwargs: self._device_call(name, args, kwargs)
+        if name not in STATE_CALLS:
             return attr
 
-        def call(*args, **kwargs):
+        def state_call(*args, **kwargs):
             if name == "add_request" and not kwargs.get("rid"):
                 kwargs["rid"] = uuid.uuid4().hex  # drawn here, replayed as given
-            if name in DEVICE_CALLS:
-                if self.lost is not None:
-                    if name == "close":  # this process's own L3 work still stops
-                        return attr(*args, **kwargs)
-                    raise self.lost
-                if name == "close":
-                    self._calls.append((name, args, kwargs))
-                    self._send()
-                    attr(*args, **kwargs)
-                    leave()  # every process meets here, then the coordinator may go
-                    return None
-                if name == "step" and kwargs.get("prefetch") is None:
-                    kwargs["prefetch"] = self._engine.prefetch_decisions()  # made here only
-                self._calls.append((name, args, kwargs))
-                self._send()
-                try:
-                    return attr(*args, **kwargs)
-                except StepFailed as e:
-                    if isinstance(e.__cause__, EngineLost):
-                        self.lost = e.__cause__
-                    raise
             result = attr(*args, **kwargs)  # a refused call raises here and is not recorded
             # A stream only shapes what process 0 returns; elsewhere the request is dropped.
             self._calls.append((name, args[:1], {}) if name == "pop_output" else (name, args, kwargs))
             return result
 
-        return call
+        return state_call
+
+    def _device_call(self, name: str, args: tuple, kwargs: dict):
+        """Send what is recorded and this call to the others, then run it here."""
+        if self.lost is not None:
+            raise self.lost
+        self._calls.append((name, args, kwargs))
+        self._send()
+        try:
+            return getattr(self._engine, name)(*args, **kwargs)
+        except StepFailed as e:
+            if isinstance(e.__cause__, EngineLost):
+                self.lost = e.__cause__
+            raise
 
     def _send(self) -> None:
         self._sent = time.monotonic()

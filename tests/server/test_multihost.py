@@ -64,6 +64,13 @@ FLAGS = [
 ]
 
 
+def env4() -> dict:
+    """A server process's environment with 4 emulated devices (one host of the pair)."""
+    env = server_env()
+    env["XLA_FLAGS"] = with_device_count(env["XLA_FLAGS"], 4)
+    return env
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     """gemma3 (sliding and full attention) with 8 query heads, so tp_size 8 splits them."""
@@ -84,8 +91,7 @@ class Pair:
             f"--hicache_storage_spec={self.l3}",
             f"--dist_coordinator=127.0.0.1:{free_port()}",
         ]
-        env = server_env()
-        env["XLA_FLAGS"] = with_device_count(env["XLA_FLAGS"], 4)
+        env = env4()
         self.log1 = tmp / "process1.log"
         with open(self.log1, "w") as log:
             self.follower = subprocess.Popen(
@@ -205,15 +211,13 @@ def test_a_plan_divergence_stops_both_processes_within_seconds(tmp_path, checkpo
 
 
 def test_processes_started_with_different_settings_refuse_to_start(tmp_path, checkpoint):
-    env = server_env()
-    env["XLA_FLAGS"] = with_device_count(env["XLA_FLAGS"], 4)
     flags = [*FLAGS, f"--model_path={checkpoint}", f"--dist_coordinator=127.0.0.1:{free_port()}"]
     serve = [sys.executable, "-m", "hicache_jax.serve", *flags]
     procs = [
         subprocess.Popen(
             [*serve, f"--dist_process_id={i}", f"--random_seed={i}"],
             cwd=ROOT,
-            env=env,
+            env=env4(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
