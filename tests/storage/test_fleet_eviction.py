@@ -23,7 +23,10 @@ CHAINS = 18  # per worker: 72 pages of ~4.3 KB each, ~310 KB
 CAP = 160_000  # both workers together write ~620 KB
 
 
-LAST_TICK_SLACK = 4 * PAGES_PER_CHAIN * 4_400  # a few chains written after the last pass
+# Writes that land after the last eviction pass before both workers close (a page is 4,352
+# bytes on disk). How many depends on the machine's load: one CI run saw 17 pages over the
+# cap, past an older 16-page slack. The exact bound is the check after settle_under_cap.
+LAST_TICK_SLACK = 6 * PAGES_PER_CHAIN * 4_352
 
 
 def settle_under_cap(spec: dict, store, timeout_s: float = 10.0) -> None:
