@@ -1,0 +1,18 @@
+"""Compile-only TPU tests: libtpu compiles for TPU topologies on this CPU machine. Without
+libtpu every test here skips, naming the install command."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest-xdist workers each load libtpu
+
+from hicache_jax.tpu import target  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _needs_libtpu():
+    reason = target.missing_reason()
+    if reason:
+        pytest.skip(reason)
+
