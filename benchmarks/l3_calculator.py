@@ -15,24 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def page_bytes(cfg, dtype_bytes: int, page_size: int) -> dict[str, int]:
-    """Bytes of one page of each kind the model stores (``storage_tier.SUFFIX`` kinds)."""
-    kinds = cfg.layer_kinds
-    kv = 2 * page_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    out = {}
-    if "attention" in kinds:
-        out["kv"] = kinds.count("attention") * kv
-    if "sliding" in kinds:
-        out["swa"] = kinds.count("sliding") * kv
-    if "mamba" in kinds:
-        m = cfg.mamba
-        conv = (m.conv_kernel - 1) * m.conv_dim * dtype_bytes
-        ssm = m.num_heads * m.head_dim * m.state_size * 4  # float32
-        out["mamba"] = kinds.count("mamba") * (conv + ssm)
-    return out
+from hicache_jax.cache.page_bytes import DTYPE_BYTES, page_bytes, read_bytes_per_token
 
 
 def main() -> None:
@@ -55,7 +38,7 @@ def main() -> None:
         cfg = preset_config(a.preset)
     pages = page_bytes(cfg, DTYPE_BYTES[a.dtype], a.page_size)
     write_per_token = sum(pages.values()) / a.page_size
-    read_per_token = (pages.get("kv", 0) + pages.get("swa", 0)) / a.page_size  # upper bound
+    read_per_token = read_bytes_per_token(cfg, DTYPE_BYTES[a.dtype], a.page_size)  # upper bound
     write = write_per_token * a.tokens_per_s
     read = read_per_token * a.tokens_per_s * a.hit_rate
     print(f"{cfg.architecture}: {a.dtype}, page of {a.page_size} tokens")

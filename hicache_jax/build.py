@@ -13,11 +13,14 @@ from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import ConfigError, EngineConfig
 from hicache_jax.hub import resolve_model_path
+from hicache_jax.models.batch import page_group
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.sharding import make_mesh, tp_size
 from hicache_jax.models.tokenizer import Tokenizer
+from hicache_jax.runner import ModelRunner
+from hicache_jax.scheduler.plan import BatchBuilder
 from hicache_jax.transfer import PageTransfer
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,40 @@ def make_device_pools(cfg: EngineConfig, mc: ModelConfig) -> dict[str, IndexPool
     if "mamba" in kinds:
         pools["mamba"] = IndexPool(cfg.num_state_slots, "mamba state slots")
     return pools
+
+
+def context_length(cfg: EngineConfig, mc: ModelConfig) -> int:
+    return min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+
+
+def page_groups(mc: ModelConfig) -> tuple[str, ...]:
+    """The page groups (``"full"``, ``"swa"``) the model's attention layers use."""
+    return tuple(sorted({page_group(k) for k in mc.layer_kinds if k != "mamba"}))
+
+
+def make_runner(
+    cfg: EngineConfig, model: CausalLM, pools: dict[str, IndexPool], abstract_on=None
+) -> ModelRunner:
+    """The runner with a device cache the size of the pools (``abstract_on``: shapes only,
+    see ``ModelRunner``)."""
+    return ModelRunner(
+        model,
+        num_pages={g: pools[g].size for g in page_groups(model.cfg)},
+        page_size=cfg.page_size,
+        num_state_slots=pools["mamba"].size if "mamba" in pools else 0,
+        max_seqs=BatchBuilder.max_seqs_for(cfg.max_running_requests),
+        abstract_on=abstract_on,
+    )
+
+
+def make_builder(cfg: EngineConfig, mc: ModelConfig, context_len: int) -> BatchBuilder:
+    return BatchBuilder(
+        page_size=cfg.page_size,
+        groups=page_groups(mc),
+        max_running=cfg.max_running_requests,
+        max_prefill=cfg.chunked_prefill_size,
+        max_pages=-(-context_len // cfg.page_size),
+    )
 
 
 def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:

@@ -26,9 +26,12 @@ import jax
 
 from hicache_jax.build import (
     check_model_tp,
+    context_length,
     load_model_and_tokenizer,
+    make_builder,
     make_device_pools,
     make_host_pools,
+    make_runner,
     make_storage_tier,
     prefix_rules,
 )
@@ -37,15 +40,13 @@ from hicache_jax.config import EngineConfig
 from hicache_jax.failures import EngineStalled, StepFailed
 from hicache_jax.flush_result import FlushResult
 from hicache_jax.metric_kinds import Metrics
-from hicache_jax.models.batch import page_group
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.outputs import OutputDelta, OutputStream, format_output, output_text
 from hicache_jax.request import Req, Status
-from hicache_jax.runner import ModelRunner
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
-from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
+from hicache_jax.scheduler.plan import StepPlan
 from hicache_jax.scheduler.prefetch import PrefetchDecisions, Prefetcher
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
 from hicache_jax.step_results import append_token, record_input_logprobs, stop_reason
@@ -77,18 +78,10 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer or Tokenizer(None)
         mc = model.cfg
-        P = cfg.page_size
-        self.context_len = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.context_len = context_length(cfg, mc)
         pools = make_device_pools(cfg, mc)
         self.rules = prefix_rules(cfg, mc)
-        groups = tuple(sorted({page_group(k) for k in mc.layer_kinds if k != "mamba"}))
-        self.runner = ModelRunner(
-            model,
-            num_pages={g: pools["full" if g == "full" else "swa"].size for g in groups},
-            page_size=P,
-            num_state_slots=pools["mamba"].size if "mamba" in pools else 0,
-            max_seqs=BatchBuilder.max_seqs_for(cfg.max_running_requests),
-        )
+        self.runner = make_runner(cfg, model, pools)
         host, transfer = None, None
         if cfg.enable_hierarchical_cache:
             transfer = PageTransfer(self.runner)
@@ -111,13 +104,7 @@ class Engine:
             reads=jax.process_index() == 0,  # the others get process 0's reads (replicated.py)
         )
         self.scheduler = Scheduler(cfg, self.adapter, prefetch)
-        self.builder = BatchBuilder(
-            page_size=P,
-            groups=groups,
-            max_running=cfg.max_running_requests,
-            max_prefill=cfg.chunked_prefill_size,
-            max_pages=-(-self.context_len // P),
-        )
+        self.builder = make_builder(cfg, mc, self.context_len)
         self.requests: dict[str, Req] = {}
         self._keys = itertools.count()
         self._idle_steps = 0

@@ -85,7 +85,12 @@ class ModelRunner:
         page_size: int,
         num_state_slots: int,
         max_seqs: int = 1,
+        abstract_on: jax.sharding.Mesh | None = None,
     ):
+        """``abstract_on``: allocate nothing. The model's weights are ``ShapeDtypeStruct``s
+        (``hicache_jax/tpu/abstract.py``) and the cache and ids become ones too, placed on
+        the model's mesh or, without one, on this one-device mesh: the step can then be
+        lowered and compiled for devices this process cannot run (a TPU slice, from here)."""
         self.model = model
         self.cfg = model.cfg
         self.page_size = page_size
@@ -98,8 +103,13 @@ class ModelRunner:
             self.graphdef, treedef, model.cache_shardings(), sharding.replicated(self.mesh)
         )
         self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
-        self.cache = model.allocate_cache(**self._cache_shape)
-        self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), sharding.replicated(self.mesh))
+        if abstract_on is None:
+            self.cache = model.allocate_cache(**self._cache_shape)
+            self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), sharding.replicated(self.mesh))
+        else:
+            self.cache = model.cache_shapes(placement=abstract_on, **self._cache_shape)
+            on = sharding.replicated(self.mesh or abstract_on)
+            self._no_ids = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=on)
         self._compiled_before = compiles.total(STEP_PROGRAM)
         self._multiprocess = jax.process_count() > 1
         self._launched = 0

@@ -28,7 +28,8 @@ from its own devices, and a write gives every process the same whole pages.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -134,20 +135,25 @@ class PageTransfer:
 
     def lower_all(self) -> Iterator[tuple[str, jax.stages.Lowered]]:
         """(name, lowered program) for every gather and scatter a transfer can run."""
+        for name, lower in self.lowerings():
+            yield name, lower()
+
+    def lowerings(self) -> Iterator[tuple[str, Callable[[], jax.stages.Lowered]]]:
+        """(name, a function that lowers it) for every gather and scatter."""
         for kind in self.kinds():
             layout = self.layout(kind)
+            static = self._static(kind)
             for b in self.buckets(kind):
                 idx = jax.ShapeDtypeStruct((b,), np.int32)
                 data = {k: jax.ShapeDtypeStruct((b,) + s, d) for k, (s, d) in layout.items()}
-                static = self._static(kind)
-                yield (
-                    f"read {kind} x{b}",
-                    _gather_jit.lower(self.runner.cache, idx, **static, replicate=self.replicate),
+                read = functools.partial(
+                    _gather_jit.lower, self.runner.cache, idx, **static, replicate=self.replicate
                 )
-                yield (
-                    f"write {kind} x{b}",
-                    _scatter_jit.lower(self.runner.cache, idx, data, **static, shardings=self.shardings),
+                write = functools.partial(
+                    _scatter_jit.lower, self.runner.cache, idx, data, **static, shardings=self.shardings
                 )
+                yield f"read {kind} x{b}", read
+                yield f"write {kind} x{b}", write
 
 
 @jax.named_scope("transfer_gather")

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import time
+
+import jax
 
 from hicache_jax import compiles, progress
 from hicache_jax.runner import ModelRunner
@@ -56,7 +59,7 @@ def warmup(
         progress.bar(desc="warm-up compiles", unit="program") as shown,
     ):
         futures = {}
-        for name, lowered in _lowered(runner, builder, transfer):
+        for name, lowered in programs(runner, builder, transfer):
             futures[pool.submit(lowered.compile)] = name
             shown.total = len(futures)  # grows while programs are lowered; advances as they compile
             shown.refresh()
@@ -74,13 +77,21 @@ def warmup(
     return report
 
 
-def _lowered(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer | None):
+def programs(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer | None):
     """(name, lowered program) for every program serving can run, lowered lazily."""
+    for name, lower in lowerings(runner, builder, transfer):
+        yield name, lower()
+
+
+def lowerings(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer | None):
+    """(name, a function that lowers it) for every program serving can run."""
     for shape, top in builder.warmup_programs():
-        batch, sampling, copies, _, _ = builder.build(StepPlan(items=[]), shape)
-        yield (
-            f"{'decode' if shape[3] else 'prefill'} step T={shape[0]} S={shape[1]} R={shape[2]} top={top}",
-            runner.lower_step(batch, sampling, copies, top),
-        )
+        name = f"{'decode' if shape[3] else 'prefill'} step T={shape[0]} S={shape[1]} R={shape[2]} top={top}"
+        yield name, functools.partial(_lower_step, runner, builder, shape, top)
     if transfer is not None:
-        yield from transfer.lower_all()
+        yield from transfer.lowerings()
+
+
+def _lower_step(runner: ModelRunner, builder: BatchBuilder, shape, top: int) -> jax.stages.Lowered:
+    batch, sampling, copies, _, _ = builder.build(StepPlan(items=[]), shape)
+    return runner.lower_step(batch, sampling, copies, top)

@@ -141,5 +141,18 @@ class CausalLM(nnx.Module):
             lambda: allocate_cache(self.cfg, **kwargs), out_shardings=cache_shardings(self.cfg, self.mesh)
         )()
 
+    def cache_shapes(self, *, placement: jax.sharding.Mesh, **kwargs) -> tuple:
+        """``allocate_cache``'s arrays as ``jax.ShapeDtypeStruct``s with their shardings (on
+        the model's mesh, or replicated on ``placement``); nothing is allocated."""
+        kwargs.setdefault("dtype", self.dtype)
+        tp = tp_size(self.mesh)
+        if self.mesh is not None:
+            kwargs["kv_heads"] = kv_heads_on_device(self.cfg, tp)
+        shapes = jax.eval_shape(lambda: allocate_cache(self.cfg, **kwargs))
+        where = self.cache_shardings() or jax.tree_util.tree_map(lambda _: replicated(placement), shapes)
+        return jax.tree_util.tree_map(
+            lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where
+        )
+
     def cache_shardings(self) -> tuple | None:
         return None if self.mesh is None else cache_shardings(self.cfg, self.mesh)

@@ -42,9 +42,10 @@ from hicache_jax.models.config import ModelConfig
 AXIS = "tp"
 
 
-def make_mesh(tp_size: int) -> Mesh:
-    """The first ``tp_size`` devices (of all processes: ``jax.devices()``), on one axis."""
-    devices = jax.devices()
+def make_mesh(tp_size: int, devices=None) -> Mesh:
+    """The first ``tp_size`` devices (of all processes: ``jax.devices()``, or those given,
+    e.g. a TPU topology's to compile for), on one axis."""
+    devices = jax.devices() if devices is None else list(devices)
     if tp_size > len(devices):
         raise ValueError(f"tp_size={tp_size} needs {tp_size} devices; there are {len(devices)}")
     return Mesh(np.array(devices[:tp_size]), (AXIS,))
@@ -116,6 +117,20 @@ def shard_model(model) -> None:
     state = nnx.state(model)
     pure = jax.tree_util.tree_map_with_path(
         lambda kp, x: jax.device_put(x, param_sharding(kp, x, model.cfg, model.mesh)),
+        nnx.to_pure_dict(state),
+    )
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)
+
+
+def abstract_weights(model, placement: Mesh) -> None:
+    """Give a model built by ``nnx.eval_shape`` (``jax.ShapeDtypeStruct`` weights) the
+    shardings ``shard_model`` would: on its mesh, or replicated on ``placement`` (one device,
+    for tp_size=1). Nothing is allocated."""
+    mesh = model.mesh or placement
+    state = nnx.state(model)
+    pure = jax.tree_util.tree_map_with_path(
+        lambda kp, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=param_sharding(kp, x, model.cfg, mesh)),
         nnx.to_pure_dict(state),
     )
     nnx.replace_by_pure_dict(state, pure)
