@@ -2,6 +2,18 @@
 like ``kernel.ssd_ragged``: grid (head block, sequence), each sequence's state read from its
 slot by a BlockSpec that follows the slot table and written back by a double-buffered DMA.
 Reference: ``reference.ssd_decode_step`` (and the sequential recurrence).
+
+Every load and store in the kernel is static. The wrapper gathers each sequence's one token
+row into per-sequence arrays (a few KiB for a decode batch) whose block for sequence ``s`` is
+a whole dimension, and scatters y back to the token rows afterwards::
+
+    x  [T, H, P] --x[rows]--> [S, 1, H*P]     block (None, 1, HB*P) at (s, 0, hb)
+    dt [T, H]    ----------> [S, H/HB, 1, HB] block (None, None, 1, HB)
+    B  [T, G, N] ----------> [S, G, 1, N]     block (None, GB, 1, N)
+    y  [S, 1, H*P] --.at[rows].set--> [T, H, P], rows of padding sequences left 0
+
+(A dynamic one-row slice ``x_ref[row]`` of a [T, *] block is what Mosaic refuses: it
+cannot prove a bf16 row index a multiple of the 16-row tile, nor store an unaligned f32 row.)
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from hicache_jax.models.kernels import vmem
 from hicache_jax.models.kernels.mamba2_ssd.kernel import (
     F32,
     HIGHEST,
@@ -21,27 +34,26 @@ from hicache_jax.models.kernels.mamba2_ssd.kernel import (
     _dot,
     _group_blk,
     _group_block,
-    _group_major,
     _head_major,
+    decode_cost,
     pick_head_block,
 )
 
 
 def _decode_kernel(
     # scalar prefetch (SMEM)
-    rows_ref,  # [S] the sequence's token row (-1: padding sequence)
     slots_ref,  # [S] slot to write (-1: none, or padding)
     init_ref,  # [S] 1: start from the slot's state
     read_ref,  # [S] slot whose block the pipeline fetches (see ssd_decode)
-    # blocks: this head block's columns of the whole (small) decode batch stay resident
-    x_ref,  # [T, HB*P]
-    dt_ref,  # [T, HB]
+    # blocks: sequence s's token, this head block's part of it
+    x_ref,  # [1, HB*P]
+    dt_ref,  # [1, HB]
     a_ref,  # [1, HB]
-    b_ref,  # [GB, T, N]
-    c_ref,  # [GB, T, N]
+    b_ref,  # [GB, 1, N]
+    c_ref,  # [GB, 1, N]
     d_ref,  # [1, HB]
     state_ref,  # [HB, P, N] states[read[s], head block], double-buffered by Pallas
-    y_ref,  # [T, HB*P]
+    y_ref,  # [1, HB*P]
     states_out,  # [num_slots, H, P, N] HBM, aliases the state pool
     out_scr,  # [2, HB, P, N] f32: new states, written back while the next sequence runs
     sems,  # [2] DMA semaphores
@@ -67,30 +79,24 @@ def _decode_kernel(
 
     @pl.when(s == 0)
     def _():
-        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
         pending[0] = 0
         pending[1] = 0
 
     drain(buf)  # out_scr[buf] was last sent two sequences ago
-    row, slot = rows_ref[s], slots_ref[s]
-    r = pl.ds(jnp.maximum(row, 0), 1)
+    slot = slots_ref[s]
     fresh = init_ref[s] == 0  # start from zeros; `where`, not `* 0`, so NaN never leaks
-    xr = x_ref[r, :].astype(F32)  # [1, HB*P]
-    dtr = dt_ref[r, :].astype(F32)  # [1, HB]
+    xr = x_ref[...].astype(F32)  # [1, HB*P]
+    dtr = dt_ref[...]  # [1, HB]
     decay = jnp.exp(dtr * a_ref[...])  # [1, HB]
     d_row = d_ref[...]  # [1, HB]
     for h in range(HB):
         g = h // hpg
         xh = xr[:, h * P : (h + 1) * P]  # [1, P]
-        bg, cg = b_ref[g, r, :].astype(F32), c_ref[g, r, :].astype(F32)  # [1, N]
-        old = jnp.where(fresh, 0.0, state_ref[h].astype(F32))  # [P, N]
+        bg, cg = b_ref[g].astype(F32), c_ref[g].astype(F32)  # [1, N]
+        old = jnp.where(fresh, 0.0, state_ref[h])  # [P, N]
         new = decay[:, h : h + 1] * old + _dot(xh * dtr[:, h : h + 1], bg, (0, 0), precision)
         out_scr[buf, h] = new  # [P, N]
-        y = _dot(cg, new, (1, 1), precision) + d_row[:, h : h + 1] * xh  # [1, P]
-
-        @pl.when(row >= 0)  # padding sequences leave their (zeroed) rows alone
-        def _(y=y, h=h):
-            y_ref[r, pl.ds(h * P, P)] = y
+        y_ref[:, h * P : (h + 1) * P] = _dot(cg, new, (1, 1), precision) + d_row[:, h : h + 1] * xh
 
     @pl.when(slot >= 0)
     def _():
@@ -131,7 +137,7 @@ def ssd_decode(
     G, N = B.shape[1], B.shape[2]
     S = slots.shape[0]
     _check(states)
-    HB = head_block or pick_head_block(H, G, P)
+    HB = head_block or pick_head_block(H, G, P, N, x.dtype)
     GB, hpg = _group_block(H, G, HB)
 
     s_idx = jnp.arange(S, dtype=jnp.int32)
@@ -140,29 +146,28 @@ def ssd_decode(
     write = jnp.where(live, slots, -1).astype(jnp.int32)  # [S]
     init = (live & (slots >= 0) & has_initial_state).astype(jnp.int32)  # [S]
     # A sequence that reads nothing re-uses the previous read's block index, so the pipeline
-    # issues no DMA for it; padding rows of y are never written, so they stay 0.
+    # issues no DMA for it.
     reader = lax.cummax(jnp.where(init > 0, s_idx, -1), axis=0)  # [S]
     read = jnp.where(reader >= 0, write[jnp.maximum(reader, 0)], 0)  # [S]
-    rows = jnp.where(live, rows, -1)  # [S]; padding sequences write no y row
 
-    head_cols = pl.BlockSpec((T, HB * P), lambda hb, s, *_: (0, hb))
     gblk = functools.partial(_group_blk, head_block=HB, hpg=hpg, groups_per_block=GB)
-    group_spec = pl.BlockSpec((GB, T, N), lambda hb, s, *_: (gblk(hb), 0, 0))
+    row_cols = pl.BlockSpec((None, 1, HB * P), lambda hb, s, *_: (s, 0, hb))
+    group_spec = pl.BlockSpec((None, GB, 1, N), lambda hb, s, *_: (s, gblk(hb), 0, 0))
     head_spec = pl.BlockSpec((None, 1, HB), lambda hb, s, *_: (hb, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=3,
         grid=(H // HB, S),
         in_specs=[
-            head_cols,  # x
-            pl.BlockSpec((None, T, HB), lambda hb, s, *_: (hb, 0, 0)),  # dt
+            row_cols,  # x
+            pl.BlockSpec((None, None, 1, HB), lambda hb, s, *_: (s, hb, 0, 0)),  # dt
             head_spec,  # A
             group_spec,  # B
             group_spec,  # C
             head_spec,  # D
-            pl.BlockSpec((None, HB, P, N), lambda hb, s, rows, wr, init, rd: (rd[s], hb, 0, 0)),
+            pl.BlockSpec((None, HB, P, N), lambda hb, s, wr, init, rd: (rd[s], hb, 0, 0)),
         ],
         out_specs=[
-            head_cols,  # y
+            row_cols,  # y
             pl.BlockSpec(memory_space=pl.ANY),  # states
         ],
         scratch_shapes=[
@@ -171,27 +176,30 @@ def ssd_decode(
             pltpu.SMEM((2,), jnp.int32),
         ],
     )
-    y, states = pl.pallas_call(
+    per_seq = lambda v: v[rows][:, :, None]  # [T, G, N] -> [S, G, 1, N]
+    y_seq, states = pl.pallas_call(
         functools.partial(_decode_kernel, hpg=hpg, precision=precision),
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct((T, H * P), F32),
+            jax.ShapeDtypeStruct((S, 1, H * P), F32),
             jax.ShapeDtypeStruct(states.shape, states.dtype),
         ],
-        input_output_aliases={10: 1},  # 4 scalar-prefetch operands, then x dt A B C D states
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        input_output_aliases={9: 1},  # 3 scalar-prefetch operands, then x dt A B C D states
+        compiler_params=vmem.compiler_params(("parallel", "arbitrary")),
+        cost_estimate=decode_cost(S, H, P, N, G, HB, x.dtype),
         interpret=interpret,
     )(
-        rows,
         write,
         init,
         read.astype(jnp.int32),
-        x.reshape(T, H * P),
-        _head_major(dt.astype(F32), HB),
+        x[rows].reshape(S, 1, H * P),
+        dt.astype(F32)[rows].reshape(S, H // HB, 1, HB),
         _head_major(A.astype(F32)[None], HB),
-        _group_major(B),
-        _group_major(C),
+        per_seq(B),
+        per_seq(C),
         _head_major(D.astype(F32)[None], HB),
         states,
     )
-    return y.reshape(T, H, P), states
+    dest = jnp.where(live, rows, T)  # padding sequences write no y row
+    y = jnp.zeros((T, H, P), F32).at[dest].set(y_seq.reshape(S, H, P), mode="drop")
+    return y, states

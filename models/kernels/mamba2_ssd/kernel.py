@@ -33,12 +33,15 @@ to x). ``HB`` heads per block either lie in one group or cover ``GB`` whole grou
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from hicache_jax.models.kernels import vmem
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -50,15 +53,141 @@ def _dot(a, b, contract: tuple[int, int], precision) -> jax.Array:
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def pick_head_block(num_heads: int, num_groups: int, head_dim: int, target: int = 8) -> int:
-    """Largest head block <= target that divides H, lies in one group or covers whole groups,
-    and spans whole 128-lane tiles of x; else all heads (always valid)."""
-    hpg = num_heads // num_groups
-    for hb in range(min(target, num_heads), 0, -1):
-        fits = num_heads % hb == 0 and (hpg % hb == 0 or hb % hpg == 0)
-        if fits and (hb * head_dim) % 128 == 0:
-            return hb
-    return num_heads
+MAX_HEAD_BLOCK = 8  # heads are unrolled in the kernel body; more grows code and compile time
+
+
+def _tiled_bytes(shape: tuple[int, ...], dtype) -> int:
+    """VMEM bytes of a buffer: its last two dims pad to the (sublanes, 128 lanes) tile, where a
+    sublane packs 32 bits (8 rows of f32, 16 of bf16)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    *lead, rows, cols = (1, 1, *shape)
+    pad = lambda n, m: -(-n // m) * m
+    return math.prod(lead) * pad(rows, 32 // itemsize) * pad(cols, 128) * itemsize
+
+
+def ragged_vmem_bytes(head_block: int, groups_per_block: int, chunk: int, P: int, N: int, dtype) -> int:
+    """Upper bound on ``ssd_ragged``'s VMEM: double-buffered x/dt/A/B/C/D/y blocks, the
+    [HB, P, N] state scratch and the values of the segment body. Mosaic keeps about one [Q, Q]
+    and four [Q, P] f32 values per unrolled head live, plus the shared [Q, Q] masks and
+    cumsum operands and each group's B, C; the coefficients bound what compiling for v5e at
+    the limit needed (19 shapes: chunk 64-256, head dim 32-256, 2-8 heads; 1.7-18.6 MiB)
+    by 11-48%."""
+    Q, HB, GB = chunk, head_block, groups_per_block
+    blocks = _tiled_bytes((Q, HB * P), dtype) + _tiled_bytes((Q, HB * P), F32)  # x, y
+    blocks += _tiled_bytes((Q, HB), F32) + 2 * _tiled_bytes((1, HB), F32)  # dt, A, D
+    blocks += 2 * _tiled_bytes((GB, Q, N), dtype)  # B, C
+    state = _tiled_bytes((HB, P, N), F32)
+    qq, qp, qn = 4 * Q * Q, 4 * Q * P, 4 * Q * N  # f32 values
+    values = HB * (qq + 4 * qp) + 8 * qq + 2 * GB * qn + (1 << 20)
+    return 2 * blocks + state + values
+
+
+def decode_vmem_bytes(head_block: int, groups_per_block: int, P: int, N: int, dtype) -> int:
+    """Upper bound on ``ssd_decode``'s VMEM: the double-buffered blocks (one token row, the
+    state read), the two write-back buffers and the head loop's [P, N] values (together
+    about one state block). Compiling for v5e at the limit needed 0.3-4.8 MiB (6 shapes);
+    this is 21-44% over from 2 MiB up, a few times over below (the fixed 0.5 MiB)."""
+    HB, GB = head_block, groups_per_block
+    state = _tiled_bytes((HB, P, N), F32)
+    blocks = _tiled_bytes((1, HB * P), dtype) + _tiled_bytes((1, HB * P), F32)  # x, y
+    blocks += 3 * _tiled_bytes((1, HB), F32) + 2 * _tiled_bytes((GB, 1, N), dtype)  # dt A D B C
+    return 2 * (blocks + state) + 2 * state + state + (512 << 10)
+
+
+def head_blocks(num_heads: int, num_groups: int, head_dim: int) -> list[int]:
+    """Head blocks the kernels accept, largest first: they divide H, lie in one group or cover
+    whole groups, and span whole 128-lane tiles of x (or are all heads, a whole dim)."""
+    H, hpg = num_heads, num_heads // num_groups
+    return [
+        hb
+        for hb in range(H, 0, -1)
+        if H % hb == 0 and (hpg % hb == 0 or hb % hpg == 0) and ((hb * head_dim) % 128 == 0 or hb == H)
+    ]
+
+
+def pick_head_block(
+    num_heads: int, num_groups: int, head_dim: int, state_size: int, dtype, chunk: int | None = None
+) -> int:
+    """The head block for ``ssd_ragged`` (``chunk`` rows per token block) or, with ``chunk``
+    None, ``ssd_decode``, on the chip being traced for.
+
+    Rule: of ``head_blocks(...)``, the largest <= ``MAX_HEAD_BLOCK`` whose VMEM bound
+    (``ragged_vmem_bytes`` / ``decode_vmem_bytes``) fits ``vmem.tile_budget()``; failing that
+    the smallest valid block that fits (all heads, when no smaller block spans whole lane
+    tiles); else ValueError. So v5p (12 MiB of tiles) takes a smaller block than v5e and v6e
+    (24 MiB) at head dim 256 with chunk 256; off TPU the budget is v5p's."""
+    H, G, P, N = num_heads, num_groups, head_dim, state_size
+    if H % G:
+        raise ValueError(f"num_heads={H} must divide by num_groups={G}")
+    budget = vmem.tile_budget()
+
+    def need(hb: int) -> int:
+        gb = max(1, hb // (H // G))
+        if chunk is None:
+            return decode_vmem_bytes(hb, gb, P, N, dtype)
+        return ragged_vmem_bytes(hb, gb, chunk, P, N, dtype)
+
+    fits = [hb for hb in head_blocks(H, G, P) if need(hb) <= budget]
+    if not fits:
+        smallest = head_blocks(H, G, P)[-1]
+        kernel = "ssd_decode" if chunk is None else f"ssd_ragged with chunk={chunk}"
+        raise ValueError(
+            f"{kernel}: no head block of num_heads={H} (num_groups={G}, head_dim={P}, "
+            f"state_size={N}, {jnp.dtype(dtype).name}) fits the {budget >> 20} MiB VMEM tile "
+            f"budget; the smallest, {smallest}, needs {need(smallest) >> 20} MiB"
+        )
+    return next((hb for hb in fits if hb <= MAX_HEAD_BLOCK), fits[-1])
+
+
+def check_shapes(
+    num_heads: int, num_groups: int, head_dim: int, state_size: int, dtype, chunk: int = 128
+) -> tuple[int, int]:
+    """Refuse, up front and naming the value, a per-shard Mamba2 config the kernels cannot
+    compile for the chip being traced for (or run on); else return the (``ssd_ragged``,
+    ``ssd_decode``) head blocks. Per shard: ``num_heads`` / tp heads and the groups each
+    shard sees (``sharded.ssd`` repeats G < tp to one per shard); ``dtype`` of x, B and C.
+
+    Rules: H divides by G; ``chunk`` is a positive multiple of 8 (whole sublane tiles of a
+    token block); some head block fits the VMEM tile budget (``pick_head_block``)."""
+    if chunk <= 0 or chunk % 8:
+        raise ValueError(f"chunk={chunk} must be a positive multiple of 8 (TPU sublanes)")
+    args = (num_heads, num_groups, head_dim, state_size, dtype)
+    return pick_head_block(*args, chunk=chunk), pick_head_block(*args)
+
+
+def ragged_cost(
+    num_rows: int, num_seqs: int, num_slots: int, H: int, P: int, N: int, G: int, HB: int, chunk: int, dtype
+) -> pl.CostEstimate:
+    """A static upper bound on ``ssd_ragged``'s work over ``num_rows`` (padded) rows.
+
+    Segments <= token blocks + sequences, each a whole chunk of work: per head the [Q, Q]
+    decays (exp) applied to x (2 Q^2 P) and the state in and out (4 Q P N); per group in a
+    head block C.B^T (2 Q^2 N, recomputed by each head block of a group); per head block the
+    two cumsum matmuls (4 Q^2 HB). Bytes: x once and B, C once per head block reading them;
+    y written once; the state pool read and written once per sequence (<= num_slots)."""
+    Q, T = chunk, num_rows
+    segments = T // Q + num_seqs
+    products = max(H // HB, G)  # B, C group blocks fetched and C.B^T formed: once per head block
+    per_head = 2 * Q * Q * P + 4 * Q * P * N + 3 * Q * Q
+    flops = segments * (H * per_head + products * 2 * Q * Q * N + 4 * Q * Q * H)
+    isz = jnp.dtype(dtype).itemsize
+    state_bytes = 2 * min(num_seqs, num_slots) * H * P * N * 4
+    io = T * H * P * (isz + 4) + T * H * 4 + 2 * products * T * N * isz + 2 * H * 4
+    return pl.CostEstimate(
+        flops=flops, transcendentals=segments * H * (Q * Q + 2 * Q + 1), bytes_accessed=io + state_bytes
+    )
+
+
+def decode_cost(S: int, H: int, P: int, N: int, G: int, HB: int, dtype) -> pl.CostEstimate:
+    """``ssd_decode``'s work, an upper bound (all S sequences live, each reading and writing its
+    slot): per sequence and head the state update (4 P N: decay, outer product, add) and y
+    (2 P N + 2 P), one exp; bytes are the state pool's (read + write, f32) plus the tokens."""
+    isz = jnp.dtype(dtype).itemsize
+    products = max(H // HB, G)  # B, C group blocks fetched per sequence
+    io = S * H * P * (isz + 4) + S * H * 4 + 2 * S * products * N * isz + 2 * H * 4
+    return pl.CostEstimate(
+        flops=S * H * (6 * P * N + 2 * P), transcendentals=S * H, bytes_accessed=io + 2 * S * H * P * N * 4
+    )
 
 
 def _group_block(num_heads: int, num_groups: int, head_block: int) -> tuple[int, int]:
@@ -253,7 +382,7 @@ def ssd_ragged(
     G, N = B.shape[1], B.shape[2]
     Q = chunk
     _check(states, chunk)
-    HB = head_block or pick_head_block(H, G, P)
+    HB = head_block or pick_head_block(H, G, P, N, x.dtype, chunk)
     GB, hpg = _group_block(H, G, HB)
     NB = -(-T // Q)
     Tp = NB * Q
@@ -301,7 +430,8 @@ def ssd_ragged(
             jax.ShapeDtypeStruct(states.shape, states.dtype),
         ],
         input_output_aliases={12: 1},  # 6 scalar-prefetch operands, then x dt A B C D states
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=vmem.compiler_params(("parallel", "arbitrary")),
+        cost_estimate=ragged_cost(Tp, cu_seqlens.shape[0] - 1, states.shape[0], H, P, N, G, HB, Q, x.dtype),
         interpret=interpret,
     )(
         cu,
@@ -319,6 +449,3 @@ def ssd_ragged(
         states,
     )
     return y[:T].reshape(T, H, P), states
-
-
-# --------------------------------------------------------------------------- decode

@@ -65,11 +65,19 @@ class Case:
 
 
 def make_case(
-    seed: int, seqs, *, groups: int, num_rows: int, num_padding: int = 2, strong: bool = False
+    seed: int,
+    seqs,
+    *,
+    groups: int,
+    num_rows: int,
+    num_padding: int = 2,
+    strong: bool = False,
+    dtype=np.float32,
 ) -> Case:
     """``seqs``: (length, slot, has_initial_state) per live sequence; ``num_padding`` more
     sequences past ``num_seqs``. Rows past the live ones and never-read slots are NaN.
-    ``strong``: model-like decays (A_h = -2h, dt ~ 1.3), so |cumsum| over a chunk is ~100s."""
+    ``strong``: model-like decays (A_h = -2h, dt ~ 1.3), so |cumsum| over a chunk is ~100s.
+    ``dtype`` of x, B and C (the references read the same rounded values)."""
     rng = np.random.default_rng(seed)
     T, G = num_rows, groups
     lens = [n for n, _, _ in seqs] + [0] * num_padding
@@ -89,6 +97,7 @@ def make_case(
         states[slot] = np.nan  # a kernel that reads a slot it should not gets NaN
     for a in (x, dt, B, C):
         a[cu[-1] :] = np.nan  # padding rows
+    x, B, C = (a.astype(dtype) for a in (x, B, C))
     return Case(x, dt, A, B, C, f(H), cu, np.int32(len(seqs)), states, slots, has_init)
 
 
@@ -216,10 +225,20 @@ def test_prefill_in_two_parts_equals_one_pass():
     assert_close(np.asarray(pool2)[slot], np.asarray(pool_one)[slot], "state after both parts")
 
 
-@pytest.mark.parametrize("groups,head_block", [(1, None), (2, 2)])
-def test_decode_matches_step_and_sequential(groups, head_block):
+# (groups, head_block, x/B/C dtype, rows): T > S (padding rows after the live ones, and a
+# bucket of rows well past the sequences) and T < S (padding sequences' rows clip onto the
+# last live row; their y must not land there).
+DECODE_CASES = [
+    (1, None, np.float32, 8),
+    (2, 2, jnp.bfloat16, 20),
+    (1, None, jnp.bfloat16, 5),
+]
+
+
+@pytest.mark.parametrize("groups,head_block,dtype,num_rows", DECODE_CASES)
+def test_decode_matches_step_and_sequential(groups, head_block, dtype, num_rows):
     seqs = [(1, 3, True), (1, 5, False), (1, -1, True), (1, 0, True), (1, 2, True)]
-    case = make_case(3, seqs, groups=groups, num_rows=8)
+    case = make_case(3, seqs, groups=groups, num_rows=num_rows, dtype=dtype)
     y, pool = decode_kernel.ssd_decode(*case.args, head_block=head_block, interpret=True)
     y_want, pool_want = expected(case)  # sequential over one-token sequences
     assert_close(y, y_want, "y vs sequential")
@@ -237,3 +256,26 @@ def test_decode_matches_step_and_sequential(groups, head_block):
     assert_close(np.asarray(y)[rows], y_step, "y vs ssd_decode_step")
     live = np.flatnonzero(case.live)
     assert_close(np.asarray(pool)[case.slots[live]], np.asarray(new)[live], "states vs step")
+
+
+def test_head_block_rule():
+    """Off TPU the tile budget is v5p's (12 MiB): the largest valid block <= 8 that fits,
+    else the smallest valid one that fits."""
+    assert kernel.head_blocks(10, 1, 64) == [10, 2]  # 5 heads are 320 lanes: not whole tiles
+    assert kernel.pick_head_block(16, 1, 64, 128, jnp.bfloat16, chunk=128) == 8
+    assert kernel.pick_head_block(16, 1, 256, 128, jnp.bfloat16, chunk=256) == 2  # VMEM-bound
+    assert kernel.pick_head_block(24, 8, 32, 64, jnp.float32) == 12  # 3 per group, 4 per tile
+    assert kernel.check_shapes(128, 1, 64, 128, jnp.bfloat16) == (8, 8)
+
+
+@pytest.mark.parametrize(
+    "shape,chunk,names",
+    [
+        ((6, 4, 64, 128), 128, "num_heads=6 must divide by num_groups=4"),
+        ((16, 1, 64, 128), 100, "chunk=100"),
+        ((1, 1, 4096, 128), 128, "head_dim=4096"),  # one head's blocks exceed VMEM
+    ],
+)
+def test_check_shapes_refuses_naming_the_value(shape, chunk, names):
+    with pytest.raises(ValueError, match=names):
+        kernel.check_shapes(*shape, jnp.bfloat16, chunk)
