@@ -13,6 +13,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from hicache_jax.models.kernels import vmem
+
 
 def _write_kv_kernel(
     slots_ref,  # [T] int32 SMEM, page * page_size + offset; -1 writes nothing
@@ -69,8 +71,11 @@ def write_kv(
     interpret: Any = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter new tokens' K/V into their page slots, in place (donate the pages under jit)."""
-    T = k.shape[0]
+    T, Hkv, D = k.shape
     page_size = k_pages.shape[1]
+    # Each token's K and V: read from k / v, written to its page slot (exact when no slot is -1).
+    token_bytes = Hkv * D * jnp.dtype(k_pages.dtype).itemsize
+    cost = pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=2 * 2 * T * token_bytes + 4 * T)
     tokens_per_step = 256  # bounds the copies in flight at once
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_write_kv_kernel, page_size=page_size, tokens_per_step=tokens_per_step)
@@ -89,7 +94,8 @@ def write_kv(
         ),
         # Operand indices count the scalar-prefetch slot mapping: pages are operands 3 and 4.
         input_output_aliases={3: 0, 4: 1},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=vmem.compiler_params(("arbitrary",)),
+        cost_estimate=cost,
         interpret=interpret,
     )(
         slot_mapping.astype(jnp.int32),

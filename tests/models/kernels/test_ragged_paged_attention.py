@@ -41,8 +41,10 @@ class Config:
     group: int  # query heads per KV head
     dtype: str
     soft_cap: float | None = None
-    q_block: int = 8
+    q_block: int | None = 8  # None: the kernel's plan()
     kv_block_pages: int | None = None
+    head_dim: int = HEAD_DIM
+    num_kv_heads: int = NUM_KV_HEADS
 
     def __str__(self):
         parts = [f"ps{self.page_size}", f"w{self.window}", f"g{self.group}", self.dtype]
@@ -50,6 +52,8 @@ class Config:
             parts.append(f"cap{self.soft_cap}")
         if self.q_block != 8 or self.kv_block_pages:
             parts.append(f"qb{self.q_block}kb{self.kv_block_pages}")
+        if (self.head_dim, self.num_kv_heads) != (HEAD_DIM, NUM_KV_HEADS):
+            parts.append(f"d{self.head_dim}h{self.num_kv_heads}")
         return "-".join(parts)
 
 
@@ -69,13 +73,13 @@ CONFIGS = [
 ]
 
 
-def make_case(cfg: Config, kind: str, seed: int = 0) -> dict:
+def make_case(cfg: Config, kind: str, seed: int = 0, spare_pages: int = 2) -> dict:
     rng = np.random.default_rng(seed)
-    ps, W, Hkv = cfg.page_size, cfg.window, NUM_KV_HEADS
-    Hq, D = Hkv * cfg.group, HEAD_DIM
+    ps, W, Hkv = cfg.page_size, cfg.window, cfg.num_kv_heads
+    Hq, D = Hkv * cfg.group, cfg.head_dim
     dtype = ml_dtypes.bfloat16 if cfg.dtype == "bfloat16" else np.float32
     seqs = BATCHES[kind]
-    max_pages = -(-MAX_KV // ps) + 2  # trailing entries no sequence reaches
+    max_pages = -(-MAX_KV // ps) + spare_pages  # trailing entries no sequence reaches
     num_pages = SEQ_SLOTS * max_pages + 4
     physical = iter(rng.permutation(num_pages))
 
@@ -115,7 +119,7 @@ def make_case(cfg: Config, kind: str, seed: int = 0) -> dict:
 
 def static_args(cfg: Config) -> dict:
     return dict(
-        sm_scale=HEAD_DIM**-0.5,
+        sm_scale=cfg.head_dim**-0.5,
         sliding_window=cfg.window,
         soft_cap=cfg.soft_cap,
         q_block=cfg.q_block,
@@ -142,7 +146,7 @@ def naive_attention(case: dict, cfg: Config) -> np.ndarray:
             lo = max(0, p - cfg.window + 1) if cfg.window else 0
             kk = np.repeat(k[lo : p + 1], G, axis=1)  # [keys, Hq, D]
             vv = np.repeat(v[lo : p + 1], G, axis=1)
-            scores = np.einsum("hd,khd->hk", q[cu[s] + row], kk) * HEAD_DIM**-0.5
+            scores = np.einsum("hd,khd->hk", q[cu[s] + row], kk) * cfg.head_dim**-0.5
             if cfg.soft_cap:
                 scores = cfg.soft_cap * np.tanh(scores / cfg.soft_cap)
             w = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -173,6 +177,94 @@ def test_kernel_matches_reference(cfg: Config, kind: str):
     expected = reference.ragged_paged_attention(**case, **static_args(cfg))
     out = kernel.ragged_paged_attention(**case, **static_args(cfg), interpret=True)
     check(out, expected, case, cfg)
+
+
+# Real models' head dims (Gemma's 256; 128) with several KV heads: pages are read as rows of
+# 128 lanes, a head's chunks at a stride; bf16 as 32-bit pairs of rows (chunk c of two heads),
+# a lone bf16 head as whole rows. Slow in interpret mode: the mixed batch only (prefill
+# chunks, decodes, a chunk resuming mid-sequence).
+WIDE_CONFIGS = [
+    Config(16, None, 2, "float32", head_dim=256, num_kv_heads=4),
+    Config(16, 17, 1, "bfloat16", head_dim=256, num_kv_heads=4),
+    Config(64, None, 2, "bfloat16", head_dim=256, num_kv_heads=2, q_block=None),  # plan()'s tiles
+    Config(16, 100, 2, "bfloat16", head_dim=256, num_kv_heads=1, q_block=1),
+    Config(64, None, 1, "float32", head_dim=256, num_kv_heads=1, soft_cap=1.0),
+    Config(16, None, 4, "bfloat16", head_dim=128, num_kv_heads=4),
+    Config(16, 64, 1, "float32", head_dim=128, num_kv_heads=2, q_block=4, kv_block_pages=3),
+]
+
+
+@pytest.mark.parametrize("cfg", WIDE_CONFIGS, ids=str)
+def test_kernel_matches_reference_at_wide_heads(cfg: Config):
+    case = make_case(cfg, "mixed", seed=10)
+    expected = reference.ragged_paged_attention(**case, **{**static_args(cfg), "q_block": cfg.q_block or 8})
+    check(kernel.ragged_paged_attention(**case, **static_args(cfg), interpret=True), expected, case, cfg)
+
+
+@pytest.mark.parametrize("window", [17, None])
+def test_page_table_left_in_hbm(window: int | None, monkeypatch):
+    """A page table past ``TABLE_SMEM_SHARE`` of SMEM stays in HBM, and each block copies
+    the entries it reads from a 128-aligned offset (here 72-entry rows, 6 of them); TPU
+    interpret mode checks the copies' bounds and races."""
+    monkeypatch.setattr(kernel, "TABLE_SMEM_SHARE", 0.0)
+    cfg = Config(16, window, 4, "float32", kv_block_pages=2)
+    # A fresh function: jit would otherwise reuse a trace with the table in SMEM.
+    fn = jax.jit(
+        lambda *a, **kw: kernel.ragged_paged_attention.__wrapped__(*a, **kw),
+        static_argnames=[*static_args(cfg), "interpret"],
+    )
+    case = make_case(cfg, "mixed", seed=9, spare_pages=60)
+    expected = reference.ragged_paged_attention(**case, **static_args(cfg))
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise")
+    try:
+        check(fn(**case, **static_args(cfg), interpret=params), expected, case, cfg)
+    finally:
+        races = kernel_races()
+        pltpu.reset_tpu_interpret_mode_state()
+    assert not races
+
+
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (dict(num_q_heads=6, num_kv_heads=3, head_dim=256, dtype="bfloat16"), "num_kv_heads=3"),
+        (dict(num_q_heads=8, num_kv_heads=2, head_dim=192, dtype="float32"), "head_dim=192"),
+        (dict(num_q_heads=8, num_kv_heads=2, head_dim=128, dtype="float16"), "dtype=float16"),
+        (dict(num_q_heads=6, num_kv_heads=4, head_dim=128, dtype="float32"), "num_q_heads=6"),
+    ],
+)
+def test_check_shapes_names_the_value(shapes: dict, match: str):
+    with pytest.raises(ValueError, match=match):
+        kernel.check_shapes(**shapes)
+
+
+def test_check_shapes_takes_the_model_families():
+    for head_dim in (64, 128, 256):
+        for num_kv_heads in (1, 2, 4, 8):
+            for dtype in ("float32", "bfloat16"):
+                kw = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+                assert kernel.unsupported_reason(num_q_heads=8 * num_kv_heads, **kw) is None
+    # Odd KV heads read one at a time in float32.
+    assert kernel.unsupported_reason(num_q_heads=3, num_kv_heads=3, head_dim=256, dtype="float32") is None
+
+
+def test_plan_halves_tiles_into_the_budget(monkeypatch):
+    """KV steps halve first (down to 128 tokens), then query blocks (down to 8 rows), then
+    KV steps (down to a page); past that the shapes are refused, naming the budget."""
+    shapes = kernel.Shapes(2048, 1, 8, 8, 256, 16, 4096, jnp.float32, jnp.float32)
+    q_full, kbp_full = kernel.plan(shapes)
+    steps = []
+    for budget in (8 << 20, 4 << 20, 2 << 20, 1 << 20):
+        monkeypatch.setattr(kernel.vmem, "tile_budget", lambda budget=budget: budget)
+        q_block, kbp = kernel.plan(shapes)
+        assert kernel.vmem_bytes(shapes, q_block, kbp) <= budget
+        assert q_block < q_full or kbp < kbp_full
+        assert q_block == q_full or kbp * 16 <= 128 or kbp == 1  # queries shrink only after KV
+        steps.append((q_block, kbp))
+    assert steps == sorted(steps, reverse=True)
+    monkeypatch.setattr(kernel.vmem, "tile_budget", lambda: 1)
+    with pytest.raises(ValueError, match="over the 1-byte budget"):
+        kernel.plan(shapes)
 
 
 def test_empty_sequences_and_single_row_blocks():
