@@ -76,6 +76,7 @@ class CausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.mesh = kernels.mesh  # tensor-parallel mesh, or None (see models/sharding.py)
         check_tp(cfg, tp_size(self.mesh))
+        kernels.check_model(cfg, self.dtype)
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(cfg, k, dtype=dtype, rngs=rngs, kernels=kernels) for k in cfg.layer_kinds]

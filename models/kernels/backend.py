@@ -62,6 +62,41 @@ class KernelConfig:
     def ssd_backend(self) -> str:
         return self.ssd or default_backend()
 
+    def check_model(self, cfg, dtype) -> None:
+        """Refuse, when the model is built (before any weight is read), a model whose
+        per-shard shapes the Pallas kernels cannot compile for TPU, naming the flag and the
+        value; interpret mode (CPU tests) has no such limits. Without this, the first
+        compile would fail deep inside Mosaic. The kernels' own ``check_shapes`` say why."""
+        if self.interpret:
+            return
+        from hicache_jax.models.sharding import kv_heads_on_device, tp_size
+
+        tp = tp_size(self.mesh)
+        checks = []
+        if self.attention_backend == "pallas" and cfg.attention_layers:
+            from hicache_jax.models.kernels.ragged_paged_attention import kernel
+
+            heads = dict(num_q_heads=cfg.num_heads // tp, num_kv_heads=kv_heads_on_device(cfg, tp) // tp)
+            checks.append(
+                (
+                    "attention_backend",
+                    lambda: kernel.check_shapes(**heads, head_dim=cfg.head_dim, dtype=dtype),
+                )
+            )
+        if self.ssd_backend == "pallas" and cfg.mamba is not None and cfg.mamba_layers:
+            from hicache_jax.models.kernels.mamba2_ssd import kernel as ssd
+
+            m = cfg.mamba
+            shard = (m.num_heads // tp, max(m.num_groups, tp) // tp, m.head_dim, m.state_size, dtype)
+            checks.append(("ssd_backend", lambda: ssd.check_shapes(*shard)))
+        for flag, check in checks:
+            try:
+                check()
+            except ValueError as e:
+                raise ValueError(
+                    f"--{flag}=pallas cannot run {cfg.architecture} at tp_size={tp}: {e}"
+                ) from None
+
 
 @functools.cache
 def attention_fn(backend: str, interpret: bool = False) -> Callable:

@@ -19,8 +19,9 @@ from hicache_jax.models.sharding import kv_heads_on_device, tp_size
 # prompts favour large blocks, while each sequence of a mixed step (a decode token too)
 # fills a whole block. The xla backend on CPU, 100m preset: a 4,096-token prefill's attention
 # takes 0.7x the time at 16 as at 8; 31 decodes beside a 512-token chunk take 1.1x. The
-# Pallas kernel keeps the size it was tuned with.
-PREFILL_Q_BLOCK = {"xla": 16, "pallas": 8}
+# Pallas kernel plans its own from the chip's VMEM and MXU and the step's shape (None;
+# ``ragged_paged_attention/kernel.py``'s ``plan``).
+PREFILL_Q_BLOCK = {"xla": 16, "pallas": None}
 
 
 class Attention(nnx.Module):
