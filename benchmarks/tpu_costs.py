@@ -1,0 +1,103 @@
+"""How close the compiled TPU step comes to its floors, measured without a chip.
+
+    python benchmarks/tpu_costs.py [--families mistral-7b,gemma-3-4b,...] [--num_layers 4]
+                                   [--topology v5e:2x2 --tp_size 4] [--context 2048]
+
+For each family (published widths, ``--num_layers`` deep; 0: the whole model) the step is
+compiled for the slice with the Pallas backends (``hicache_jax/tpu/abstract.py``), and the
+compiled program's own ``cost_analysis`` (per chip) is set against:
+
+- decode at batch 8 and 64, every sequence at ``--context`` tokens: HBM bytes accessed over
+  the minimum, the weights read once plus each sequence's live KV (its window, in sliding
+  layers) and recurrent state read once;
+- one prefill chunk (``--chunk`` tokens of one new sequence): flops over the analytic count
+  of ``benchmarks/floors.py`` divided over the chips.
+
+The Pallas kernels' bytes and flops are theirs as declared by ``pl.CostEstimate`` (counted
+from their block specs and DMA sizes, at the static shapes: a decode sequence is assumed to
+read ``--context`` tokens); the rest is XLA's count of the fused HLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax.numpy as jnp  # noqa: E402
+from floors import step_flops  # noqa: E402
+
+from hicache_jax.config import EngineConfig  # noqa: E402
+from hicache_jax.models.sharding import kv_heads_on_device  # noqa: E402
+from hicache_jax.tpu.abstract import AbstractServer  # noqa: E402
+from hicache_jax.tpu.configs import HF_CONFIGS, real_config  # noqa: E402
+from hicache_jax.tpu.planner import _cost  # noqa: E402
+from hicache_jax.tpu.target import target  # noqa: E402
+
+
+def min_decode_bytes(server: AbstractServer, batch: int, context: int) -> float:
+    """Weights once, plus each sequence's live KV and state once, on one chip."""
+    cfg, tp = server.model.cfg, server.cfg.tp_size
+    b = jnp.dtype(server.model.dtype).itemsize
+    kv_token = 2 * (kv_heads_on_device(cfg, tp) // tp if tp > 1 else cfg.num_kv_heads) * cfg.head_dim * b
+    total = float(server.weights_bytes())
+    for kind in cfg.layer_kinds:
+        if kind == "mamba":
+            m = cfg.mamba
+            state = m.num_heads * m.head_dim * m.state_size * 4 / tp + (m.conv_kernel - 1) * m.conv_dim * b
+            total += batch * state
+        else:
+            live = min(context, cfg.sliding_window) if kind == "sliding" else context
+            total += batch * live * kv_token
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="mistral-7b,llama-3-8b,gemma-3-4b,gemma-3-27b,bamba-9b")
+    ap.add_argument("--num_layers", type=int, default=4, help="0: the whole model")
+    ap.add_argument("--topology", default="v5e:2x2")
+    ap.add_argument("--tp_size", type=int, default=4)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=512)
+    a = ap.parse_args()
+    tgt = target(a.topology)
+    print(f"{a.topology} at tp {a.tp_size}, bfloat16, decode sequences at {a.context} tokens, per chip")
+    head = [("layers", 7), ("step", 11), ("HBM MiB", 10), ("min MiB", 10), ("ratio", 7)]
+    head += [("GFLOP", 9), ("floor", 9)]
+    print(f"{'family':<13}" + "".join(f"{n:>{w}}" for n, w in head))
+    for family in a.families.split(","):
+        assert family in HF_CONFIGS, f"unknown family {family}; known: {sorted(HF_CONFIGS)}"
+        mc = real_config(family, a.num_layers or None)
+        cfg = EngineConfig(
+            dtype="bfloat16",
+            tp_size=a.tp_size,
+            chunked_prefill_size=a.chunk,
+            context_length=a.context,
+            max_running_requests=64,
+        )
+        server = AbstractServer.build(mc, cfg, tgt)
+        for batch in (8, 64):
+            cost = _cost(server.compile_step((batch, batch, batch, True)))
+            need = min_decode_bytes(server, batch, a.context)
+            got = cost.get("bytes accessed", 0.0)
+            print(
+                f"{family:<13}{mc.num_layers:>7}{'decode x' + str(batch):>11}{got / 2**20:>10.0f}"
+                f"{need / 2**20:>10.0f}{got / need:>7.2f}",
+                flush=True,
+            )
+        chunk = a.chunk
+        cost = _cost(server.compile_step((chunk, 1, 1, False)))
+        floor = step_flops(mc, [(chunk, chunk)], logits_rows=1) / a.tp_size
+        got = cost.get("flops", 0.0)
+        print(
+            f"{family:<13}{mc.num_layers:>7}{'prefill':>11}{'':>10}{'':>10}{got / floor:>7.2f}"
+            f"{got / 1e9:>9.1f}{floor / 1e9:>9.1f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
