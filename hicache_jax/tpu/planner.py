@@ -60,6 +60,7 @@ class Plan:
     temp_program: str
     max_total_tokens: int  # the configuration's
     max_total_tokens_that_fit: int
+    fit_confirmed: bool  # a compile at max_total_tokens_that_fit fitted HBM
     state_slots: int
     state_slots_that_fit: int | None
     steps: tuple[StepCost, ...]
@@ -119,7 +120,7 @@ def plan(
     tokens -= tokens % cfg.page_size
     slots = cfg.num_state_slots
     slots_fit = slots + int(free // (state / slots)) if state else None
-    tokens = _confirm(model_cfg, cfg, target, dtype, tokens, temp_program, progress)
+    tokens, confirmed = _confirm(model_cfg, cfg, target, dtype, tokens, temp_program, progress, need, hbm)
     context = decode_context or max(cfg.page_size, cfg.max_total_tokens // cfg.max_running_requests)
     steps = _step_costs(model_cfg, cfg, target, dtype, context, progress)
     dtype_bytes = jnp.dtype(server.model.dtype).itemsize
@@ -134,6 +135,7 @@ def plan(
         temp_program=temp_program,
         max_total_tokens=cfg.max_total_tokens,
         max_total_tokens_that_fit=tokens,
+        fit_confirmed=confirmed,
         state_slots=slots,
         state_slots_that_fit=slots_fit,
         steps=steps,
@@ -181,20 +183,32 @@ def _temporaries(server: AbstractServer, progress) -> tuple[int, str]:
     return best, which
 
 
-def _confirm(model_cfg, cfg, target, dtype, tokens: int, program: str, progress) -> int:
-    """Compile ``program`` with a pool of ``tokens``; step down 5% at a time if it does not fit."""
+def _confirm(
+    model_cfg, cfg, target, dtype, tokens: int, program: str, progress, need: int, hbm: int
+) -> tuple[int, bool]:
+    """Compile ``program`` with a pool of ``tokens``. Where it does not fit (temporaries that
+    grow with the pool: a pool-sized copy), the compiler's refusal says how much it needed;
+    a line through that and the configured pool's ``need`` gives the next size to try.
+    Returns the pool and whether a compile confirmed it."""
+    points = [(cfg.max_total_tokens, need)]
     for _ in range(4):
         bigger = cfg.replace(max_total_tokens=tokens)
         server = AbstractServer.build(model_cfg, bigger, target, dtype=dtype)
         try:
             list(server.compile(lambda n: n == program))
             progress(f"  max_total_tokens={tokens}: {program} compiles")
-            return tokens
+            return tokens, True
         except RuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
+            m = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e.__cause__ or e))
+            if "RESOURCE_EXHAUSTED" not in str(e.__cause__ or e) or not m:
                 raise
-            tokens = int(tokens * 0.95) // cfg.page_size * cfg.page_size
-    return tokens
+            points.append((tokens, float(m.group(1)) * GiB))
+            progress(f"  max_total_tokens={tokens}: {program} needs {points[-1][1] / GiB:.2f} GiB")
+        (n0, b0), (n1, b1) = points[-2], points[-1]
+        per_token = (b1 - b0) / (n1 - n0)
+        tokens = int(n0 + 0.98 * (hbm - b0) / per_token) if per_token > 0 else int(tokens * 0.9)
+        tokens = max(cfg.page_size, tokens // cfg.page_size * cfg.page_size)
+    return tokens, False
 
 
 def _step_costs(model_cfg, cfg, target, dtype, context: int, progress) -> tuple[StepCost, ...]:
@@ -240,6 +254,7 @@ def format_plan(p: Plan, model_cfg: ModelConfig, cfg: EngineConfig, target: TpuT
         f"  temporaries    {g(p.temp_bytes)}   (largest: {p.temp_program})",
         f"  free           {g(p.free_bytes)}",
         f"fits: --max_total_tokens up to {p.max_total_tokens_that_fit:,}"
+        + ("" if p.fit_confirmed else " (NOT confirmed: 4 compiles near it ran out of HBM)")
         + (
             f"; or --mamba_cache_slots up to {p.state_slots_that_fit} at {p.max_total_tokens:,} tokens"
             if p.state_slots_that_fit
