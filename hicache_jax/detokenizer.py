@@ -106,6 +106,12 @@ class IncrementalDetokenizer:
         starts = [i for i in (held.find(s) for s in self._stop) if i >= 0]
         if starts:
             cut = min(starts)
+            # A longer stop string that began before ``cut`` may still complete ("aba" while
+            # "b" matched in "ab"): everything from its start waits for finish too.
+            open_ = [
+                i for s in self._stop for i in range(cut) if len(held) - i < len(s) and s.startswith(held[i:])
+            ]
+            cut = min([cut, *open_])
             self._held, out = "", held[:cut]
             self._after_stop.append(held[cut:])
             return out
