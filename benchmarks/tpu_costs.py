@@ -33,7 +33,7 @@ from hicache_jax.config import EngineConfig  # noqa: E402
 from hicache_jax.models.sharding import kv_heads_on_device  # noqa: E402
 from hicache_jax.tpu.abstract import AbstractServer  # noqa: E402
 from hicache_jax.tpu.configs import HF_CONFIGS, real_config  # noqa: E402
-from hicache_jax.tpu.planner import _cost  # noqa: E402
+from hicache_jax.tpu.planner import step_cost  # noqa: E402
 from hicache_jax.tpu.target import target  # noqa: E402
 
 
@@ -80,7 +80,7 @@ def main() -> None:
         )
         server = AbstractServer.build(mc, cfg, tgt)
         for batch in (8, 64):
-            cost = _cost(server.compile_step((batch, batch, batch, True)))
+            cost = step_cost(server.compile_step((batch, batch, batch, True)))
             need = min_decode_bytes(server, batch, a.context)
             got = cost.get("bytes accessed", 0.0)
             print(
@@ -89,7 +89,7 @@ def main() -> None:
                 flush=True,
             )
         chunk = a.chunk
-        cost = _cost(server.compile_step((chunk, 1, 1, False)))
+        cost = step_cost(server.compile_step((chunk, 1, 1, False)))
         floor = step_flops(mc, [(chunk, chunk)], logits_rows=1) / a.tp_size
         got = cost.get("flops", 0.0)
         print(

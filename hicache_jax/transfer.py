@@ -3,7 +3,7 @@
 A call moves its pages in chunks of at most ``max_pages(kind)`` (a power of two, chosen
 so one chunk holds at most ``CHUNK_BYTES`` of page data); each chunk is padded to a power
 of two >= ``MIN_PAGES``. So a few programs per kind serve every transfer, and warm-up
-can compile all of them (``lower_all``). Padding reads page 0 and writes nowhere.
+can compile all of them (``lowerings``). Padding reads page 0 and writes nowhere.
 
 Under tensor parallelism host pages hold *whole* pages: every KV head once, in the layout
 of ``tp_size=1``. A read gathers each page's head shards from the devices (dropping the
@@ -132,11 +132,6 @@ class PageTransfer:
             "mamba": kind == "mamba",
             "kv_repeat": self._kv_repeat(kind),
         }
-
-    def lower_all(self) -> Iterator[tuple[str, jax.stages.Lowered]]:
-        """(name, lowered program) for every gather and scatter a transfer can run."""
-        for name, lower in self.lowerings():
-            yield name, lower()
 
     def lowerings(self) -> Iterator[tuple[str, Callable[[], jax.stages.Lowered]]]:
         """(name, a function that lowers it) for every gather and scatter."""

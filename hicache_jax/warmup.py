@@ -87,11 +87,12 @@ def lowerings(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer
     """(name, a function that lowers it) for every program serving can run."""
     for shape, top in builder.warmup_programs():
         name = f"{'decode' if shape[3] else 'prefill'} step T={shape[0]} S={shape[1]} R={shape[2]} top={top}"
-        yield name, functools.partial(_lower_step, runner, builder, shape, top)
+        yield name, functools.partial(lower_step, runner, builder, shape, top)
     if transfer is not None:
         yield from transfer.lowerings()
 
 
-def _lower_step(runner: ModelRunner, builder: BatchBuilder, shape, top: int) -> jax.stages.Lowered:
+def lower_step(runner: ModelRunner, builder: BatchBuilder, shape, top: int) -> jax.stages.Lowered:
+    """The step program for (T, S, R, decode_only) ``shape``, lowered on an empty batch."""
     batch, sampling, copies, _, _ = builder.build(StepPlan(items=[]), shape)
     return runner.lower_step(batch, sampling, copies, top)

@@ -24,13 +24,14 @@ from jax.sharding import Mesh
 from hicache_jax import warmup
 from hicache_jax.build import context_length, make_builder, make_device_pools, make_runner
 from hicache_jax.config import EngineConfig
+from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.loader import resolve_dtype
 from hicache_jax.models.sharding import abstract_weights, make_mesh
 from hicache_jax.runner import ModelRunner
-from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
+from hicache_jax.scheduler.plan import BatchBuilder
 from hicache_jax.tpu.target import TpuTarget, tracing_for
 from hicache_jax.transfer import PageTransfer
 
@@ -88,14 +89,20 @@ class AbstractServer:
 
     def cache_bytes(self) -> int:
         """Device cache bytes on one chip: KV pages and recurrent state slots."""
-        return _per_chip(self.runner.cache)
+        return sum(self.cache_bytes_by_kind().values())
+
+    def cache_bytes_by_kind(self) -> dict[str, int]:
+        """``{"kv": attention page bytes, "state": recurrent state bytes}`` on one chip."""
+        out = {"kv": 0, "state": 0}
+        for entry in self.runner.cache:
+            out["state" if isinstance(entry, MambaState) else "kv"] += _per_chip(entry)
+        return out
 
     def compile_step(self, shape: tuple[int, int, int, bool], top_logprobs: int = 0) -> jax.stages.Compiled:
         """One step program of the given (T, S, R, decode_only), whether or not the engine's
         buckets include it (the planner's decode batches)."""
-        batch, sampling, copies, _, _ = self.builder.build(StepPlan(items=[]), shape)
         with tracing_for(self.mesh):
-            lowered = self.runner.lower_step(batch, sampling, copies, top_logprobs)
+            lowered = warmup.lower_step(self.runner, self.builder, shape, top_logprobs)
         return _compile(f"step {shape}", lowered)
 
 

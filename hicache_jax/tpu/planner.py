@@ -104,7 +104,8 @@ def plan(
     server = AbstractServer.build(model_cfg, cfg, target, dtype=dtype)
     hbm = usable_hbm(target)
     weights = server.weights_bytes()
-    kv, state = _cache_split(server)
+    split = server.cache_bytes_by_kind()
+    kv, state = split["kv"], split["state"]
     progress(f"weights {weights / GiB:.2f} GiB, cache {(kv + state) / GiB:.2f} GiB per chip; compiling")
     temp, temp_program = _temporaries(server, progress)
     need = weights + kv + state + temp
@@ -141,20 +142,6 @@ def plan(
         steps=steps,
         l3_read_bytes_per_token=read_bytes_per_token(model_cfg, dtype_bytes, cfg.page_size),
     )
-
-
-def _cache_split(server: AbstractServer) -> tuple[int, int]:
-    """(attention page bytes, recurrent state bytes) per chip."""
-    from hicache_jax.models.cache import MambaState
-    from hicache_jax.tpu.abstract import _per_chip
-
-    kv = state = 0
-    for entry in server.runner.cache:
-        if isinstance(entry, MambaState):
-            state += _per_chip(entry)
-        else:
-            kv += _per_chip(entry)
-    return kv, state
 
 
 def _largest_programs(server: AbstractServer) -> set[str]:
@@ -224,7 +211,7 @@ def _step_costs(model_cfg, cfg, target, dtype, context: int, progress) -> tuple[
     )
     out = []
     for name, tokens, shape in shapes:
-        cost = _cost(server.compile_step(shape))
+        cost = step_cost(server.compile_step(shape))
         flops, hbm = cost.get("flops", 0.0), cost.get("bytes accessed", 0.0)
         roof = max(flops / chip.bf16_flops_per_s, hbm / chip.hbm_bytes_per_s)
         out.append(StepCost(name, tokens, flops, hbm, roof))
@@ -232,7 +219,7 @@ def _step_costs(model_cfg, cfg, target, dtype, context: int, progress) -> tuple[
     return tuple(out)
 
 
-def _cost(compiled: jax.stages.Compiled) -> dict:
+def step_cost(compiled: jax.stages.Compiled) -> dict:
     cost = compiled.cost_analysis()
     return cost[0] if isinstance(cost, list) else (cost or {})
 

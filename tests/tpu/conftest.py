@@ -15,4 +15,3 @@ def _needs_libtpu():
     reason = target.missing_reason()
     if reason:
         pytest.skip(reason)
-
