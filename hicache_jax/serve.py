@@ -67,7 +67,14 @@ def main(argv: list[str]) -> None:
         try:
             distributed.check_same_config(engine_cfg)
         except ValueError as e:  # config.ConfigError: the flags differ between processes
-            _die(str(e), 2)
+            # Every process sees the difference and stops; a normal exit would wait in
+            # jax.distributed's shutdown barrier for peers that may already be gone (and
+            # for the coordinator process 0 hosts), which under load outlived the test's
+            # two minutes.
+            print(f"hicache-jax-serve: error: {e}", file=sys.stderr, flush=True)
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(2)
 
     t0 = time.perf_counter()
     what = engine_cfg.model_path or f"preset {engine_cfg.preset!r}"
