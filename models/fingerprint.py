@@ -1,11 +1,12 @@
 """Weights identity for L3 namespaces: two models never read each other's pages.
 
 A checkpoint's fingerprint is a SHA-256 over ``config.json`` and, for every safetensors file
-the loader reads, its name, size and a digest of ALL its bytes (``file_digest``): any change
-to any weight, however small or wherever it lies, gives another fingerprint. Digests are
-computed once per file and remembered beside the checkpoint, so only the first load of a
-checkpoint pays for hashing (about 1 GB/s per core). A converted orbax checkpoint carries its
-source's fingerprint (``orbax_io``), so servers loading either form share L3.
+the loader reads (or its one GGUF file), its name, size and a digest of ALL its bytes
+(``file_digest``): any change to any weight, however small or wherever it lies, gives
+another fingerprint. Digests are computed once per file and remembered beside the
+checkpoint, so only the first load of a checkpoint pays for hashing (about 1 GB/s per
+core). A converted orbax checkpoint carries its source's fingerprint (``orbax_io``), so
+servers loading either form share L3.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from hicache_jax.models.file_digest import file_digests
+from hicache_jax.models.gguf import gguf_file
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 
 VERSION = 2  # 1 sampled four 64 KiB windows per file: blind to most of a fine-tune
@@ -30,6 +32,17 @@ def _field(h, data: bytes) -> None:
 def checkpoint_fingerprint(model_dir: str) -> str:
     """64 hex chars naming ``config.json`` and every byte of the checkpoint's weights."""
     h = hashlib.sha256(f"hicache-jax checkpoint v{VERSION}".encode())
+    gguf = gguf_file(model_dir)
+    if gguf:  # config, weights and tokenizer are all in the file's bytes
+        directory, name = os.path.split(os.path.abspath(gguf))
+        try:
+            digest = file_digests(directory, [name])[name]
+        except OSError as e:
+            raise CheckpointError(f"{gguf}: cannot fingerprint the checkpoint ({e})") from e
+        _field(h, b"gguf")
+        _field(h, name.encode())
+        _field(h, bytes.fromhex(digest))
+        return h.hexdigest()
     try:
         with open(os.path.join(model_dir, "config.json"), "rb") as f:
             _field(h, f.read())

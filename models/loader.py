@@ -14,6 +14,8 @@ from flax import nnx
 
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.fingerprint import checkpoint_fingerprint
+from hicache_jax.models.gguf import gguf_file
+from hicache_jax.models.gguf.tensors import GGUFCheckpoint
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 from hicache_jax.models.hf.weights import abstract_state, load_params
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -48,18 +50,24 @@ def read_hf_config(model_dir: str) -> dict:
 
 
 def load_hf(model_dir: str, *, dtype=None, kernels: KernelConfig | None = None) -> CausalLM:
-    """Build the model named by ``config.json`` and fill it from ``*.safetensors``.
+    """Build the model named by ``config.json`` and fill it from ``*.safetensors`` (or all
+    three from a GGUF file: ``model_dir`` may name one, or a directory holding one).
 
     The weights' fingerprint (``model_fingerprint``) is hashed alongside, in a thread: the
     load and the hash share the first read of a cold file, and the digests are remembered
     beside the checkpoint, so a later ``model_fingerprint`` costs a few ``stat`` calls.
     """
     t0 = time.perf_counter()
-    hf = read_hf_config(model_dir)
-    cfg = config_from_hf(hf, os.path.join(model_dir, "config.json"))
+    gguf = gguf_file(model_dir)
+    if gguf:  # one file holds config, weights and tokenizer
+        ckpt = GGUFCheckpoint(gguf)
+        hf, where = ckpt.hf, gguf
+    else:
+        hf, where = read_hf_config(model_dir), os.path.join(model_dir, "config.json")
+    cfg = config_from_hf(hf, where)
     dtype = resolve_dtype(dtype, hf)
     names = architecture(cfg.architecture).names
-    ckpt = Checkpoint(model_dir)
+    ckpt = ckpt if gguf else Checkpoint(model_dir)
     pool = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
     hashing = pool.submit(checkpoint_fingerprint, model_dir)
     try:
