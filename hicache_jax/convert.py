@@ -1,4 +1,4 @@
-"""Convert a Hugging Face checkpoint to an orbax checkpoint for fast, sharded restore.
+"""Convert a Hugging Face (or GGUF) checkpoint to an orbax checkpoint for fast, sharded restore.
 
 python -m hicache_jax.convert --model_path DIR --out OUT_DIR [--dtype bfloat16]
 """
@@ -14,7 +14,9 @@ from hicache_jax import progress
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
-    "model_path", None, "Hugging Face model directory (config.json + *.safetensors) or Hub id (org/name)."
+    "model_path",
+    None,
+    "Hugging Face model directory (config.json + *.safetensors), GGUF file, or Hub id (org/name).",
 )
 flags.DEFINE_string("revision", None, "Hub branch, tag or commit for a --model_path model id.")
 flags.DEFINE_string("out", None, "Output directory for the orbax checkpoint (must not exist).")

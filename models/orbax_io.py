@@ -70,7 +70,13 @@ def save(model: CausalLM, out_dir: str, *, source: str | None = None) -> None:
     }
     with open(os.path.join(out_dir, META), "w") as f:
         json.dump(meta, f, indent=2)
-    if source:
+    from hicache_jax.models.gguf import gguf_file
+
+    if gguf := gguf_file(source):  # its tokenizer lives in its metadata: write it out
+        from hicache_jax.models.gguf.tokenizer import write_tokenizer_files
+
+        write_tokenizer_files(gguf, out_dir)
+    elif source:
         for name in COPIED:
             if os.path.exists(os.path.join(source, name)):
                 shutil.copy(os.path.join(source, name), out_dir)

@@ -1,5 +1,5 @@
-"""Text <-> token ids: ``tokenizer.json`` through ``tokenizers`` when a model ships one,
-otherwise token ids in, token ids out."""
+"""Text <-> token ids: ``tokenizer.json`` (or a GGUF file's tokenizer) through ``tokenizers``
+when a model ships one, otherwise token ids in, token ids out."""
 
 from __future__ import annotations
 
@@ -9,11 +9,18 @@ import os
 
 class Tokenizer:
     def __init__(self, path: str | None):
-        """``path``: a model directory (or a tokenizer.json file); None or no tokenizer.json
-        means an ids-only tokenizer."""
+        """``path``: a model directory (or a tokenizer.json file, or a GGUF file or directory);
+        None or no tokenizer.json means an ids-only tokenizer."""
         self._tok = None
         self.config: dict = {}
         if path is None:
+            return
+        from hicache_jax.models.gguf import gguf_file
+
+        if gguf := gguf_file(path):  # vocabulary, special tokens and chat template in its metadata
+            from hicache_jax.models.gguf.tokenizer import build_tokenizer
+
+            self._tok, self.config = build_tokenizer(gguf)
             return
         file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
         if os.path.isfile(file):
