@@ -194,7 +194,7 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_lo
     cache = copy_states(cache, copies.before_src, copies.before_dst)
     cache, logits = nnx.merge(structure.graphdef, params)(cache, batch)
     cache = copy_states(cache, copies.after_src, copies.after_dst)
-    out = sample(logits, sampling, top_logprobs)
+    out = sample(logits, sampling, top_logprobs, structure.replicated)
     n = min(out.next_ids.shape[0], prev_ids.shape[0])
     ids = jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
     cache = sharding.constrain(cache, structure.cache_shardings)

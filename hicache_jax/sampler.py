@@ -51,6 +51,7 @@ from hicache_jax import sampler_reference as reference
 CANDIDATES = 256  # C: top-k up to C and top-p nuclei of up to C tokens skip the sort
 TOP_P_MARGIN = 4e-6  # a cumulative probability this close to top_p sends the row to the sort
 SORT_BELOW = 8 * CANDIDATES  # smaller vocabularies just sort: cheap, and half the compile time
+ROW_BLOCK = 64  # logits rows whose float32 log-softmax is live at once (``_row_logprobs``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,21 +190,35 @@ def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.
     return jax.lax.cond(greedy_row.all(), lambda: greedy, draw)
 
 
+def _row_logprobs(logits: jax.Array, targets: jax.Array, K: int):
+    """Per logits row: the target token's logprob and the K largest logprobs, ``ROW_BLOCK``
+    rows at a time. A step that reports every prompt row's logprobs then holds [ROW_BLOCK, V]
+    float32 log-softmax at once, not [R, V]: 0.5 GiB of temporaries per copy at R = 544 and
+    V = 262,208 (Gemma 3), more than a quarter of a chip's KV pool."""
+
+    def one(row: jax.Array, target: jax.Array):
+        lp = jax.nn.log_softmax(row)  # [V]
+        return (lp[jnp.maximum(target, 0)], *(jax.lax.top_k(lp, K) if K else ()))
+
+    R = logits.shape[0]
+    out = jax.lax.map(lambda a: one(*a), (logits, targets), batch_size=min(R, ROW_BLOCK))
+    if not K:  # (lax.map cannot batch zero-size outputs)
+        out = (*out, jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32))
+    return out
+
+
 @jax.named_scope("sampling")  # a profile's name for it (POST /start_profile)
-def sample(logits: jax.Array, s: SamplingInputs, top_logprobs: int) -> SamplingOutputs:
-    """logits: [R, V] float32 for the batch's logits rows."""
-    logp_rows = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
+def sample(logits: jax.Array, s: SamplingInputs, top_logprobs: int, rows_sharding=None) -> SamplingOutputs:
+    """logits: [R, V] float32 for the batch's logits rows (under a mesh, split by vocabulary);
+    ``rows_sharding``: where the S sampled rows go (replicated: every device draws the same
+    tokens)."""
     logits_s = logits[s.last_rows]  # [S, V]
-    logp_s = logp_rows[s.last_rows]
+    if rows_sharding is not None:
+        logits_s = jax.lax.with_sharding_constraint(logits_s, rows_sharding)
+    logp_s = jax.nn.log_softmax(logits_s, axis=-1)
     next_ids = next_tokens(logits_s, s, row_keys(s))
     next_lp = jnp.take_along_axis(logp_s, next_ids[:, None], axis=-1)[:, 0]
-    target_lp = jnp.take_along_axis(logp_rows, jnp.maximum(s.targets, 0)[:, None], axis=-1)[:, 0]
-    K = top_logprobs
-    if K:
-        row_top_lp, row_top_ids = jax.lax.top_k(logp_rows, K)
-    else:
-        row_top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        row_top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    target_lp, row_top_lp, row_top_ids = _row_logprobs(logits, s.targets, top_logprobs)
     return SamplingOutputs(
         next_ids=next_ids,
         next_logprobs=next_lp,

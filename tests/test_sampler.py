@@ -67,6 +67,31 @@ def test_seed_and_counter_fix_the_draw_and_logprobs_are_raw():
     np.testing.assert_array_equal(np.asarray(a.next_top_ids)[0], [0, 1, 2])
 
 
+@pytest.mark.parametrize("rows", [5, 64, 150])  # under, at and over ROW_BLOCK (a remainder)
+def test_row_logprobs_in_blocks_equal_the_whole_log_softmax(rows):
+    rng = np.random.default_rng(rows)
+    logits = rng.normal(0, 4, (rows, 3000)).astype(np.float32)
+    targets = rng.integers(-1, 3000, rows).astype(np.int32)
+    s = SamplingInputs(
+        last_rows=np.array([0, rows - 1], np.int32),
+        temperature=np.zeros(2, np.float32),
+        top_p=np.ones(2, np.float32),
+        top_k=np.full(2, -1, np.int32),
+        min_p=np.zeros(2, np.float32),
+        seeds=np.zeros(2, np.uint32),
+        counters=np.zeros(2, np.int32),
+        targets=targets,
+    )
+    out = jax.jit(sample, static_argnums=2)(logits, s, 4)
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    want = np.take_along_axis(lp, np.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    np.testing.assert_allclose(out.target_logprobs, want, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(out.row_top_ids, np.argsort(-lp, axis=-1, kind="stable")[:, :4])
+    np.testing.assert_allclose(out.row_top_logprobs, -np.sort(-lp, axis=-1)[:, :4], atol=1e-5)
+    np.testing.assert_array_equal(out.next_ids, lp[[0, rows - 1]].argmax(-1))
+    np.testing.assert_array_equal(out.next_top_ids, np.asarray(out.row_top_ids)[[0, rows - 1]])
+
+
 @pytest.mark.parametrize(
     "d, field",
     [

@@ -1,5 +1,15 @@
 """The KV page write as a Pallas TPU kernel: each new token's K and V go to their page
 slot by DMA, in place (the pages are aliased in and out). Reference: ``reference.write_kv``.
+
+The kernel DMAs a token's ``[Hkv, D]`` slab into ``[num_pages, page_size, Hkv, D]``, so it
+needs the pages row-major, tiled on ``(Hkv, D)``. XLA:TPU stores a pool with one bfloat16
+KV head (per shard: every model at a tensor-parallel size equal to its KV head count) tiled
+on ``(page_size, D)`` instead, the size-1 head axis moved out of the tile. A Pallas operand
+there makes XLA copy the whole pool to row-major and back, every layer of every step (three
+times the pool in temporaries for Gemma-3-4B at tp 4), so that write is XLA's own scatter,
+in place in XLA's layout (``scatter_in_place``). At ``D < 128`` XLA puts the page axis
+minor; its scatter then copies the pool too, so the kernel stays (the pool's relayout
+remains, for attention as well).
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hicache_jax.models.kernels import vmem
+from hicache_jax.models.kernels.ragged_paged_attention import reference
 
 
 def _write_kv_kernel(
@@ -60,6 +71,12 @@ def _write_kv_kernel(
     each_token(lambda c: c.wait())
 
 
+def scatter_in_place(num_kv_heads: int, head_dim: int, dtype) -> bool:
+    """Whether XLA's scatter writes these per-shard pages in place where the kernel would
+    make XLA relayout the pool (the module docstring; ``tests/tpu`` checks both sides)."""
+    return num_kv_heads == 1 and head_dim % 128 == 0 and jnp.dtype(dtype).itemsize == 2
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def write_kv(
     k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
@@ -72,6 +89,8 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter new tokens' K/V into their page slots, in place (donate the pages under jit)."""
     T, Hkv, D = k.shape
+    if not interpret and scatter_in_place(Hkv, D, k_pages.dtype):
+        return reference.write_kv(k_pages, v_pages, k, v, slot_mapping)  # see the module docstring
     page_size = k_pages.shape[1]
     # Each token's K and V: read from k / v, written to its page slot (exact when no slot is -1).
     token_bytes = Hkv * D * jnp.dtype(k_pages.dtype).itemsize
