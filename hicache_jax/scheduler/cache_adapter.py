@@ -141,6 +141,8 @@ class CacheAdapter:
         node, taken = self.cache.insert(req.fill_ids, req.last_node, num_pages, pages, salt=req.cache_salt)
         for j in taken.get("full", ()):
             req.own_full[j] = False
+        if "full" in pages:
+            self._adopt_tree_pages(req, path_to(node), num_pages, taken["full"])
         for j in taken.get("swa", ()):
             req.own_swa[j] = False
         for j in [k for k in req.snapshots if k <= num_pages]:
@@ -152,6 +154,16 @@ class CacheAdapter:
         req.num_inserted_pages = num_pages
         if "swa" in self.cache.pools:
             self._relock_window(req, path_to(node))
+
+    def _adopt_tree_pages(self, req: Req, path: list, num_pages: int, taken: set[int]) -> None:
+        """Full pages the tree already held (another request computed the same tokens first)
+        replace the request's own copies, which are freed: the request locks those tree
+        pages anyway, and holding both made a request that fits the pool alone run out of
+        pages (a 176-token prompt computed twice, on a 24-page pool, held 4 duplicates)."""
+        for j in range(num_pages):
+            if req.own_full[j] and j not in taken and path[j].full is not None:
+                self.cache.pools["full"].free([req.full_pages[j]])
+                req.full_pages[j], req.own_full[j] = path[j].full, False
 
     def _relock_window(self, req: Req, path: list) -> None:
         """Pin the tree nodes inside the request's current window, and only those."""
