@@ -11,7 +11,11 @@ compiled program's own ``cost_analysis`` (per chip) is set against:
   the minimum, the weights read once plus each sequence's live KV (its window, in sliding
   layers) and recurrent state read once;
 - one prefill chunk (``--chunk`` tokens of one new sequence): flops over the analytic count
-  of ``benchmarks/floors.py`` divided over the chips.
+  of ``benchmarks/floors.py`` divided over the chips;
+- for each of those programs and for the prefill program that reports every row's top
+  logprobs (``--chunk`` + 32 rows, 32 sequences, top 20): HBM temporaries
+  (``memory_analysis``) over the chip's cache (KV pages and recurrent state) at
+  ``--max_total_tokens``.
 
 The Pallas kernels' bytes and flops are theirs as declared by ``pl.CostEstimate`` (counted
 from their block specs and DMA sizes, at the static shapes: a decode sequence is assumed to
@@ -62,11 +66,12 @@ def main() -> None:
     ap.add_argument("--tp_size", type=int, default=4)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--max_total_tokens", type=int, default=65536)
     a = ap.parse_args()
     tgt = target(a.topology)
     print(f"{a.topology} at tp {a.tp_size}, bfloat16, decode sequences at {a.context} tokens, per chip")
     head = [("layers", 7), ("step", 11), ("HBM MiB", 10), ("min MiB", 10), ("ratio", 7)]
-    head += [("GFLOP", 9), ("floor", 9)]
+    head += [("GFLOP", 9), ("floor", 9), ("temp MiB", 10), ("temp/cache", 11)]
     print(f"{'family':<13}" + "".join(f"{n:>{w}}" for n, w in head))
     for family in a.families.split(","):
         assert family in HF_CONFIGS, f"unknown family {family}; known: {sorted(HF_CONFIGS)}"
@@ -77,27 +82,38 @@ def main() -> None:
             chunked_prefill_size=a.chunk,
             context_length=a.context,
             max_running_requests=64,
+            max_total_tokens=a.max_total_tokens,
         )
         server = AbstractServer.build(mc, cfg, tgt)
+        cache = server.cache_bytes()
+
+        def temps(compiled, cache=cache) -> str:
+            t = compiled.memory_analysis().temp_size_in_bytes
+            return f"{t / 2**20:>10.1f}{t / cache:>11.3f}"
+
         for batch in (8, 64):
-            cost = step_cost(server.compile_step((batch, batch, batch, True)))
+            compiled = server.compile_step((batch, batch, batch, True))
+            cost = step_cost(compiled)
             need = min_decode_bytes(server, batch, a.context)
             got = cost.get("bytes accessed", 0.0)
             print(
                 f"{family:<13}{mc.num_layers:>7}{'decode x' + str(batch):>11}{got / 2**20:>10.0f}"
-                f"{need / 2**20:>10.0f}{got / need:>7.2f}",
+                f"{need / 2**20:>10.0f}{got / need:>7.2f}{'':>9}{'':>9}{temps(compiled)}",
                 flush=True,
             )
         chunk = a.chunk
-        cost = step_cost(server.compile_step((chunk, 1, 1, False)))
+        compiled = server.compile_step((chunk, 1, 1, False))
+        cost = step_cost(compiled)
         floor = step_flops(mc, [(chunk, chunk)], logits_rows=1) / a.tp_size
         got = cost.get("flops", 0.0)
         print(
             f"{family:<13}{mc.num_layers:>7}{'prefill':>11}{'':>10}{'':>10}{got / floor:>7.2f}"
-            f"{got / 1e9:>9.1f}{floor / 1e9:>9.1f}",
+            f"{got / 1e9:>9.1f}{floor / 1e9:>9.1f}{temps(compiled)}",
             flush=True,
         )
-
+        rows = chunk + 32
+        compiled = server.compile_step((rows, 32, rows, False), top_logprobs=20)
+        print(f"{family:<13}{mc.num_layers:>7}{'logprobs':>11}{'':>54}{temps(compiled)}", flush=True)
 
 if __name__ == "__main__":
     main()
