@@ -17,6 +17,8 @@ compiled program's own ``cost_analysis`` (per chip) is set against:
   (``memory_analysis``) over the chip's cache (KV pages and recurrent state) at
   ``--max_total_tokens``.
 
+"in HBM" counts only what lies in HBM, from the scheduled HLO (``hicache_jax/tpu/hbm.py``):
+``cost_analysis`` also counts every VMEM prefetch and every read of the prefetched copy.
 The Pallas kernels' bytes and flops are theirs as declared by ``pl.CostEstimate`` (counted
 from their block specs and DMA sizes, at the static shapes: a decode sequence is assumed to
 read ``--context`` tokens); the rest is XLA's count of the fused HLO.
@@ -37,6 +39,7 @@ from hicache_jax.config import EngineConfig  # noqa: E402
 from hicache_jax.models.sharding import kv_heads_on_device  # noqa: E402
 from hicache_jax.tpu.abstract import AbstractServer  # noqa: E402
 from hicache_jax.tpu.configs import HF_CONFIGS, real_config  # noqa: E402
+from hicache_jax.tpu.hbm import hbm_bytes  # noqa: E402
 from hicache_jax.tpu.planner import step_cost  # noqa: E402
 from hicache_jax.tpu.target import target  # noqa: E402
 
@@ -70,7 +73,7 @@ def main() -> None:
     a = ap.parse_args()
     tgt = target(a.topology)
     print(f"{a.topology} at tp {a.tp_size}, bfloat16, decode sequences at {a.context} tokens, per chip")
-    head = [("layers", 7), ("step", 11), ("HBM MiB", 10), ("min MiB", 10), ("ratio", 7)]
+    head = [("layers", 7), ("step", 11), ("HBM MiB", 10), ("min MiB", 10), ("ratio", 7), ("in HBM", 7)]
     head += [("GFLOP", 9), ("floor", 9), ("temp MiB", 10), ("temp/cache", 11)]
     print(f"{'family':<13}" + "".join(f"{n:>{w}}" for n, w in head))
     for family in a.families.split(","):
@@ -98,7 +101,8 @@ def main() -> None:
             got = cost.get("bytes accessed", 0.0)
             print(
                 f"{family:<13}{mc.num_layers:>7}{'decode x' + str(batch):>11}{got / 2**20:>10.0f}"
-                f"{need / 2**20:>10.0f}{got / need:>7.2f}{'':>9}{'':>9}{temps(compiled)}",
+                f"{need / 2**20:>10.0f}{got / need:>7.2f}{hbm_bytes(compiled) / need:>7.2f}"
+                f"{'':>9}{'':>9}{temps(compiled)}",
                 flush=True,
             )
         chunk = a.chunk
@@ -107,13 +111,13 @@ def main() -> None:
         floor = step_flops(mc, [(chunk, chunk)], logits_rows=1) / a.tp_size
         got = cost.get("flops", 0.0)
         print(
-            f"{family:<13}{mc.num_layers:>7}{'prefill':>11}{'':>10}{'':>10}{got / floor:>7.2f}"
+            f"{family:<13}{mc.num_layers:>7}{'prefill':>11}{'':>10}{'':>10}{got / floor:>7.2f}{'':>7}"
             f"{got / 1e9:>9.1f}{floor / 1e9:>9.1f}{temps(compiled)}",
             flush=True,
         )
         rows = chunk + 32
         compiled = server.compile_step((rows, 32, rows, False), top_logprobs=20)
-        print(f"{family:<13}{mc.num_layers:>7}{'logprobs':>11}{'':>54}{temps(compiled)}", flush=True)
+        print(f"{family:<13}{mc.num_layers:>7}{'logprobs':>11}{'':>61}{temps(compiled)}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,95 @@
+"""HBM bytes a compiled TPU program moves, read from its scheduled HLO.
+
+``cost_analysis()["bytes accessed"]`` sums every operand and result of every op, wherever
+it lives. After XLA:TPU's memory-space assignment many live in VMEM: a weight prefetched
+into VMEM counts three times (the copy's read and write, then the matmul's read), and so
+a decode step, which reads little but its weights, shows about 2.5x its floor with no
+byte moved twice in HBM. This count keeps only what lies in HBM (memory space 0, shapes
+without ``S(n)`` in their layout), per instruction of the entry computation:
+
+- a fusion or other op: its HBM operands read and its HBM results written, whole (a fusion
+  that reads a slice of an operand is counted as reading all of it, an upper bound);
+- a scatter or dynamic-update-slice fusion (XLA names fusions by their root), which
+  updates its first operand in place: its other operands, read and then written;
+- an async copy or slice (``copy-start``, ``slice-start``): its source read and its
+  destination written, where each is in HBM;
+- a Pallas kernel (``tpu_custom_call``): the bytes its ``pl.CostEstimate`` declares (its
+  operands are whole page pools that it reads a few pages of, by DMA);
+- bitcasts, tuples, parameters, constants and the ``-done`` halves move nothing.
+
+Loops and conditionals are counted once, as their operands and results (their bodies are
+not walked): in the serving step only the sampler has them, a few rows of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+
+FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all"}
+FREE |= {"copy-done", "slice-done"}  # their -start halves count the bytes
+_ITEM = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_ITEM |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
+_LINE = re.compile(r"\s*(?:ROOT )?(%[\w.-]+) = (.*?) ([\w-]+)\((.*)$")
+_IN_PLACE = re.compile(r"scatter|dynamic.update.slice")  # fusions XLA names by their root
+_COST = re.compile(r'\\?"cost_estimate\\?":\s*(\{[^}]*\})')
+
+
+def _arrays(shape_text: str) -> list[tuple[float, bool]]:
+    """``(bytes, in_hbm)`` of each array in a (possibly tuple) shape."""
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(shape_text):
+        if dtype not in _ITEM:
+            continue
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        out.append((n * _ITEM[dtype], "S(" not in (layout or "")))
+    return out
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction: the ``%names`` before its attributes."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%[\w.-]+", rest[:end])
+
+
+def hbm_bytes(compiled) -> float:
+    """HBM bytes read and written by one run of ``compiled`` (the module docstring's count)."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY") :]
+    shapes: dict[str, str] = {}
+    total = 0.0
+    for line in entry.splitlines()[1:]:
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = shape
+        if op in FREE:
+            continue
+        if op == "custom-call" and "tpu_custom_call" in rest:
+            cost = _COST.search(rest)
+            if cost:
+                total += float(json.loads(cost.group(1).replace('\\"', '"')).get("bytes_accessed", 0))
+                continue
+        if op in ("copy-start", "slice-start"):
+            src = sum(b for b, hbm in _arrays(shapes.get(_operands(rest)[0], "")) if hbm)
+            # copy-start gives (destination, source, context); slice-start ((source), destination, context)
+            parts = _arrays(shape)
+            dst = parts[0] if op == "copy-start" else parts[1]
+            total += src + (dst[0] if dst[1] else 0)
+            continue
+        hbm_in = [sum(b for b, hbm in _arrays(shapes.get(o, "")) if hbm) for o in _operands(rest)]
+        if _IN_PLACE.search(name) and hbm_in:  # updates the first operand where it lies
+            total += 2 * sum(hbm_in[1:])
+            continue
+        total += sum(hbm_in) + sum(b for b, hbm in _arrays(shape) if hbm)
+    return total
