@@ -141,7 +141,7 @@ class TraceConfig:
             raise ValueError(f"TraceConfig.time_scale must be >= 0, got {self.time_scale}")
 
     def requests(self) -> list[traces.TraceRequest]:
-        return traces.read_trace(self.path, self.max_requests)
+        return traces.read_trace(self.path, self.max_requests, block_size=self.trace_block_tokens)
 
 
 async def trace_replay(client: BenchClient, cfg: TraceConfig, vocab: int, seed: int) -> list[Record]:
