@@ -6,7 +6,8 @@ POST /clear_storage     clear L3
 POST /pause_generation  stop stepping (requests are still accepted; aborts still free pages)
 POST /continue_generation  step again
 POST /start_profile     start a jax.profiler trace ({output_dir?, num_steps?}); /stop_profile ends it
-GET  /health  /get_model_info  /get_server_info  /metrics (Prometheus)
+GET  /health  /model_info  /server_info  /metrics (Prometheus); /get_model_info and
+     /get_server_info are the older names
 """
 
 from __future__ import annotations
@@ -75,22 +76,15 @@ def create_app(state: ServerState) -> FastAPI:
             )
         return JSONResponse({"status": "ok"})
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> dict:
         return state.model_info
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
-        server = dataclasses.asdict(state.server_cfg)
-        server["api_key"] = "<set>" if server["api_key"] else None  # never echo the secret
-        return {
-            "version": hicache_jax.__version__,
-            "engine_config": dataclasses.asdict(state.engine_cfg),
-            "server_config": server,
-            "devices": state.devices,
-            "model_info": state.model_info,
-            "metrics": await state.loop.metrics(),
-        }
+        return server_info(state, await state.loop.metrics())
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -156,6 +150,35 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(openai_router)
     return app
+
+
+def server_info(state: ServerState, metrics: dict) -> dict:
+    """SGLang's flat server arguments (what sglang-router reads: model_path, served_model_name,
+    tp_size, dp_size, page_size, max_total_tokens, max_running_requests, ...), then ours
+    nested as before."""
+    server = dataclasses.asdict(state.server_cfg)
+    server["api_key"] = "<set>" if server["api_key"] else None  # never echo the secret
+    engine = dataclasses.asdict(state.engine_cfg)
+    flat = {
+        **engine,
+        **server,
+        "served_model_name": state.served_model_name,
+        "context_length": state.context_len,
+        "dp_size": 1,
+        "pp_size": 1,
+        "is_embedding": False,
+        "disaggregation_mode": "null",
+        "weight_version": "default",
+    }
+    return {
+        **flat,
+        "version": hicache_jax.__version__,
+        "engine_config": engine,
+        "server_config": server,
+        "devices": state.devices,
+        "model_info": state.model_info,
+        "metrics": metrics,
+    }
 
 
 async def _events(watch: Watch) -> AsyncIterator[bytes]:

@@ -1,9 +1,12 @@
-"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``
+(and ``/v1/models/{id}``).
 
 Both generation routes turn the body into engine requests, queue them through the engine
 loop, and answer either once (JSON) or as Server-Sent Events in OpenAI's chunk format,
 ending with ``data: [DONE]``. Cached prompt tokens are reported in
 ``usage.prompt_tokens_details.cached_tokens`` (per tier in ``cached_tokens_details``).
+``stream_options.include_usage`` adds a last chunk with the usage; vLLM's
+``continuous_usage_stats`` puts the usage so far in every chunk.
 """
 
 from __future__ import annotations
@@ -108,10 +111,8 @@ def chat_logprobs(triples: list, tops: list | None) -> dict:
 
 
 # ---- routes ------------------------------------------------------------------------------------
-@router.get("/v1/models")
-async def models(request: Request) -> dict:
-    s = _state(request)
-    card = {
+def _card(s: ServerState) -> dict:
+    return {
         "id": s.served_model_name,
         "object": "model",
         "created": s.created,
@@ -119,7 +120,19 @@ async def models(request: Request) -> dict:
         "root": s.served_model_name,
         "max_model_len": s.context_len,
     }
-    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_card(_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")  # a served name may hold a slash (org/name)
+async def model(request: Request, model_id: str) -> dict:
+    s = _state(request)
+    if model_id != s.served_model_name:
+        raise ApiError(404, f"model {show(model_id)} not found; this server serves {s.served_model_name!r}")
+    return _card(s)
 
 
 @router.post("/v1/completions")
@@ -159,7 +172,7 @@ async def completions(request: Request) -> Response:
             if text or upd.finished or (want_lp and delta.output_ids):
                 reason = finish_reason(delta.meta) if upd.finished else None
                 c = choice(0, text, (delta.logprobs or [], delta.top_logprobs), sent, reason)
-                yield sse(frame(sink.rid, [c]))
+                yield sse(frame(sink.rid, [c], **_running_usage(body, delta.meta)))
             sent += len(text)
             if upd.finished and body.include_usage:
                 yield sse(frame(sink.rid, [], usage=usage([delta.meta])))
@@ -196,9 +209,14 @@ async def chat_completions(request: Request) -> Response:
             "logprobs": None,
             "finish_reason": None,
         }
-        yield sse(frame([first], "chat.completion.chunk"))
+        if not body.continuous_usage:  # else it waits for the first update, to carry its usage
+            yield sse(frame([first], "chat.completion.chunk"))
+            first = None
         async for upd in watch.updates(sink):
             delta = upd.out  # what is new since the previous update
+            if first is not None:
+                yield sse(frame([first], "chat.completion.chunk", **_running_usage(body, delta.meta)))
+                first = None
             text = delta.text or ""
             if text or upd.finished or (body.logprobs and delta.output_ids):
                 c = {
@@ -209,7 +227,7 @@ async def chat_completions(request: Request) -> Response:
                     else None,
                     "finish_reason": finish_reason(delta.meta) if upd.finished else None,
                 }
-                yield sse(frame([c], "chat.completion.chunk"))
+                yield sse(frame([c], "chat.completion.chunk", **_running_usage(body, delta.meta)))
             if upd.finished and body.include_usage:
                 yield sse(frame([], "chat.completion.chunk", usage=usage([delta.meta])))
 
@@ -224,6 +242,11 @@ async def chat_completions(request: Request) -> Response:
         return frame([c], "chat.completion", usage=usage([meta]))
 
     return await _respond(s, request, [req], body.stream, chunks, whole)
+
+
+def _running_usage(body, meta: dict) -> dict:
+    """``{"usage": ...}`` so far for a chunk under ``continuous_usage_stats``, else nothing."""
+    return {"usage": usage([meta])} if body.continuous_usage else {}
 
 
 def _engine_request(prompt: dict, kind: str, body, max_tokens: int, logprobs: bool, top: int | None) -> dict:

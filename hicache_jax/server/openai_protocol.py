@@ -2,7 +2,8 @@
 engine sampling settings. Unknown fields are refused; accepted-but-unsupported settings
 (penalties, ``logit_bias``, ``n > 1``, ``echo``) are refused with a message saying so rather
 than silently ignored. ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens`` and ``cache_salt`` are accepted as extensions, as in SGLang and vLLM.
+``skip_special_tokens`` and ``cache_salt`` are accepted as extensions, as in SGLang and vLLM;
+SGLang's other extensions and OpenAI's other fields are in ``compat_fields``.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest
+from hicache_jax.server import compat_fields
 from hicache_jax.server.protocol import MAX_BATCH, StrictModel
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    """OpenAI's, and vLLM's ``continuous_usage_stats`` (usage in every chunk)."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(StrictModel):
+    compat = compat_fields.OPENAI_COMMON
     model: str
     temperature: float | None = None
     top_p: float | None = None
@@ -46,8 +51,10 @@ class _Common(StrictModel):
             limit = getattr(self, name, None)
             if limit is not None and limit < 0:
                 raise InvalidRequest(f"{name} must be >= 0, got {limit}")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream=true")
         if self.n != 1:
-            raise InvalidRequest(f"n: only n=1 is supported (got {self.n}); send the prompt several times")
+            raise InvalidRequest(f"n={self.n} is not supported (only n=1); send the prompt several times")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidRequest(f"{name}: penalties are not supported (use 0 or leave it out)")
@@ -73,10 +80,17 @@ class _Common(StrictModel):
 
     @property
     def include_usage(self) -> bool:
+        """A last chunk with the usage."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """The usage so far in every chunk."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):
+    compat = compat_fields.OPENAI_COMMON + compat_fields.COMPLETION
     prompt: Any  # str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -137,6 +151,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    compat = compat_fields.OPENAI_COMMON + compat_fields.CHAT
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

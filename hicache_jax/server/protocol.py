@@ -9,12 +9,14 @@ Types are strict (``"5"`` is not an integer) and unknown fields are refused, so 
 from __future__ import annotations
 
 import uuid
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from hicache_jax.sampling_params import InvalidRequest, SamplingParams
+from hicache_jax.server import compat_fields
+from hicache_jax.server.compat_fields import Compat
 from hicache_jax.server.errors import ApiError, describe_validation_errors
 
 MAX_BATCH = 1024  # prompts per /generate or /v1/completions call
@@ -24,6 +26,12 @@ M = TypeVar("M", bound=BaseModel)
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    compat: ClassVar[tuple[Compat, ...]] = ()  # other APIs' fields, taken as no-ops or refused
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_compat(cls, data: Any) -> Any:
+        return compat_fields.drop_compat(data, cls.compat)
 
 
 async def parse_body(request: Request, model: type[M], optional: bool = False) -> M:
@@ -63,12 +71,16 @@ class ProfileRequest(StrictModel):
 
 
 class GenerateRequest(StrictModel):
+    """SGLang's ``GenerateReqInput``: these fields, and ``compat_fields.GENERATE``. Null is
+    SGLang's default for the logprob settings."""
+
+    compat = compat_fields.GENERATE
     text: str | list[str] | None = None
     input_ids: Any = None  # list[int] | list[list[int]]: checked in to_engine_requests for a clear message
     sampling_params: Any = None  # dict | list[dict]: SamplingParams checks the fields
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    return_logprob: bool | None = False
+    logprob_start_len: int | None = -1
+    top_logprobs_num: int | None = 0
     stream: bool = False
     rid: str | list[str] | None = None
     cache_salt: str | None = None
@@ -112,6 +124,7 @@ class GenerateRequest(StrictModel):
                 raise InvalidRequest(f"{len(params)} sampling_params for {n} prompts")
         else:
             params = [params] * n
+        params = [compat_fields.sglang_sampling_params(p) for p in params]
         for p in params:
             SamplingParams.from_dict(p)  # fail fast, before the engine thread
         rids = self.rid
@@ -126,9 +139,9 @@ class GenerateRequest(StrictModel):
         if len(set(rids)) != len(rids):
             raise InvalidRequest("rid: ids must be distinct")
         common = dict(
-            return_logprob=self.return_logprob,
-            logprob_start_len=self.logprob_start_len,
-            top_logprobs_num=self.top_logprobs_num,
+            return_logprob=bool(self.return_logprob),
+            logprob_start_len=-1 if self.logprob_start_len is None else self.logprob_start_len,
+            top_logprobs_num=self.top_logprobs_num or 0,
             cache_salt=self.cache_salt,
             stream=self.stream,
         )

@@ -20,7 +20,7 @@ class ServerState:
     loop: EngineLoop
     engine_cfg: EngineConfig
     server_cfg: ServerConfig
-    model_info: dict  # GET /get_model_info
+    model_info: dict  # GET /model_info
     chat: ChatTemplate
     served_model_name: str
     context_len: int
@@ -35,12 +35,17 @@ class ServerState:
         cfg: EngineConfig = engine.cfg
         mc = engine.model.cfg
         name = server_cfg.served_model_name or cfg.model_path or cfg.preset
-        info = {
+        info = {  # SGLang's /model_info fields first (sglang-router reads them), then ours
             "model_path": cfg.model_path,
+            "tokenizer_path": cfg.model_path,
+            "is_generation": True,
+            "architectures": [mc.architecture],
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "weight_version": "default",
             "preset": None if cfg.model_path else cfg.preset,
             "served_model_name": name,
             "architecture": mc.architecture,
-            "is_generation": True,
             "vocab_size": mc.vocab_size,
             "context_length": engine.context_len,
             "layer_kinds": list(mc.layer_kinds),

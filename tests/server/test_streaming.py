@@ -251,3 +251,36 @@ def test_metrics_types_and_names():
     assert types["hicache_l3_writes"] == "counter" and types["hicache_l3_pending_writes"] == "gauge"
     assert "hicache_new_thing 1.5" in text  # any declared key: metrics.py need not know it
     assert 'hicache_cache_tier_hit_rate{tier="device"} 0.0' in text
+
+
+# ---- stream_options, as OpenAI and vLLM define them ----------------------------------------------
+CHAT_GO = {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "max_tokens": 6}
+COMPLETE_GO = {"model": "scripted", "prompt": "go", "max_tokens": 6}
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT_GO), ("/v1/completions", COMPLETE_GO)])
+def test_stream_options_need_stream(client, path, body):
+    r = client.post(path, json=dict(body, stream_options={"include_usage": True}))
+    assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"]
+    assert client.post(path, json=dict(body, stream_options=None)).status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT_GO), ("/v1/completions", COMPLETE_GO)])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_continuous_usage_stats(client, path, body, include_usage):
+    """Usage so far in every chunk (vLLM's ``continuous_usage_stats``); ``include_usage`` adds
+    the usage-only last chunk either way."""
+    opts = {"continuous_usage_stats": True, "include_usage": include_usage}
+    chunks = events(client, path, dict(body, stream=True, stream_options=opts))
+    assert all("usage" in c for c in chunks)
+    done = [c["usage"]["completion_tokens"] for c in chunks]
+    assert done == sorted(done) and done[-1] == 6
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] > 0 for c in chunks)
+    assert (chunks[-1]["choices"] == []) == include_usage
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT_GO), ("/v1/completions", COMPLETE_GO)])
+def test_include_usage_alone_is_the_last_chunk(client, path, body):
+    chunks = events(client, path, dict(body, stream=True, stream_options={"include_usage": True}))
+    assert [("usage" in c) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
