@@ -102,7 +102,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
         ),
         "profile_dir": (
             flags.DEFINE_string,
-            "Where POST /start_profile writes jax.profiler traces unless its body names an output_dir.",
+            "Where POST /start_profile writes jax.profiler traces; a body's output_dir must be a "
+            "directory under it (default: <tmp>/hicache-jax-profile).",
         ),
     }
     defaults = ServerConfig()

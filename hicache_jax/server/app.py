@@ -5,9 +5,12 @@ GET|POST /flush_cache   wait for idle, clear L1 + L2 (L3 stays)
 POST /clear_storage     clear L3
 POST /pause_generation  stop stepping (requests are still accepted; aborts still free pages)
 POST /continue_generation  step again
-POST /start_profile     start a jax.profiler trace ({output_dir?, num_steps?}); /stop_profile ends it
+POST /start_profile     start a jax.profiler trace ({output_dir?, num_steps?}: a directory under
+                        --profile_dir); /stop_profile ends it
 GET  /health  /model_info  /server_info  /metrics (Prometheus); /get_model_info and
      /get_server_info are the older names
+
+With --api_key every route but /health needs it, the admin routes above included.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import hicache_jax
 from hicache_jax.server import errors, metrics
 from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_api import router as openai_router
-from hicache_jax.server.profiler import ProfileError
+from hicache_jax.server.profiler import ProfileError, confine
 from hicache_jax.server.protocol import GenerateRequest, ProfileRequest, parse_body
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import (
@@ -121,8 +124,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/start_profile")
     async def start_profile(request: Request) -> dict:
         body = await parse_body(request, ProfileRequest, optional=True)
-        output_dir = body.output_dir or state.server_cfg.profile_output_dir()
         try:
+            output_dir = confine(state.server_cfg.profile_output_dir(), body.output_dir)
             await state.loop.start_profile(output_dir, body.num_steps)
         except ProfileError as e:
             raise ApiError(400, str(e)) from None

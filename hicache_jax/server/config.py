@@ -22,7 +22,7 @@ class ServerConfig:
     served_model_name: str | None = None  # default: model_path, or the preset's name
     log_level: str = "info"
     platform: str = "auto"  # JAX platform; auto lets JAX pick (TPU > GPU > CPU)
-    profile_dir: str | None = None  # /start_profile's default output_dir; None: <tmp>/hicache-jax-profile
+    profile_dir: str | None = None  # /start_profile writes under it only; None: <tmp>/hicache-jax-profile
 
     def profile_output_dir(self) -> str:
         return self.profile_dir or os.path.join(tempfile.gettempdir(), "hicache-jax-profile")

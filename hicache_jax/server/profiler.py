@@ -5,6 +5,9 @@ messages), so a trace starts and stops between steps, never inside one. The trac
 ``<output_dir>/plugins/profile/<timestamp>/``: ``*.xplane.pb`` for TensorBoard's profile
 plugin (``tensorboard --logdir=<output_dir>``) and ``perfetto_trace.json.gz`` for
 https://ui.perfetto.dev. ``num_steps`` stops it by itself after that many engine steps.
+
+The client names the directory, and the server writes there with its own rights, so
+``confine`` keeps it under ``--profile_dir``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,23 @@ log = logging.getLogger(__name__)
 
 class ProfileError(RuntimeError):
     """A profile cannot start or stop now (one already runs / none runs)."""
+
+
+def confine(root: str, name: str | None) -> str:
+    """The directory a client's ``output_dir`` names: ``root`` itself for none, else ``name``
+    resolved (symlinks too) inside ``root``; a ProfileError for anything that leaves it."""
+    base = os.path.realpath(root)
+    if not name:
+        return base
+    try:
+        path = os.path.realpath(os.path.join(base, name))  # an absolute name replaces base
+    except (ValueError, OSError) as e:  # a NUL byte, say
+        raise ProfileError(f"output_dir {name!r} is not a usable path: {e}") from None
+    if os.path.commonpath([base, path]) != base:
+        raise ProfileError(
+            f"output_dir {name!r} is outside --profile_dir ({base}): give a relative name inside it"
+        )
+    return path
 
 
 class Profiler:

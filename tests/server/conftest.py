@@ -44,6 +44,7 @@ class Server(ServerProcess):
 
     def __init__(self, flagfile: str, *extra: str, log_path: str, headers: dict | None = None):
         self.l3_dir: str | None = None
+        self.profile_dir: str | None = None
         self.client = None
         try:
             super().__init__(
@@ -77,8 +78,8 @@ _shared: dict[str, object] = {"server": None, "users": 0}
 
 def shared_server(tmp_path_factory) -> Iterator[Server]:
     """Yield THE shared server: configs/hicache_l3_cpu.flags (L1 + L2 + L3) with a private L3
-    directory (``server.l3_dir``). Session fixtures in several test folders yield the same
-    process; the last one to finish stops it."""
+    directory (``server.l3_dir``) and ``--profile_dir`` (``server.profile_dir``). Session
+    fixtures in several test folders yield the same process; the last one to finish stops it."""
     s = _shared["server"]
     if s is None or s.proc.poll() is not None:
         tmp = tmp_path_factory.mktemp("server")
@@ -86,9 +87,11 @@ def shared_server(tmp_path_factory) -> Iterator[Server]:
             "hicache_l3_cpu.flags",
             *TEST_FLAGS,
             f"--hicache_storage_spec={tmp / 'l3'}",
+            f"--profile_dir={tmp / 'profiles'}",
             log_path=str(tmp / "server.log"),
         )
         s.l3_dir = str(tmp / "l3")
+        s.profile_dir = str(tmp / "profiles")
         _shared["server"] = s
     _shared["users"] += 1
     try:

@@ -1,11 +1,15 @@
 """Every kind of bad input gets a 4xx whose message says what is wrong, and the server
-keeps serving."""
+keeps serving; the admin routes too, fuzzed (and /start_profile never writes outside
+--profile_dir)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.server.conftest import CONTEXT
 
@@ -153,13 +157,61 @@ CASES = [
         400,
         "logprobs",
     ),
+    # SGLang's fields: a value this stack cannot honour, or of the wrong type.
+    (
+        "sglang-hidden-states",
+        "/generate",
+        {"text": "a", "return_hidden_states": True},
+        400,
+        "return_hidden_states=true is not supported",
+    ),
+    ("sglang-lora", "/generate", {"text": "a", "lora_path": "x"}, 400, 'lora_path="x" is not supported'),
+    ("sglang-mistyped-no-op", "/generate", {"text": "a", "log_metrics": "yes"}, 400, "log_metrics"),
+    (
+        "sglang-penalty",
+        "/generate",
+        {"text": "a", "sampling_params": {"frequency_penalty": 0.5}},
+        400,
+        "sampling_params.frequency_penalty=0.5 is not supported",
+    ),
+    (
+        "oai-min-tokens",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "min_tokens": 2},
+        400,
+        "min_tokens=2 is not supported",
+    ),
+    (
+        "oai-stream-options-without-stream",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    (
+        "chat-tools",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
+    ("oai-unknown-model-card", "/v1/models/gpt-9", None, 404, "gpt-9"),
+    # Admin routes.
+    ("profile-absolute", "/start_profile", {"output_dir": "/etc/cron.d"}, 400, "outside --profile_dir"),
+    ("profile-dotdot", "/start_profile", {"output_dir": "../x"}, 400, "outside --profile_dir"),
+    ("profile-mistyped", "/start_profile", {"num_steps": "3"}, 400, "num_steps"),
+    ("profile-not-object", "/start_profile", "[1]", 400, "JSON object"),
+    ("stop-profile-idle", "/stop_profile", "", 400, "no profile is running"),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_4xx_with_a_reason(server, path, body, status, words):
-    raw = body if isinstance(body, str) else json.dumps(body)
-    r = server.client.post(path, content=raw, headers={"Content-Type": "application/json"})
+    if body is None:
+        r = server.client.get(path)
+    else:
+        raw = body if isinstance(body, str) else json.dumps(body)
+        r = server.client.post(path, content=raw, headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     message = r.json()["error"]["message"]
     assert words in message, message
@@ -168,6 +220,47 @@ def test_bad_input_is_4xx_with_a_reason(server, path, body, status, words):
 def test_wrong_method_and_path(server):
     assert server.client.get("/generate").status_code == 405
     assert server.client.post("/nope").status_code == 404
+
+
+ADMIN = ["/flush_cache", "/pause_generation", "/continue_generation", "/start_profile", "/stop_profile"]
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=3),
+    max_leaves=8,
+)
+DIR_NAMES = st.lists(st.sampled_from(["a", "..", ".", "", "/", "tmp", "\x00", "~"]), max_size=5).map("/".join)
+PROFILE_BODIES = st.fixed_dictionaries(
+    {}, optional={"output_dir": DIR_NAMES | st.text(max_size=20), "num_steps": st.integers(-2, 3)}
+)
+BODIES = (
+    JUNK.map(lambda v: json.dumps(v).encode())
+    | PROFILE_BODIES.map(lambda v: json.dumps(v).encode())
+    | st.binary(max_size=40)
+)
+
+
+def test_admin_routes_fuzzed(server):
+    """Whatever the body: never a 5xx, errors in the project's shape, a started profile lies
+    under --profile_dir; the server is left unpaused and without a running profile."""
+    root = os.path.realpath(server.profile_dir)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(ADMIN), BODIES)
+    def check(path, raw):
+        r = server.client.post(path, content=raw, headers={"Content-Type": "application/json"})
+        try:
+            assert r.status_code < 500, (path, raw, r.text)
+            if r.status_code >= 400:
+                assert isinstance(r.json()["error"]["message"], str)
+            elif path == "/start_profile":
+                out = r.json()["output_dir"]
+                assert out == root or out.startswith(root + os.sep), (raw, out)
+        finally:
+            server.client.post("/stop_profile")  # 400 when none runs
+            server.client.post("/continue_generation")
+
+    check()
+    assert server.client.post("/stop_profile").status_code == 400
 
 
 def test_server_still_serves_after_bad_input(server):
