@@ -8,8 +8,9 @@ compiled for the slice with the Pallas backends (``hicache_jax/tpu/abstract.py``
 compiled program's own ``cost_analysis`` (per chip) is set against:
 
 - decode at batch 8 and 64, every sequence at ``--context`` tokens: HBM bytes accessed over
-  the minimum, the weights read once plus each sequence's live KV (its window, in sliding
-  layers) and recurrent state read once;
+  the minimum, the weights read once (of an embedding table that is not the output layer
+  too, the batch's rows) plus each sequence's live KV (its window, in sliding layers) and
+  recurrent state read once;
 - one prefill chunk (``--chunk`` tokens of one new sequence): flops over the analytic count
   of ``benchmarks/floors.py`` divided over the chips;
 - for each of those programs and for the prefill program that reports every row's top
@@ -45,11 +46,14 @@ from hicache_jax.tpu.target import target  # noqa: E402
 
 
 def min_decode_bytes(server: AbstractServer, batch: int, context: int) -> float:
-    """Weights once, plus each sequence's live KV and state once, on one chip."""
+    """Weights once, plus each sequence's live KV and state once, on one chip. An embedding
+    table that is not also the output layer is read only at the batch's rows."""
     cfg, tp = server.model.cfg, server.cfg.tp_size
     b = jnp.dtype(server.model.dtype).itemsize
     kv_token = 2 * (kv_heads_on_device(cfg, tp) // tp if tp > 1 else cfg.num_kv_heads) * cfg.head_dim * b
     total = float(server.weights_bytes())
+    if not cfg.tie_word_embeddings:
+        total -= server.embedding_bytes() - batch * cfg.hidden_size * b
     for kind in cfg.layer_kinds:
         if kind == "mamba":
             m = cfg.mamba

@@ -87,6 +87,15 @@ class AbstractServer:
         """Weight bytes on one chip (its shards; replicated weights whole)."""
         return _per_chip(self.runner.params)
 
+    def embedding_bytes(self) -> int:
+        """Bytes of the input embedding table on one chip."""
+        return _per_chip(self.runner.params["embed"])
+
+    def pool_shapes(self) -> set[tuple[int, ...]]:
+        """Shapes on one chip of the device cache's arrays (KV pages, recurrent state)."""
+        leaves = jax.tree_util.tree_leaves(self.runner.cache)
+        return {tuple(x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape) for x in leaves}
+
     def cache_bytes(self) -> int:
         """Device cache bytes on one chip: KV pages and recurrent state slots."""
         return sum(self.cache_bytes_by_kind().values())

@@ -11,8 +11,11 @@ without ``S(n)`` in their layout), per instruction of the entry computation:
   that reads a slice of an operand is counted as reading all of it, an upper bound);
 - a scatter or dynamic-update-slice fusion (XLA names fusions by their root), which
   updates its first operand in place: its other operands, read and then written;
-- an async copy or slice (``copy-start``, ``slice-start``): its source read and its
-  destination written, where each is in HBM;
+- an async copy (``copy-start``): its source read and its destination written, where each
+  is in HBM; an async slice (``slice-start``, which XLA uses to prefetch a weight into VMEM
+  in parts): the slice read from its HBM source, and written where it is in HBM;
+- a gather fusion (``gather_fusion``: its table, then the indices): the rows it gathers
+  read from the table (as many bytes as it writes), its other operands whole;
 - a Pallas kernel (``tpu_custom_call``): the bytes its ``pl.CostEstimate`` declares (its
   operands are whole page pools that it reads a few pages of, by DMA);
 - bitcasts, tuples, parameters, constants and the ``-done`` halves move nothing.
@@ -35,6 +38,7 @@ _ITEM |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn"
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
 _LINE = re.compile(r"\s*(?:ROOT )?(%[\w.-]+) = (.*?) ([\w-]+)\((.*)$")
 _IN_PLACE = re.compile(r"scatter|dynamic.update.slice")  # fusions XLA names by their root
+_GATHER = re.compile(r"^%gather_fusion")
 _COST = re.compile(r'\\?"cost_estimate\\?":\s*(\{[^}]*\})')
 
 
@@ -85,11 +89,33 @@ def hbm_bytes(compiled) -> float:
             # copy-start gives (destination, source, context); slice-start ((source), destination, context)
             parts = _arrays(shape)
             dst = parts[0] if op == "copy-start" else parts[1]
+            if op == "slice-start":
+                src = dst[0] if src else 0  # reads the slice only
             total += src + (dst[0] if dst[1] else 0)
             continue
         hbm_in = [sum(b for b, hbm in _arrays(shapes.get(o, "")) if hbm) for o in _operands(rest)]
+        if _GATHER.match(name) and hbm_in:
+            hbm_in[0] = min(hbm_in[0], sum(b for b, _ in _arrays(shape)))  # the rows gathered
         if _IN_PLACE.search(name) and hbm_in:  # updates the first operand where it lies
             total += 2 * sum(hbm_in[1:])
             continue
         total += sum(hbm_in) + sum(b for b, hbm in _arrays(shape) if hbm)
     return total
+
+
+def in_vmem(compiled, shapes: set[tuple[int, ...]]) -> list[str]:
+    """Entry instructions of ``compiled`` that place an array of one of ``shapes`` in VMEM
+    (memory space 1): for the page and state pools, which kernels read a few pages of by DMA
+    and which must stay in HBM (``models/kernels/vmem.in_hbm``)."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY") :]
+    found = []
+    for line in entry.splitlines()[1:]:
+        m = _LINE.match(line)
+        if not m:
+            continue
+        for _, dims, layout in _ARRAY.findall(m.group(2)):
+            if "S(1)" in (layout or "") and tuple(int(d) for d in dims.split(",") if d) in shapes:
+                found.append(m.group(1))
+                break
+    return found

@@ -5,8 +5,9 @@ the device cache are the programs' arguments (exact, from their shards), tempora
 largest any program needs. The largest pool that fits follows from the free bytes and the
 pool's bytes per token, and is checked by compiling the largest-temporaries program at it.
 
-Per-step cost comes from ``cost_analysis`` of the compiled step (the Pallas kernels report
-theirs through ``pl.CostEstimate``): flops and HBM bytes, and the roofline time
+Per-step cost comes from the compiled step: flops from ``cost_analysis``, HBM bytes from
+its scheduled HLO as they lie in HBM (``hbm.py``; the Pallas kernels report both through
+``pl.CostEstimate``), and the roofline time
 ``max(flops / peak, bytes / bandwidth)`` with the chip's published peak and bandwidth.
 Decode steps are costed with every sequence at ``decode_context`` tokens (the kernels'
 estimates count the pages a sequence of that length reads).
@@ -25,6 +26,7 @@ from hicache_jax.cache.page_bytes import read_bytes_per_token
 from hicache_jax.config import EngineConfig
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.tpu.abstract import AbstractServer
+from hicache_jax.tpu.hbm import hbm_bytes
 from hicache_jax.tpu.target import TpuTarget, abstract, compile_for
 
 GiB = 2**30
@@ -211,8 +213,9 @@ def _step_costs(model_cfg, cfg, target, dtype, context: int, progress) -> tuple[
     )
     out = []
     for name, tokens, shape in shapes:
-        cost = step_cost(server.compile_step(shape))
-        flops, hbm = cost.get("flops", 0.0), cost.get("bytes accessed", 0.0)
+        compiled = server.compile_step(shape)
+        # HBM bytes as they lie in HBM (``hbm.py``): cost_analysis also counts VMEM copies.
+        flops, hbm = step_cost(compiled).get("flops", 0.0), hbm_bytes(compiled)
         roof = max(flops / chip.bf16_flops_per_s, hbm / chip.hbm_bytes_per_s)
         out.append(StepCost(name, tokens, flops, hbm, roof))
         progress(f"  {name}: {flops / 1e9:.1f} GFLOP, {hbm / 2**20:.0f} MiB")

@@ -40,3 +40,17 @@ def tile_budget() -> int:
 
 def compiler_params(dimension_semantics: tuple[str, ...]) -> pltpu.CompilerParams:
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=budget())
+
+
+def in_hbm(x, interpret):
+    """``x``, held in HBM for the Pallas call it is passed to.
+
+    A page or state pool goes to a kernel as a ``pl.ANY`` operand that the kernel reads and
+    writes a few pages of by DMA. Left to itself, XLA:TPU's memory-space assignment may place
+    such an operand in VMEM when it fits (a 32 MiB pool does, in v5e's 128 MiB): it then
+    copies the whole pool in before the call and back after it, moving in HBM many times the
+    bytes the kernel touches. Pinning the operand to HBM forbids that. Interpret mode (CPU)
+    has no memory spaces: ``x`` is returned as it is."""
+    if interpret:
+        return x
+    return pltpu.with_memory_space_constraint(x, pltpu.HBM)

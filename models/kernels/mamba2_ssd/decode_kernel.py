@@ -198,7 +198,7 @@ def ssd_decode(
         per_seq(B),
         per_seq(C),
         _head_major(D.astype(F32)[None], HB),
-        states,
+        vmem.in_hbm(states, interpret),
     )
     dest = jnp.where(live, rows, T)  # padding sequences write no y row
     y = jnp.zeros((T, H, P), F32).at[dest].set(y_seq.reshape(S, H, P), mode="drop")

@@ -446,6 +446,6 @@ def ssd_ragged(
         _group_major(B),
         _group_major(C),
         _head_major(D.astype(F32)[None], HB),
-        states,
+        vmem.in_hbm(states, interpret),
     )
     return y[:T].reshape(T, H, P), states

@@ -545,7 +545,7 @@ def ragged_paged_attention(
         pltpu.VMEM((Hkv, R, 1), jnp.float32),
         pltpu.VMEM((Hkv, R, D), jnp.float32),
     ]
-    prefetch, inputs = (seq, rows, pos0), [qb, k_rows, v_rows]
+    prefetch, inputs = (seq, rows, pos0), [qb, vmem.in_hbm(k_rows, interpret), vmem.in_hbm(v_rows, interpret)]
     if L is None:
         prefetch = (table, *prefetch)
     else:

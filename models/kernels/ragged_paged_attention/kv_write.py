@@ -120,6 +120,6 @@ def write_kv(
         slot_mapping.astype(jnp.int32),
         k.astype(k_pages.dtype),
         v.astype(v_pages.dtype),
-        k_pages,
-        v_pages,
+        vmem.in_hbm(k_pages, interpret),
+        vmem.in_hbm(v_pages, interpret),
     )
