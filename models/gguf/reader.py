@@ -9,11 +9,17 @@ from __future__ import annotations
 import functools
 import os
 
+from hicache_jax.models.gguf import granitehybrid
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
 # general.architecture -> the transformers class this project builds for it. llama.cpp
-# writes Mistral checkpoints as "llama" (same layers, rotary layout and tensor names).
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# writes Mistral checkpoints as "llama" (same layers, rotary layout and tensor names), and
+# Bamba ones as "granitehybrid" (see granitehybrid.py).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    granitehybrid.ARCH: "BambaForCausalLM",
+}
 
 
 @functools.lru_cache(maxsize=4)  # the loader, the tokenizer and the fingerprint each open it
@@ -73,7 +79,6 @@ def hf_config(path: str) -> dict:
         raise CheckpointError(f"{path}: tensor token_embd.weight is missing from the GGUF file")
     hidden = int(get("embedding_length", required=True))
     heads = int(get("attention.head_count", required=True))
-    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
     eos = field(reader, "tokenizer.ggml.eos_token_id", path=path)
     eot = field(reader, "tokenizer.ggml.eot_token_id", path=path)
     eos_ids = [int(i) for i in dict.fromkeys(x for x in (eos, eot) if x is not None)]
@@ -84,8 +89,6 @@ def hf_config(path: str) -> dict:
         "intermediate_size": int(get("feed_forward_length", required=True)),
         "num_hidden_layers": int(get("block_count", required=True)),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv") or heads),
-        "head_dim": int(head_dim),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(get("context_length", 131072)),
         "tie_word_embeddings": "output.weight" not in names,
@@ -99,6 +102,11 @@ def hf_config(path: str) -> dict:
     rope = {"rope_type": "default"}
     if scaling == "linear":
         rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+    if arch == granitehybrid.ARCH:
+        hf.update(granitehybrid.hf_fields(get, names, hf, theta, rope, path))
+        return hf
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    hf.update(num_key_value_heads=int(get("attention.head_count_kv") or heads), head_dim=int(head_dim))
     if arch == "llama":
         hf.update(hidden_act="silu", rope_theta=float(theta or 10000.0), rope_parameters=rope)
     else:

@@ -1,12 +1,15 @@
 """GGUF tensors under the Hugging Face names ``load_params`` asks for, dequantized on read.
 
-Three layout facts of llama.cpp's files are undone here, so a tensor read equals the one in
+The layout facts of llama.cpp's files are undone here, so a tensor read equals the one in
 the Hugging Face checkpoint it was converted from:
 
 - shapes are stored fastest-dimension first (``ne``); numpy's order is the reverse;
-- for the ``llama`` architecture the converter reorders the rows of ``attn_q``/``attn_k`` in
-  each head from halves (rotate-half RoPE) to interleaved pairs (llama.cpp's rotary kernel);
-- for Gemma the converter stores RMSNorm scales as ``1 + w``; transformers' Gemma keeps ``w``.
+- for the ``llama`` and ``granitehybrid`` architectures the converter reorders the rows of
+  ``attn_q``/``attn_k`` in each head from halves (rotate-half RoPE) to interleaved pairs
+  (llama.cpp's rotary kernel);
+- for Gemma the converter stores RMSNorm scales as ``1 + w``; transformers' Gemma keeps ``w``;
+- for ``granitehybrid`` (Bamba) the Mamba2 tensors are reshaped and ``A_log`` stored as
+  ``-exp(A_log)``: see ``granitehybrid.py``.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import re
 
 import numpy as np
 
+from hicache_jax.models.gguf import granitehybrid
 from hicache_jax.models.gguf.reader import architecture, hf_config, open_gguf
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
-GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+GLOBAL = {"llama": _GLOBAL, "gemma3": _GLOBAL, granitehybrid.ARCH: granitehybrid.GLOBAL}
 LAYER = {
     "llama": {
         "input_layernorm": "attn_norm",
@@ -41,8 +46,11 @@ LAYER["gemma3"] = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+LAYER[granitehybrid.ARCH] = granitehybrid.LAYER
+BARE = {granitehybrid.ARCH: granitehybrid.BARE}  # no .weight/.bias suffix in transformers
+PERMUTED_QK = ("llama", granitehybrid.ARCH)  # the converter's undo_permute
 
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def _quant_types():
@@ -68,12 +76,18 @@ def _quant_types():
 def gguf_name(arch: str, hf_name: str) -> str | None:
     """llama.cpp's name for a Hugging Face tensor name (None: no such tensor in GGUF)."""
     stem, _, kind = hf_name.rpartition(".")
-    if stem in GLOBAL:
-        return f"{GLOBAL[stem]}.{kind}"
+    if stem in GLOBAL[arch]:
+        return f"{GLOBAL[arch][stem]}.{kind}"
     m = _LAYER_NAME.fullmatch(hf_name)
-    if m is None or m.group(2) not in LAYER[arch]:
+    if m is None:
         return None
-    return f"blk.{m.group(1)}.{LAYER[arch][m.group(2)]}.{m.group(3)}"
+    i, rest = m.groups()
+    if rest in BARE.get(arch, {}):
+        return f"blk.{i}.{BARE[arch][rest]}"
+    stem, _, kind = rest.rpartition(".")
+    if kind not in ("weight", "bias") or stem not in LAYER[arch]:
+        return None
+    return f"blk.{i}.{LAYER[arch][stem]}.{kind}"
 
 
 def unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
@@ -119,10 +133,11 @@ class GGUFCheckpoint:
                 self.where[name] = os.path.basename(path)
 
     def _hf_names(self):
-        yield from (f"{stem}.weight" for stem in GLOBAL)
+        yield from (f"{stem}.weight" for stem in GLOBAL[self.arch])
         for i in range(self.hf["num_hidden_layers"]):
             for stem in LAYER[self.arch]:
-                yield f"model.layers.{i}.{stem}.weight"
+                yield from (f"model.layers.{i}.{stem}.{kind}" for kind in ("weight", "bias"))
+            yield from (f"model.layers.{i}.{name}" for name in BARE.get(self.arch, {}))
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -140,12 +155,14 @@ class GGUFCheckpoint:
                 f"{self.path}: tensor {g or name} (for {name}) is missing from the GGUF file"
             )
         w = dequantize(self.tensors[g], self.path)
-        if self.arch == "llama" and g.endswith((".attn_q.weight", ".attn_k.weight")):
-            heads = self.hf["num_attention_heads" if ".attn_q." in g else "num_key_value_heads"]
-            try:
+        try:
+            if self.arch in PERMUTED_QK and g.endswith((".attn_q.weight", ".attn_k.weight")):
+                heads = self.hf["num_attention_heads" if ".attn_q." in g else "num_key_value_heads"]
                 w = unpermute_rotary(w, heads)
-            except CheckpointError as e:
-                raise CheckpointError(f"{self.path}: tensor {g}: {e}") from e
+            if self.arch == granitehybrid.ARCH:
+                w = granitehybrid.undo(g, w)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: tensor {g}: {e}") from e
         if self.arch == "gemma3" and g.endswith("norm.weight"):
             w = w - 1.0
         return w

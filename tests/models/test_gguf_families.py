@@ -2,9 +2,16 @@
 llama.cpp lays them out) give transformers' logits; quantized tensors dequantize as
 ``gguf.quants`` does; a malformed file is a ``CheckpointError`` naming what is wrong.
 
-Tolerance as in test_hf_parity: 2e-5 of the largest |logit| (observed ~1.5e-6 relative).
+transformers cannot read llama.cpp's ``granitehybrid`` (Bamba) files, so a Bamba GGUF is
+checked against transformers running the checkpoint it was written from, and against this
+package loading that checkpoint from safetensors.
+
+Tolerance as in test_hf_parity: 2e-5 of the largest |logit| (observed ~1.5e-6 relative; for
+Bamba ~3e-6, and 1.5e-6 between our two loads, which differ in SSD chunk size).
 """
 
+import dataclasses
+import math
 import os
 
 import jax
@@ -41,6 +48,79 @@ def test_logits_match_transformers_reading_the_same_gguf(written, family):
     model = load_hf(os.path.dirname(path))  # the folder holding one GGUF works as the file does
     got = np.asarray(jax.jit(model.forward_full)(ids))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_bamba_logprobs_match_transformers_on_the_source_checkpoint(written, checkpoint_dir):
+    """hf_model("bamba") is the checkpoint checkpoint_dir("bamba") saves (same seed)."""
+    path = written("bamba")
+    ids = np.random.RandomState(0).randint(0, 512, size=(2, 70))
+    with torch.no_grad():
+        want = torch.log_softmax(gguf_files.hf_model("bamba")(torch.tensor(ids)).logits, -1).numpy()
+    ours = {}
+    for source in (path, checkpoint_dir("bamba")):
+        logits = jax.jit(load_hf(source).forward_full)(ids)
+        ours[source] = np.asarray(jax.nn.log_softmax(logits, -1))
+    tol = 2e-5 * np.abs(want).max()
+    np.testing.assert_allclose(ours[path], want, rtol=0, atol=tol)
+    np.testing.assert_allclose(ours[path], ours[checkpoint_dir("bamba")], rtol=0, atol=tol)
+
+
+def test_bamba_config_and_weights_equal_the_safetensors_ones(written, checkpoint_dir):
+    from hicache_jax.models.hf.safetensors_io import Checkpoint
+
+    path = written("bamba")
+    got, want = load_hf(path).cfg, load_hf(checkpoint_dir("bamba")).cfg
+    # Not in GGUF: the SSD chunk size (256, transformers' default); eps is stored as float32.
+    assert got.mamba.chunk_size == 256 and math.isclose(got.rms_norm_eps, want.rms_norm_eps, rel_tol=1e-7)
+    mamba = dataclasses.replace(got.mamba, chunk_size=want.mamba.chunk_size)
+    assert dataclasses.replace(got, mamba=mamba, rms_norm_eps=want.rms_norm_eps) == want
+    assert got.layer_kinds == ("mamba", "attention", "mamba") and got.rotary_dim == 8
+    gguf, st = GGUFCheckpoint(path), Checkpoint(checkpoint_dir("bamba"))
+    assert sorted(gguf.names()) == sorted(st.names())
+    for name in st.names():  # A_log goes through -exp and back: a float32 rounding apart
+        np.testing.assert_allclose(gguf.get(name), st.get(name), rtol=1e-6, atol=0, err_msg=name)
+    assert not Tokenizer(path).has_text  # the shared tokenizer path: no vocabulary written
+
+
+def _expert_router(w):
+    w.add_expert_count(4)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 64), np.float32))
+
+
+def _attention_bias(w):
+    w.add_tensor("blk.1.attn_q.bias", np.zeros(64, np.float32))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_expert_router, r"g\.gguf: granitehybrid mixture-of-experts layers \(blk\.0\.ffn_gate_inp\.weight"),
+        (lambda w: w.add_embedding_scale(12.0), r"granitehybrid\.embedding_scale = 12 is not supported"),
+        (lambda w: w.add_residual_scale(0.22), r"granitehybrid\.residual_scale = 0\.22 is not supported"),
+        (lambda w: w.add_logit_scale(8.0), r"granitehybrid\.logit_scale = 8 is not supported"),
+        (lambda w: w.add_attention_scale(0.0078125), r"attention\.scale = 0\.0078125 .* neutral 0\.25"),
+        (lambda w: w.add_rope_scaling_finetuned(False), r"rope\.scaling\.finetuned is false"),
+        (_attention_bias, r"granitehybrid tensors blk\.1\.attn_q\.bias are not part of Bamba"),
+    ],
+    ids=["moe", "embedding_scale", "residual_scale", "logit_scale", "attention_scale", "nope", "bias"],
+)
+def test_unsupported_granitehybrid_variants_are_named(tmp_path, edit, match):
+    """Granite 4.0 hybrids share the architecture (MoE, Granite multipliers, no RoPE), and a
+    tensor Bamba has no place for is not dropped silently."""
+    path = gguf_files.write(gguf_files.hf_model("bamba"), str(tmp_path / "g.gguf"), edit=edit)
+    with pytest.raises(CheckpointError, match=match):
+        load_hf(path)
+
+
+def test_neutral_granite_multipliers_are_accepted(tmp_path):
+    def neutral(w):
+        w.add_embedding_scale(1.0)
+        w.add_residual_scale(1.0)
+        w.add_logit_scale(1.0)
+        w.add_attention_scale(16**-0.5)
+
+    path = gguf_files.write(gguf_files.hf_model("bamba"), str(tmp_path / "n.gguf"), edit=neutral)
+    assert GGUFCheckpoint(path).hf["architectures"] == ["BambaForCausalLM"]
 
 
 def test_config_from_metadata(written):
