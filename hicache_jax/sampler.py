@@ -208,10 +208,17 @@ def _row_logprobs(logits: jax.Array, targets: jax.Array, K: int):
 
 
 @jax.named_scope("sampling")  # a profile's name for it (POST /start_profile)
-def sample(logits: jax.Array, s: SamplingInputs, top_logprobs: int, rows_sharding=None) -> SamplingOutputs:
+def sample(
+    logits: jax.Array, s: SamplingInputs, top_logprobs: int, rows_sharding=None, out_sharding=None
+) -> SamplingOutputs:
     """logits: [R, V] float32 for the batch's logits rows (under a mesh, split by vocabulary);
-    ``rows_sharding``: where the S sampled rows go (replicated: every device draws the same
-    tokens)."""
+    ``rows_sharding``: where the S sampled rows go, ``out_sharding`` where the outputs go.
+
+    Under a mesh the sampled rows stay split by vocabulary as the logits are: the maxima,
+    sums, top-k candidates and Gumbel noise (``jax_threefry_partitionable``: the same values
+    however they are split) are computed per shard and combined across devices, so no
+    device holds a [S, V] row block whole (64 rows of Gemma 3 in float32: 64 MiB, moved
+    several times a step). The outputs are replicated: every device has the same tokens."""
     logits_s = logits[s.last_rows]  # [S, V]
     if rows_sharding is not None:
         logits_s = jax.lax.with_sharding_constraint(logits_s, rows_sharding)
@@ -219,7 +226,7 @@ def sample(logits: jax.Array, s: SamplingInputs, top_logprobs: int, rows_shardin
     next_ids = next_tokens(logits_s, s, row_keys(s))
     next_lp = jnp.take_along_axis(logp_s, next_ids[:, None], axis=-1)[:, 0]
     target_lp, row_top_lp, row_top_ids = _row_logprobs(logits, s.targets, top_logprobs)
-    return SamplingOutputs(
+    out = SamplingOutputs(
         next_ids=next_ids,
         next_logprobs=next_lp,
         next_top_ids=row_top_ids[s.last_rows],
@@ -228,3 +235,6 @@ def sample(logits: jax.Array, s: SamplingInputs, top_logprobs: int, rows_shardin
         row_top_ids=row_top_ids,
         row_top_logprobs=row_top_lp,
     )
+    if out_sharding is None:
+        return out
+    return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, out_sharding), out)

@@ -173,6 +173,15 @@ def replicated(mesh: Mesh | None):
     return None if mesh is None else NamedSharding(mesh, P())
 
 
+def vocab_rows(replicated_on: NamedSharding | None, vocab: int):
+    """Where logits rows live: split by vocabulary as the output layer splits them (when the
+    vocabulary divides over the mesh), else whole on every device."""
+    if replicated_on is None:
+        return None
+    mesh = replicated_on.mesh
+    return NamedSharding(mesh, P(None, AXIS) if vocab % mesh.shape[AXIS] == 0 else P())
+
+
 def constrain(tree, shardings):
     """``with_sharding_constraint`` that is a no-op without a mesh (``shardings=None``)."""
     return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
