@@ -7,6 +7,11 @@ ending with ``data: [DONE]``. Cached prompt tokens are reported in
 ``usage.prompt_tokens_details.cached_tokens`` (per tier in ``cached_tokens_details``).
 ``stream_options.include_usage`` adds a last chunk with the usage; vLLM's
 ``continuous_usage_stats`` puts the usage so far in every chunk.
+
+``echo: true`` on ``/v1/completions`` (not streamed) puts the prompt before the completion,
+in ``text`` and, with ``logprobs``, in the legacy logprobs lists: the prompt's tokens
+(scored from position 0, so the first one's logprob is ``null``), then the generated ones.
+lm-eval's ``local-completions`` scores choices this way, with ``max_tokens`` 1.
 """
 
 from __future__ import annotations
@@ -91,9 +96,34 @@ def completion_logprobs(triples: list, tops: list | None, offset: int) -> dict:
     return {
         "tokens": tokens,
         "token_logprobs": [t[0] for t in triples],
-        "top_logprobs": [{_token(x): x[0] for x in top} if top else None for top in tops],
+        "top_logprobs": [_top_dict(top) if top else None for top in tops],
         "text_offset": offsets,
     }
+
+
+def _top_dict(top: list) -> dict:
+    """{token text: logprob}; tokens with the same text (byte pieces of one character all read
+    U+FFFD) keep the highest logprob, so ``max(values)`` is still the top token's."""
+    out: dict = {}
+    for x in top:  # highest first
+        out.setdefault(_token(x), x[0])
+    return out
+
+
+def echo_logprobs(meta: dict, prompt_text: str) -> dict:
+    """Legacy completions format for the prompt's tokens, then the generated ones (whose
+    text offsets start after ``prompt_text``)."""
+    head = completion_logprobs(meta.get("input_token_logprobs", []), meta.get("input_top_logprobs"), 0)
+    tail = completion_logprobs(*_logprobs(meta), len(prompt_text))
+    return {k: head[k] + tail[k] for k in head}
+
+
+def prompt_text(prompt: dict, tokenizer) -> str:
+    """The text of one prompt (``text`` or ``input_ids``) as echoed: ids are decoded, special
+    tokens kept; a model without a tokenizer echoes ids as ``""``."""
+    if "text" in prompt:
+        return prompt["text"]
+    return tokenizer.decode(prompt["input_ids"], skip_special_tokens=False) or ""
 
 
 def chat_logprobs(triples: list, tops: list | None) -> dict:
@@ -143,7 +173,8 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "stream=true takes a single prompt; send one request per prompt")
     want_lp = body.logprobs is not None
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
-    reqs = [_engine_request(p, "cmpl", body, max_tokens, want_lp, body.logprobs) for p in prompts]
+    lsl = 0 if body.echo else -1  # echo: the prompt's logprobs from its first token
+    reqs = [_engine_request(p, "cmpl", body, max_tokens, want_lp, body.logprobs, lsl) for p in prompts]
     created = int(time.time())
 
     def choice(i: int, text: str, logprobs: tuple, offset: int, reason: str | None) -> dict:
@@ -183,6 +214,11 @@ async def completions(request: Request) -> Response:
             choice(i, o["text"] or "", _logprobs(m), 0, finish_reason(m))
             for i, (o, m) in enumerate(zip(outs, metas))
         ]
+        if body.echo:
+            for c, p, m in zip(choices, prompts, metas):
+                head = prompt_text(p, s.chat.tokenizer)
+                c["text"] = head + c["text"]
+                c["logprobs"] = echo_logprobs(m, head) if want_lp else None
         return frame(reqs[0]["rid"], choices, usage=usage(metas))
 
     return await _respond(s, request, reqs, body.stream, chunks, whole)
@@ -249,14 +285,18 @@ def _running_usage(body, meta: dict) -> dict:
     return {"usage": usage([meta])} if body.continuous_usage else {}
 
 
-def _engine_request(prompt: dict, kind: str, body, max_tokens: int, logprobs: bool, top: int | None) -> dict:
+def _engine_request(
+    prompt: dict, kind: str, body, max_tokens: int, logprobs: bool, top: int | None, lsl: int = -1
+) -> dict:
     """The engine loop's request for one prompt (``text`` or ``input_ids``) of an OpenAI body:
-    a fresh ``<kind>-<hex>`` id and the body's sampling, logprob, salt and stream settings."""
+    a fresh ``<kind>-<hex>`` id and the body's sampling, logprob, salt and stream settings;
+    ``lsl`` is the first prompt position to score (-1: none)."""
     return dict(
         prompt,
         rid=f"{kind}-{uuid.uuid4().hex}",
         sampling_params=body.sampling_params(max_tokens),
         return_logprob=logprobs,
+        logprob_start_len=lsl,
         top_logprobs_num=top or 0,
         cache_salt=body.cache_salt,
         stream=body.stream,

@@ -1,7 +1,7 @@
 """OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) and their mapping to
 engine sampling settings. Unknown fields are refused; accepted-but-unsupported settings
-(penalties, ``logit_bias``, ``n > 1``, ``echo``) are refused with a message saying so rather
-than silently ignored. ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
+(penalties, ``logit_bias``, ``n > 1``, ``echo`` with ``stream``) are refused with a message
+saying so rather than silently ignored. ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens`` and ``cache_salt`` are accepted as extensions, as in SGLang and vLLM;
 SGLang's other extensions and OpenAI's other fields are in ``compat_fields``.
 """
@@ -100,8 +100,8 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise InvalidRequest("echo is not supported")
+        if self.echo and self.stream:
+            raise InvalidRequest("echo with stream=true is not supported; send stream=false")
         if self.suffix:
             raise InvalidRequest("suffix is not supported")
         if self.best_of not in (None, 1):
