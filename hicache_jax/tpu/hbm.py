@@ -20,8 +20,12 @@ without ``S(n)`` in their layout), per instruction of the entry computation:
   operands are whole page pools that it reads a few pages of, by DMA);
 - bitcasts, tuples, parameters, constants and the ``-done`` halves move nothing.
 
-Loops and conditionals are counted once, as their operands and results (their bodies are
-not walked): in the serving step only the sampler has them, a few rows of the vocabulary.
+Conditionals are counted once, as their operands and results, and loops (``while``) not at
+all; neither's body is walked. A loop updates its carried buffers in place, and the serving
+step's loops run per item of work, usually none: the recurrent-state copies (one slot read
+and written per copy, ``runner.copy_states``) and the sampler's full sort (only for rows
+the candidates cannot settle). The conditional is the sampler's draw, a few rows of the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import numpy as np
 
 FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "after-all"}
 FREE |= {"copy-done", "slice-done"}  # their -start halves count the bytes
+FREE |= {"while"}  # in place, per item of work (the module docstring)
 _ITEM = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _ITEM |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
