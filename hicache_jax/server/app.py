@@ -91,7 +91,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return Response(metrics.render(await state.loop.metrics()), media_type="text/plain; version=0.0.4")
+        text = metrics.render(await state.loop.metrics(), model_name=state.served_model_name)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> dict:

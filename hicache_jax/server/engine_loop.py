@@ -398,4 +398,7 @@ class EngineLoop:
                 "uptime_s": time.time() - self.started,
             }
         )
-        return out.histograms({"histograms": self.latency.snapshot()})  # metrics.render exports them
+        # metrics.render exports both; the second only under sglang:* names
+        return out.histograms(
+            {"histograms": self.latency.snapshot(), "sglang_histograms": self.latency.sglang_snapshot()}
+        )

@@ -6,7 +6,8 @@ appear without a server change. Each is a counter or a gauge as its producer dec
 (``hicache_jax/metric_kinds.py``); a key nobody declared is exported untyped, with a
 warning naming it, never guessed (and ``tests/server/test_metrics.py`` fails on it). Hit rates
 per tier are derived here. The ``histograms`` entry (``latency.py``: TTFT, TPOT, e2e) becomes
-Prometheus histograms.
+Prometheus histograms. The ``sglang:*`` families an SGLang dashboard queries come from the
+same snapshot (``sglang_metrics.py``; ``sglang_histograms`` is exported only there).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client.core import (
 )
 
 from hicache_jax.metric_kinds import COUNTER, GAUGE, Metrics
+from hicache_jax.server import sglang_metrics
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +46,15 @@ def _name(key: str) -> str:
 class _Snapshot:
     """A one-scrape collector over a metrics dict."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, model_name: str):
         self.metrics = metrics
+        self.model_name = model_name
 
     def collect(self):
         m = self.metrics
         for key, value in sorted(m.items()):
+            if key == "sglang_histograms":
+                continue  # TTFT / e2e again, with SGLang's bounds: sglang:* only
             doc = HELP.get(key, key.replace("_", " "))
             kind = m.kinds.get(key)
             if kind == COUNTER:
@@ -70,6 +75,7 @@ class _Snapshot:
         for tier in TIERS:
             tiers.add_metric([tier], m.get(f"cached_tokens_{tier}", 0) / max(prompt, 1))
         yield tiers
+        yield from sglang_metrics.collect(m, self.model_name)
 
 
 def _histograms(snapshots: dict):
@@ -82,9 +88,9 @@ def _histograms(snapshots: dict):
 _warned: set[str] = set()
 
 
-def render(metrics: Metrics) -> bytes:
+def render(metrics: Metrics, model_name: str = "") -> bytes:
     """The Prometheus text of ``metrics``; a key without a declared kind goes out untyped,
-    and is named in a warning once per process."""
+    and is named in a warning once per process. ``model_name`` labels the sglang:* families."""
     if not isinstance(metrics, Metrics):
         metrics = Metrics().add(metrics)
     new = [k for k in metrics.undeclared() if k not in _warned]
@@ -92,5 +98,5 @@ def render(metrics: Metrics) -> bytes:
         _warned.update(new)
         log.warning("metrics without a declared kind (exported untyped): %s", new)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(metrics))
+    registry.register(_Snapshot(metrics, model_name))
     return generate_latest(registry)
