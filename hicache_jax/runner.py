@@ -204,8 +204,12 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_lo
     ids = jnp.where(batch.feed_rows >= 0, fed, batch.input_ids)
     batch = dataclasses.replace(batch, input_ids=ids, feed_rows=None)
     params = jax.tree_util.tree_unflatten(structure.treedef, leaves)
+    # Each stage hands the cache on where it lives: left free, XLA may split the replicated
+    # conv-state pool across the copy loop and all-gather it whole afterwards, every step.
     cache = copy_states(cache, copies.before_src, copies.before_dst)
+    cache = sharding.constrain(cache, structure.cache_shardings)
     cache, logits = nnx.merge(structure.graphdef, params)(cache, batch)
+    cache = sharding.constrain(cache, structure.cache_shardings)
     cache = copy_states(cache, copies.after_src, copies.after_dst)
     rows = sharding.vocab_rows(structure.replicated, logits.shape[-1])
     out = sample(logits, sampling, top_logprobs, rows, structure.replicated)

@@ -91,9 +91,11 @@ class AbstractServer:
         """Bytes of the input embedding table on one chip."""
         return _per_chip(self.runner.params["embed"])
 
-    def pool_shapes(self) -> set[tuple[int, ...]]:
-        """Shapes on one chip of the device cache's arrays (KV pages, recurrent state)."""
-        leaves = jax.tree_util.tree_leaves(self.runner.cache)
+    def kernel_pool_shapes(self) -> set[tuple[int, ...]]:
+        """Shapes on one chip of the cache arrays the Pallas kernels read by DMA: KV pages and
+        SSM state (not the conv state, a few rows per slot that XLA's own ops gather)."""
+        leaves = [e.ssm if isinstance(e, MambaState) else e for e in self.runner.cache]
+        leaves = jax.tree_util.tree_leaves(leaves)
         return {tuple(x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape) for x in leaves}
 
     def cache_bytes(self) -> int:

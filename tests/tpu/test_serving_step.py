@@ -61,7 +61,7 @@ def test_serving_programs_compile(family, topology, tp):
     # The step's kernels read a few pages of each pool by DMA: no pool is moved into VMEM
     # around them (whole, it would be copied in and back every step).
     for name, program in compiled.items():
-        moved = in_vmem(program, server.pool_shapes()) if "step" in name else []
+        moved = in_vmem(program, server.kernel_pool_shapes()) if "step" in name else []
         assert not moved, (name, moved[:4])
 
 
