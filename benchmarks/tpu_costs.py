@@ -9,8 +9,9 @@ compiled program's own ``cost_analysis`` (per chip) is set against:
 
 - decode at batch 8 and 64, every sequence at ``--context`` tokens: HBM bytes accessed over
   the minimum, the weights read once (of an embedding table that is not the output layer
-  too, the batch's rows) plus each sequence's live KV (its window, in sliding layers) and
-  recurrent state read once;
+  too, the batch's rows) plus each sequence's live KV (its window, in sliding layers) read
+  once, and its recurrent state read once and written once (a decode step must store the
+  new state: the one write a floor cannot leave out);
 - one prefill chunk (``--chunk`` tokens of one new sequence): flops over the analytic count
   of ``benchmarks/floors.py`` divided over the chips;
 - for each of those programs and for the prefill program that reports every row's top
@@ -46,8 +47,9 @@ from hicache_jax.tpu.target import target  # noqa: E402
 
 
 def min_decode_bytes(server: AbstractServer, batch: int, context: int) -> float:
-    """Weights once, plus each sequence's live KV and state once, on one chip. An embedding
-    table that is not also the output layer is read only at the batch's rows."""
+    """Weights once, plus each sequence's live KV once and its state read and written once,
+    on one chip. An embedding table that is not also the output layer is read only at the
+    batch's rows."""
     cfg, tp = server.model.cfg, server.cfg.tp_size
     b = jnp.dtype(server.model.dtype).itemsize
     kv_token = 2 * (kv_heads_on_device(cfg, tp) // tp if tp > 1 else cfg.num_kv_heads) * cfg.head_dim * b
@@ -58,7 +60,7 @@ def min_decode_bytes(server: AbstractServer, batch: int, context: int) -> float:
         if kind == "mamba":
             m = cfg.mamba
             state = m.num_heads * m.head_dim * m.state_size * 4 / tp + (m.conv_kernel - 1) * m.conv_dim * b
-            total += batch * state
+            total += 2 * batch * state  # read, and the step's new state written back
         else:
             live = min(context, cfg.sliding_window) if kind == "sliding" else context
             total += batch * live * kv_token

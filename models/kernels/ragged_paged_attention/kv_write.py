@@ -98,7 +98,7 @@ def write_kv(
     tokens_per_step = 256  # bounds the copies in flight at once
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_write_kv_kernel, page_size=page_size, tokens_per_step=tokens_per_step)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -123,3 +123,7 @@ def write_kv(
         vmem.in_hbm(k_pages, interpret),
         vmem.in_hbm(v_pages, interpret),
     )
+    # The pools come back in pinned HBM; returned straight from a program whose donated
+    # arguments they alias, XLA's verifier refuses the memory-space mismatch. The barrier
+    # hands them on as they are (no copy: the write stays in place).
+    return out if interpret else jax.lax.optimization_barrier(out)
