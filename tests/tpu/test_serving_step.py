@@ -32,13 +32,21 @@ SERVING = dict(
 
 
 def chosen(server: AbstractServer, logprob_rows: bool = False) -> set[str]:
-    """Names of the programs compiled here."""
+    """Names of the programs compiled here (``logprob_rows``: only the every-row logprob
+    program; the others are compiled by ``test_serving_programs_compile``)."""
+    b = server.builder
+    S, T = b.max_running, b.buckets[-1]
+    if logprob_rows:
+        return {f"prefill step T={T} S={S} R={T} top=20"}
+    return _step_and_copies(server)
+
+
+def _step_and_copies(server: AbstractServer) -> set[str]:
+    """The largest decode and prefill steps, and the smallest and largest page copies."""
     b = server.builder
     S, T = b.max_running, b.buckets[-1]
     decode = max(s for _, s, _, decode_only in b.warmup_shapes() if decode_only)
     names = {f"decode step T={decode} S={decode} R={decode} top=0", f"prefill step T={T} S={S} R={S} top=0"}
-    if logprob_rows:
-        names.add(f"prefill step T={T} S={S} R={T} top=20")
     for kind in server.transfer.kinds():
         for n in (server.transfer.buckets(kind)[0], server.transfer.buckets(kind)[-1]):
             names |= {f"read {kind} x{n}", f"write {kind} x{n}"}
