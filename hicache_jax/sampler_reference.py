@@ -24,17 +24,51 @@ def filtered_logits(
     masked entries become -inf."""
     V = logits.shape[-1]
     x = logits / jnp.maximum(temperature, 1e-5)[:, None]
-    order = jnp.sort(x, axis=-1)[:, ::-1]  # [S, V] descending
+    order = sorted_values(x)[:, ::-1]  # [S, V] descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     kth = jnp.take_along_axis(order, (k - 1)[:, None], axis=-1)
     x = jnp.where(x < kth, -jnp.inf, x)
     probs_sorted = jax.nn.softmax(jnp.where(order < kth, -jnp.inf, order), axis=-1)
     # top-p: keep the smallest prefix of the sorted distribution reaching top_p.
-    before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    before = cumulative_sum(probs_sorted) - probs_sorted
     keep = (before < top_p[:, None]) | (top_p >= 1)[:, None]
     cutoff = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
     x = jnp.where(x < cutoff, -jnp.inf, x)
     return min_p_mask(x, min_p)
+
+
+def sorted_values(x: jax.Array) -> jax.Array:
+    """x [..., V] float32 -> its values in ascending order along the last axis, as
+    ``jnp.sort`` orders them (NaN last), sorted as int32 keys.
+
+    The keys are the floats' bits with the negatives' magnitude bits flipped, so integer
+    order is float order (-0.0 is first made +0.0; NaNs become one positive NaN, the
+    largest key). An integer sort of values only needs no stability; for TPU it compiles
+    in about 1.5 s where ``jnp.sort`` on floats takes 8-13 s (its comparator converts both
+    operands on every comparison), and every serving program carries one (``sampler.py``'s
+    fallback rows). The order can differ from XLA:CPU's only among denormals and zeros,
+    which that backend compares as equal (it flushes denormals to zero)."""
+    flip = jnp.int32(0x7FFFFFFF)
+    keys = jax.lax.bitcast_convert_type(jnp.where(jnp.isnan(x), jnp.nan, x + 0.0), jnp.int32)
+    keys = jax.lax.sort(jnp.where(keys < 0, keys ^ flip, keys), dimension=x.ndim - 1, is_stable=False)
+    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ flip, keys), x.dtype)
+
+
+CUMSUM_BLOCK = 1024
+
+
+def cumulative_sum(x: jax.Array, block: int = CUMSUM_BLOCK) -> jax.Array:
+    """x [..., V] -> its inclusive cumulative sum along the last axis, in two levels: within
+    blocks of ``block``, then over the blocks' totals. Equal to ``jnp.cumsum`` up to float
+    rounding (a different order of additions); for TPU it compiles in under a second where
+    ``jnp.cumsum`` of a 262,144-wide row takes about 7 s."""
+    V = x.shape[-1]
+    pad = -V % block
+    y = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], -1, block)
+    within = jnp.cumsum(y, axis=-1)
+    totals = within[..., -1]
+    offsets = jnp.cumsum(totals, axis=-1) - totals
+    return (within + offsets[..., None]).reshape(*x.shape[:-1], -1)[..., :V]
 
 
 def min_p_mask(x: jax.Array, min_p: jax.Array) -> jax.Array:
