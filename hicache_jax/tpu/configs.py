@@ -1,8 +1,9 @@
 """``config.json`` fields of published models, for compiling and planning without weights.
 
 Each is the subset the config readers (``models/hf/config.py``) use, with the published
-values. ``real_config(name, num_layers=k)`` keeps the first ``k`` layers' kinds (at least
-one of each kind the model has), for compile tests at real widths and bounded depth.
+values. ``real_config(name, num_layers=k)`` keeps ``k`` layers (more if the model has more kinds):
+the first ones, with the last of a repeated kind swapped for each kind they lack, for
+compile tests at real widths and bounded depth.
 """
 
 from __future__ import annotations
@@ -94,8 +95,15 @@ def real_config(name: str, num_layers: int | None = None) -> ModelConfig:
     cfg = config_from_hf(HF_CONFIGS[name], f"{name} config")
     if num_layers is None:
         return cfg
-    kinds = list(cfg.layer_kinds[:num_layers])
-    missing = [k for k in dict.fromkeys(cfg.layer_kinds) if k not in kinds]
-    for i, kind in enumerate(missing):  # every kind the model has, once at least
-        kinds[-1 - i] = kind
-    return dataclasses.replace(cfg, layer_kinds=tuple(kinds))
+    return dataclasses.replace(cfg, layer_kinds=cut_layers(cfg.layer_kinds, num_layers))
+
+
+def cut_layers(layer_kinds: tuple[str, ...], num_layers: int) -> tuple[str, ...]:
+    """The first ``num_layers`` kinds (at least one layer per kind the model has), the last
+    of a repeated kind swapped for each kind they lack."""
+    every = tuple(dict.fromkeys(layer_kinds))
+    kinds = list(layer_kinds[: max(num_layers, len(every))])
+    for kind in (k for k in every if k not in kinds):  # a repeat exists: len(kinds) >= len(every)
+        last_repeat = max(i for i, k in enumerate(kinds) if kinds.count(k) > 1)
+        kinds[last_repeat] = kind
+    return tuple(kinds)

@@ -1,6 +1,6 @@
 """The serving step and the L2 page copies of every family, compiled for TPU slices with the
 Pallas backends: built from shapes by the engine's own code (``hicache_jax/tpu/abstract.py``),
-at real widths, cut to two layers (one of each kind the model has) to bound compile time.
+at real widths, cut to one layer of each kind the model has to bound compile time.
 
 Programs: the largest decode bucket and the largest prefill bucket (mixed batches run the
 prefill program), and the smallest and largest page copy of each kind; one family also
@@ -55,7 +55,7 @@ def _step_and_copies(server: AbstractServer) -> set[str]:
 
 def compile_chosen(family: str, topology: str, tp: int, logprob_rows: bool = False):
     cfg = EngineConfig(tp_size=tp, **SERVING)
-    server = AbstractServer.build(real_config(family, num_layers=2), cfg, target(topology))
+    server = AbstractServer.build(real_config(family, num_layers=1), cfg, target(topology))
     want = chosen(server, logprob_rows)
     compiled = dict(server.compile(lambda name: name in want))
     assert set(compiled) == want
