@@ -1,13 +1,14 @@
-"""Token choice: the full-sort reference against the bounded sampler, side by side.
+"""Token choice: the whole-vocabulary reference against the bounded sampler, side by side.
 
 Times ``sampler_reference.next_tokens`` and ``sampler.next_tokens`` (keys included, logprobs
 left out: they are the same code in both) on the same logits and settings, alternating the
 two on every repetition so a busy machine slows both alike, and checks they pick the same
-tokens. ``sort rows`` is the share of rows the bounded sampler sent to the full sort.
+tokens. ``sort rows`` is the share of rows the bounded sampler sent to the reference (its
+whole-vocabulary search, per row).
 
 Logits are Gaussian with a per-row scale: 6 ("peaked", about 2.5 nats of entropy, a 0.9
 nucleus of ~25 tokens, like a language model at temperature 1) or 2 ("flat", a 0.9 nucleus
-of ~7600 tokens, past the candidate set, so every top-p row takes the sort: the worst case).
+of ~7600 tokens, past the candidate set, so every top-p row takes the reference: the worst case).
 
     python benchmarks/sampler.py [--vocab 32000] [--batches 1,8,32,64] [--reps 5]
 """
@@ -78,7 +79,7 @@ def main():
         f" median of {args.reps}"
     )
     print(
-        f"{'batch':>5}  {'case':<20} {'full sort ms':>12} {'bounded ms':>11} {'speedup':>8} {'sort rows':>10}"
+        f"{'batch':>5}  {'case':<20} {'reference ms':>12} {'bounded ms':>11} {'speedup':>8} {'sort rows':>10}"
     )
     for batch in (int(b) for b in args.batches.split(",")):
         for name, (scale, rows) in CASES.items():

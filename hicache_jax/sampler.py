@@ -7,7 +7,8 @@ Logprobs are those of the model's raw distribution (``log_softmax(logits)``), as
 reports them, whatever temperature or filters the sampling uses.
 
 Tokens are chosen without sorting the vocabulary, and are the same tokens for the same keys
-as the full-sort definition in ``sampler_reference.py`` (the tests hold the two together):
+as the definition in ``sampler_reference.py``, whose cuts search the whole vocabulary (the
+tests hold the two together):
 
 - Greedy rows (temperature < 1e-5) take the argmax of the raw logits. A batch of greedy
   rows only runs nothing else (``lax.cond``).
@@ -18,7 +19,7 @@ as the full-sort definition in ``sampler_reference.py`` (the tests hold the two 
   key give the same ``categorical`` draw, ``argmax(x + gumbel(key, [V]))``: the Gumbel noise
   covers the whole vocabulary, as in the reference.
 - Rows with neither top-k (-1, or >= V) nor top-p (1) need no candidates: pure temperature
-  and min-p-only sampling never sort.
+  and min-p-only sampling need no cut.
 - The C + 1 values settle a row's cut exactly when
     * top_k is off or in 1..C;
     * top-p, when on, stops inside the candidates: always with top_k in 1..C; with top_k
@@ -26,13 +27,13 @@ as the full-sort definition in ``sampler_reference.py`` (the tests hold the two 
     * no value tied with the top-k cut (top-k off: the top-p cut) lies outside the
       candidates (value C + 1 is below it);
     * no live candidate's cumulative probability is within ``TOP_P_MARGIN`` of top_p. The
-      bounded sums differ from the sorted full-vocabulary ones by float32 rounding only
-      (under 1e-6 seen at V = 1024 to 152064), so a row that close might cut one token apart.
+      bounded sums differ from the reference's whole-vocabulary ones by float32 rounding
+      only, so a row that close might cut one token apart.
   Any other row (top_k in C+1..V-1, a flat distribution under top-p, a tie at the cut)
-  gets the reference's full sort, for that row alone (a ``while_loop`` over the flagged
+  gets the reference's cuts, for that row alone (a ``while_loop`` over the flagged
   rows, behind a ``lax.cond``): it costs what every row cost before.
-- Vocabularies under ``SORT_BELOW`` (8 C) draw with the reference as it is (behind the same
-  all-greedy ``lax.cond``): there the sort is cheap, and the bounded program takes about
+- Vocabularies under ``REFERENCE_BELOW`` (8 C) draw with the reference as it is (behind the same
+  all-greedy ``lax.cond``): there the reference is cheap, and the bounded program takes about
   twice as long to compile (the tests' tiny models would pay that on every step shape).
 - On TPU, ``lax.approx_max_k`` would be a cheaper candidate step, but it may miss values,
   so value C + 1 no longer bounds the rest and the checks above say nothing; swap it in
@@ -48,9 +49,9 @@ import jax.numpy as jnp
 
 from hicache_jax import sampler_reference as reference
 
-CANDIDATES = 256  # C: top-k up to C and top-p nuclei of up to C tokens skip the sort
-TOP_P_MARGIN = 4e-6  # a cumulative probability this close to top_p sends the row to the sort
-SORT_BELOW = 8 * CANDIDATES  # smaller vocabularies just sort: cheap, and half the compile time
+CANDIDATES = 256  # C: top-k up to C and top-p nuclei of up to C tokens skip the reference
+TOP_P_MARGIN = 4e-6  # a cumulative probability this close to top_p sends the row to it
+REFERENCE_BELOW = 8 * CANDIDATES  # smaller vocabularies use the reference: cheap, half the compile
 ROW_BLOCK = 64  # logits rows whose float32 log-softmax is live at once (``_row_logprobs``)
 
 
@@ -97,7 +98,7 @@ def row_keys(s: SamplingInputs) -> jax.Array:
 
 
 def _threshold(x: jax.Array, s: SamplingInputs, c: int) -> tuple[jax.Array, jax.Array]:
-    """x [S, V] tempered logits -> (thr [S], full [S]): the full-sort reference's top-k and
+    """x [S, V] tempered logits -> (thr [S], full [S]): the reference's top-k and
     top-p cut (mask ``x < thr``) read off the c + 1 largest values, and whether the row is
     one the candidates cannot settle (see the module docstring)."""
     V = x.shape[-1]
@@ -133,11 +134,11 @@ def _threshold(x: jax.Array, s: SamplingInputs, c: int) -> tuple[jax.Array, jax.
     return thr, full
 
 
-def _sort_rows(logits_s: jax.Array, s: SamplingInputs, x: jax.Array, full: jax.Array) -> jax.Array:
-    """Rows flagged ``full`` get the full-sort reference's filtered logits, one row at a time:
-    the loop runs once per flagged row, so only those rows pay a sort. The ``cond`` matters:
-    with one row the slices are the whole arrays, and XLA hoists the loop-invariant sort
-    out of the loop, where it would run every step."""
+def _reference_rows(logits_s: jax.Array, s: SamplingInputs, x: jax.Array, full: jax.Array) -> jax.Array:
+    """Rows flagged ``full`` get the reference's filtered logits, one row at a time: the
+    loop runs once per flagged row, so only those rows pay its whole-vocabulary search. The
+    ``cond`` matters: with one row the slices are the whole arrays, and XLA hoists the
+    loop-invariant search out of the loop, where it would run every step."""
 
     def one(v, r):
         return jax.lax.dynamic_slice_in_dim(v, r, 1)  # row r as a batch of one
@@ -157,13 +158,13 @@ def _sort_rows(logits_s: jax.Array, s: SamplingInputs, x: jax.Array, full: jax.A
 
 def filtered_logits(logits_s: jax.Array, s: SamplingInputs, candidates: int = CANDIDATES) -> jax.Array:
     """logits_s [S, V] -> [S, V]: the reference's ``filtered_logits`` for every row that
-    is not greedy (greedy rows' entries are left unspecified), without a full sort."""
+    is not greedy (greedy rows' entries are left unspecified), from its candidates."""
     greedy_row = s.temperature < 1e-5
     c = max(min(candidates, logits_s.shape[-1] - 1), 0)
     x = logits_s / jnp.maximum(s.temperature, 1e-5)[:, None]
     thr, full = _threshold(x, s, c)
     x = reference.min_p_mask(jnp.where(x < thr[:, None], -jnp.inf, x), s.min_p)
-    return _sort_rows(logits_s, s, x, full & ~greedy_row)
+    return _reference_rows(logits_s, s, x, full & ~greedy_row)
 
 
 def _draw(keys: jax.Array, x: jax.Array) -> jax.Array:
@@ -182,7 +183,7 @@ def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.
     greedy = jnp.argmax(logits_s, axis=-1).astype(jnp.int32)
 
     def draw():
-        if logits_s.shape[-1] < SORT_BELOW:
+        if logits_s.shape[-1] < REFERENCE_BELOW:
             return reference.next_tokens(logits_s, s, keys)
         drawn = _draw(keys, filtered_logits(logits_s, s)).astype(jnp.int32)
         return jnp.where(greedy_row, greedy, drawn)

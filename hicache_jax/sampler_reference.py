@@ -1,7 +1,8 @@
-"""The full-sort sampler: the definition the bounded sampler in ``sampler.py`` must match.
+"""The reference sampler: the definition the bounded sampler in ``sampler.py`` must match.
 
-Every row sorts the whole vocabulary, applies temperature, then the top-k, top-p and min-p
-masks, and draws with ``jax.random.categorical``. ``sampler.py`` calls
+Every row applies temperature, then the top-k, top-p and min-p masks over the whole
+vocabulary (cuts found by search, not by sorting: ``filtered_logits``), and draws with
+``jax.random.categorical``. ``sampler.py`` calls
 ``filtered_logits`` for the rare rows whose filters need more than its candidate set, and
 the tests and ``benchmarks/sampler.py`` compare the two draws token for token.
 
@@ -21,54 +22,50 @@ def filtered_logits(
     logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, min_p: jax.Array
 ) -> jax.Array:
     """logits [S, V]; settings [S]. Temperature, then top-k, top-p and min-p masks;
-    masked entries become -inf."""
+    masked entries become -inf.
+
+    - top-k keeps the values at or above the k-th largest;
+    - top-p keeps a value when the probability of the values strictly above it (after top-k)
+      is under top_p: the smallest prefix of the sorted distribution that reaches top_p,
+      with ties kept or dropped together;
+    - min-p drops values under min_p x the top probability.
+
+    No sort: both cuts are found by a bitwise search over the values' order keys (``_keys``),
+    32 masked counts or sums over [V] each, and compile in well under a second for TPU
+    (a sort of a 32,768- to 262,144-wide row takes 8-13 s there, and every serving program
+    carries one: ``sampler.py``'s fallback rows)."""
     V = logits.shape[-1]
     x = logits / jnp.maximum(temperature, 1e-5)[:, None]
-    order = sorted_values(x)[:, ::-1]  # [S, V] descending
+    u = _keys(x)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    kth = jnp.take_along_axis(order, (k - 1)[:, None], axis=-1)
-    x = jnp.where(x < kth, -jnp.inf, x)
-    probs_sorted = jax.nn.softmax(jnp.where(order < kth, -jnp.inf, order), axis=-1)
-    # top-p: keep the smallest prefix of the sorted distribution reaching top_p.
-    before = cumulative_sum(probs_sorted) - probs_sorted
-    keep = (before < top_p[:, None]) | (top_p >= 1)[:, None]
-    cutoff = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x < cutoff, -jnp.inf, x)
+    # the k-th largest key: the largest t with at least k keys >= t
+    kth = _largest_where(lambda t: (u >= t[:, None]).sum(-1) >= k, x.shape[0])
+    x = jnp.where(u >= kth[:, None], x, -jnp.inf)
+    p = jax.nn.softmax(x, axis=-1)
+    # the top-p cut: one past the largest t whose strictly-greater mass still reaches top_p
+    over = _largest_where(lambda t: jnp.where(u > t[:, None], p, 0.0).sum(-1) >= top_p, x.shape[0])
+    keep = (u > over[:, None]) | (top_p >= 1)[:, None]
+    x = jnp.where(keep, x, -jnp.inf)
     return min_p_mask(x, min_p)
 
 
-def sorted_values(x: jax.Array) -> jax.Array:
-    """x [..., V] float32 -> its values in ascending order along the last axis, as
-    ``jnp.sort`` orders them (NaN last), sorted as int32 keys.
-
-    The keys are the floats' bits with the negatives' magnitude bits flipped, so integer
-    order is float order (-0.0 is first made +0.0; NaNs become one positive NaN, the
-    largest key). An integer sort of values only needs no stability; for TPU it compiles
-    in about 1.5 s where ``jnp.sort`` on floats takes 8-13 s (its comparator converts both
-    operands on every comparison), and every serving program carries one (``sampler.py``'s
-    fallback rows). The order can differ from XLA:CPU's only among denormals and zeros,
-    which that backend compares as equal (it flushes denormals to zero)."""
-    flip = jnp.int32(0x7FFFFFFF)
-    keys = jax.lax.bitcast_convert_type(jnp.where(jnp.isnan(x), jnp.nan, x + 0.0), jnp.int32)
-    keys = jax.lax.sort(jnp.where(keys < 0, keys ^ flip, keys), dimension=x.ndim - 1, is_stable=False)
-    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ flip, keys), x.dtype)
+def _keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order: the bits, with the sign flipped for positives
+    and every bit flipped for negatives (-0.0 first made +0.0; NaNs one key above +inf)."""
+    i = jax.lax.bitcast_convert_type(jnp.where(jnp.isnan(x), jnp.nan, x + 0.0), jnp.uint32)
+    return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(1 << 31))
 
 
-CUMSUM_BLOCK = 1024
+def _largest_where(ok, S: int) -> jax.Array:
+    """[S]: per row the largest uint32 t with ``ok(t)`` true (``ok``: [S] -> [S] bools,
+    monotone: true up to some t, false above), built bit by bit from the top; 0 when only
+    t = 0 (or none) holds."""
 
+    def bit(i, t):
+        trial = t | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(ok(trial), trial, t)
 
-def cumulative_sum(x: jax.Array, block: int = CUMSUM_BLOCK) -> jax.Array:
-    """x [..., V] -> its inclusive cumulative sum along the last axis, in two levels: within
-    blocks of ``block``, then over the blocks' totals. Equal to ``jnp.cumsum`` up to float
-    rounding (a different order of additions); for TPU it compiles in under a second where
-    ``jnp.cumsum`` of a 262,144-wide row takes about 7 s."""
-    V = x.shape[-1]
-    pad = -V % block
-    y = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], -1, block)
-    within = jnp.cumsum(y, axis=-1)
-    totals = within[..., -1]
-    offsets = jnp.cumsum(totals, axis=-1) - totals
-    return (within + offsets[..., None]).reshape(*x.shape[:-1], -1)[..., :V]
+    return jax.lax.fori_loop(0, 32, bit, jnp.zeros((S,), jnp.uint32))
 
 
 def min_p_mask(x: jax.Array, min_p: jax.Array) -> jax.Array:

@@ -1,8 +1,8 @@
-"""The bounded sampler draws the full-sort reference's tokens for the same keys, and takes
-the sort only for rows whose filters need more than its candidates.
+"""The bounded sampler draws the reference's tokens for the same keys, and takes
+the reference only for rows whose filters need more than its candidates.
 
 The reference runs one row at a time, as a batch of one: a row's token must not depend on
-its batch, and the full sort is batch-invariant only to float32 rounding (a [1, V] and a
+its batch, and the reference is batch-invariant only to float32 rounding (a [1, V] and a
 [12, V] run can cut top-p one token apart when a cumulative sum is an ulp from top_p).
 """
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hicache_jax import sampler_reference as reference
 from hicache_jax.sampler import (
     CANDIDATES,
-    SORT_BELOW,
+    REFERENCE_BELOW,
     SamplingInputs,
     _threshold,
     filtered_logits,
@@ -24,7 +24,7 @@ from hicache_jax.sampler import (
     sample,
 )
 
-S, V, R, K = 12, SORT_BELOW, 14, 3  # the smallest vocabulary that takes the bounded path
+S, V, R, K = 12, REFERENCE_BELOW, 14, 3  # the smallest vocabulary that takes the bounded path
 C = CANDIDATES
 
 sample_jit = jax.jit(sample, static_argnums=2)
@@ -85,7 +85,7 @@ def log_softmax64(x):
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.lists(row, min_size=S, max_size=S), seed=st.integers(0, 2**31))
-def test_same_tokens_as_the_full_sort_and_raw_logprobs(rows, seed):
+def test_same_tokens_as_the_reference_and_raw_logprobs(rows, seed):
     logits, s = make(rows, seed)
     out = sample_jit(logits, s, K)
     logits_s = logits[s.last_rows]
@@ -108,8 +108,8 @@ def test_same_tokens_as_the_full_sort_and_raw_logprobs(rows, seed):
     np.testing.assert_array_equal(out.next_top_ids, np.asarray(out.row_top_ids)[s.last_rows])
 
 
-def test_sort_only_for_rows_the_candidates_cannot_settle():
-    """Rows (settings, logit scale, coarse) and whether they need the full sort (None: ties
+def test_reference_only_for_rows_the_candidates_cannot_settle():
+    """Rows (settings, logit scale, coarse) and whether they need the reference (None: ties
     decide, counted here in numpy)."""
     cases = [
         # settled by the candidates
@@ -119,7 +119,7 @@ def test_sort_only_for_rows_the_candidates_cannot_settle():
         (("sampled", 0.7, C, 0.9, 0.0, 0.3, False), False),  # top-k = C with top-p
         (("sampled", 1.0, -1, 0.9, 0.05, 8.0, False), False),  # top-p, peaked
         (("sampled", 1.0, 5, 1.0, 0.0, 1.0, True), None),  # a small tie group at the cut
-        # need the sort
+        # need the reference
         (("sampled", 1.0, C + 1, 1.0, 0.0, 1.5, False), True),  # top-k past C
         (("sampled", 1.0, -1, 0.9, 0.0, 0.3, False), True),  # top-p, flat: C holds too little
         (("sampled", 1.0, 250, 1.0, 0.0, 0.3, True), None),  # the cut's tie group passes C

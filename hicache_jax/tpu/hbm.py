@@ -23,8 +23,8 @@ without ``S(n)`` in their layout), per instruction of the entry computation:
 Conditionals are counted once, as their operands and results, and loops (``while``) not at
 all; neither's body is walked. A loop updates its carried buffers in place, and the serving
 step's loops run per item of work, usually none: the recurrent-state copies (one slot read
-and written per copy, ``runner.copy_states``) and the sampler's full sort (only for rows
-the candidates cannot settle). The conditional is the sampler's draw, a few rows of the
+and written per copy, ``runner.copy_states``) and the sampler's reference cuts (only for
+rows the candidates cannot settle). The conditional is the sampler's draw, a few rows of the
 vocabulary.
 """
 
