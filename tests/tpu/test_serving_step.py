@@ -4,9 +4,10 @@ at real widths, cut to one layer of each kind the model has to bound compile tim
 
 Programs: the largest decode bucket and the largest prefill bucket (mixed batches run the
 prefill program), and the smallest and largest page copy of each kind; one family also
-compiles per-token logits rows with top logprobs. A step program takes 10-20 s to compile
-for TPU here (most of it the sampler), so the kernel matrices (``test_*_kernels.py``) cover
-the other shapes the buckets produce, and the planner compiles the rest at full depth.
+compiles per-token logits rows with top logprobs. A step program takes 8-30 s to compile
+for TPU here (mostly the matmuls' codegen, which grows with the prefill width), so the
+kernel matrices (``test_*_kernels.py``) cover the other shapes the buckets produce, and
+the planner compiles the rest at full depth.
 """
 
 from __future__ import annotations
