@@ -24,6 +24,7 @@ from typing import NoReturn
 
 import jax
 
+from hicache_jax import penalties
 from hicache_jax.build import (
     check_model_tp,
     context_length,
@@ -105,6 +106,7 @@ class Engine:
         )
         self.scheduler = Scheduler(cfg, self.adapter, prefetch)
         self.builder = make_builder(cfg, mc, self.context_len)
+        self.penalty_slots = penalties.Slots(self.runner.penalty_slots)
         self.requests: dict[str, Req] = {}
         self._keys = itertools.count()
         self._idle_steps = 0
@@ -144,6 +146,8 @@ class Engine:
         validate_rid(rid)
         validate_cache_salt(cache_salt)
         sp = SamplingParams.from_dict(sampling_params)
+        if sp.min_new_tokens:
+            penalties.held_back(sp, self.model.cfg.eos_token_ids)  # raises if too many to hold back
         pools = self.prefix_cache.pools
         capacity = min(p.size for k, p in pools.items() if k != "mamba") * self.cfg.page_size
         if "full" not in pools and "mamba" not in pools:
@@ -255,13 +259,28 @@ class Engine:
     def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
         feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
         batch, sampling, copies, top, first_rows = self.builder.build(plan, feed_from=feed_from)
-        out, ids = self.runner.launch(batch, sampling, copies, top, None if prev is None else prev.ids)
+        self._assign_penalty_slots(plan)
+        penalty = self.builder.penalties(plan, sampling.last_rows.shape[0], self.model.cfg.eos_token_ids)
+        prev_ids = None if prev is None else prev.ids
+        out, ids = self.runner.launch(batch, sampling, copies, top, prev_ids, penalty)
         self.stats["steps"] += 1
         for item in plan.items:  # the state after this step, as far as the host can know it
             item.req.num_computed = item.end
             if item.samples:
                 item.req.pending += 1
         return Launched(plan, out, ids, first_rows)
+
+    def _assign_penalty_slots(self, plan: StepPlan) -> None:
+        """A penalty slot, with its counts written, for each request of the step that has a
+        penalty and no slot (``penalties.py``)."""
+        stepping = {item.req for item in plan.items}
+        for item in plan.items:
+            req = item.req
+            if req.sampling.penalised and req.penalty_slot is None:
+                assert not req.pending, "a request with tokens in flight already has its slot"
+                slot = self.penalty_slots.assign(req, stepping)
+                row = penalties.seed_row(req.input_ids, req.output_ids, self.model.cfg.vocab_size)
+                self.runner.write_penalty_row(slot, row)
 
     def _complete(self, launched: Launched) -> list[Req]:
         """Read a launched step's results and apply them."""
@@ -318,6 +337,7 @@ class Engine:
             raise RuntimeError("recover() while a waiting request holds cache state")
         self.prefix_cache.drop_device()
         self.runner.reset_cache()
+        self.penalty_slots.reset()
         self.broken = None
         log.info("device state rebuilt; serving again")
 
@@ -359,6 +379,7 @@ class Engine:
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.status = Status.FINISHED
+        self.penalty_slots.release(req)
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         self.stats["requests_finished"] += 1

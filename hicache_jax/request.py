@@ -46,6 +46,7 @@ class Req:
     own_full: list = dataclasses.field(default_factory=list)  # per page: the request frees it
     own_swa: list = dataclasses.field(default_factory=list)
     state_slot: int | None = None  # working Mamba state
+    penalty_slot: int | None = None  # its row of the device's penalty counts (the engine's)
     restore_from: int | None = None  # snapshot slot to copy into state_slot before the next step
     snapshots: dict = dataclasses.field(default_factory=dict)  # page count -> snapshot slot
     last_node: object = None  # deepest radix node this request locks

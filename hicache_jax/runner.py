@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hicache_jax import compiles, distributed
+from hicache_jax import compiles, distributed, penalties
 from hicache_jax.models import sharding
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.penalties import PenaltyInputs
 from hicache_jax.sampler import SamplingInputs, SamplingOutputs, sample
 
 
@@ -116,13 +117,20 @@ class ModelRunner:
             self.graphdef, treedef, model.cache_shardings(), sharding.replicated(self.mesh)
         )
         self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
+        # Penalty counts (``penalties.py``): one row per slot, split by vocabulary as logits are.
+        self.penalty_slots = max_seqs
+        counts_shape = (max_seqs, self.cfg.vocab_size)
+        self._counts_sharding = sharding.vocab_rows(sharding.replicated(self.mesh), self.cfg.vocab_size)
         if abstract_on is None:
             self.cache = model.allocate_cache(**self._cache_shape)
             self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), sharding.replicated(self.mesh))
+            self.counts = self._new_counts()
         else:
             self.cache = model.cache_shapes(placement=abstract_on, **self._cache_shape)
             on = sharding.replicated(self.mesh or abstract_on)
             self._no_ids = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=on)
+            vocab_on = self._counts_sharding or on
+            self.counts = jax.ShapeDtypeStruct(counts_shape, jnp.int32, sharding=vocab_on)
         self._compiled_before = compiles.total(STEP_PROGRAM)
         self._multiprocess = jax.process_count() > 1
         self._launched = 0
@@ -134,15 +142,27 @@ class ModelRunner:
         copies: StateCopies,
         top_logprobs: int,
         prev_ids: jax.Array | None = None,
+        penalty: PenaltyInputs | None = None,
     ) -> tuple[SamplingOutputs, jax.Array]:
         """Dispatch a step; returns its outputs and its sampled ids padded to ``max_seqs``
         (the next step's ``prev_ids``), both still on the device."""
-        args = self._step_args(batch, sampling, copies, prev_ids)
+        args = self._step_args(batch, sampling, copies, prev_ids, penalty)
         if self._multiprocess:  # every process must launch this same step
             self._launched += 1
-            distributed.check_same_plan(self._launched, distributed.digest((args[2:5], top_logprobs)))
-        self.cache, out, ids = _step_jit(*args, **self._static(top_logprobs))
+            plan = distributed.digest((args[2:5], args[6], top_logprobs))
+            distributed.check_same_plan(self._launched, plan)
+        self.cache, out, ids, self.counts = _step_jit(*args, **self._static(top_logprobs))
         return out, ids
+
+    def lower_penalty_row(self) -> jax.stages.Lowered:
+        """The program ``write_penalty_row`` runs, lowered (for warm-up)."""
+        row = np.zeros(self.cfg.vocab_size, np.int32)
+        return penalties.lower_write_row(self.counts, row, self._counts_sharding)
+
+    def write_penalty_row(self, slot: int, row: np.ndarray) -> None:
+        """Set penalty slot ``slot``'s counts (``penalties.seed_row``), in device order after
+        the step in flight (which may still add to the slot's former holder)."""
+        self.counts = penalties.write_row(self.counts, slot, row, self._counts_sharding)
 
     @staticmethod
     def fetch(out: SamplingOutputs) -> SamplingOutputs:
@@ -156,9 +176,10 @@ class ModelRunner:
         sampling: SamplingInputs,
         copies: StateCopies,
         top_logprobs: int,
+        penalty: PenaltyInputs | None = None,
     ) -> SamplingOutputs:
         """Launch and wait."""
-        return self.fetch(self.launch(batch, sampling, copies, top_logprobs)[0])
+        return self.fetch(self.launch(batch, sampling, copies, top_logprobs, penalty=penalty)[0])
 
     def lower_step(
         self, batch: ForwardBatch, sampling: SamplingInputs, copies: StateCopies, top_logprobs: int
@@ -167,18 +188,26 @@ class ModelRunner:
         it, and the jit's call path then finds it compiled."""
         return _step_jit.lower(*self._step_args(batch, sampling, copies), **self._static(top_logprobs))
 
-    def _step_args(self, batch, sampling, copies, prev_ids=None) -> tuple:
+    def _step_args(self, batch, sampling, copies, prev_ids=None, penalty=None) -> tuple:
         if batch.feed_rows is None:
             batch = dataclasses.replace(batch, feed_rows=np.full(batch.input_ids.shape, -1, np.int32))
         prev_ids = self._no_ids if prev_ids is None else prev_ids
-        return self._leaves, self.cache, batch, sampling, copies, prev_ids
+        penalty = PenaltyInputs.neutral(sampling.last_rows.shape[0]) if penalty is None else penalty
+        return self._leaves, self.cache, batch, sampling, copies, prev_ids, penalty, self.counts
 
     def _static(self, top_logprobs: int) -> dict:
         return {"structure": self._structure, "top_logprobs": top_logprobs}
 
     def reset_cache(self) -> None:
-        """Fresh device cache arrays (after a failed step consumed the donated ones)."""
+        """Fresh device cache arrays and penalty counts (after a failed step consumed the
+        donated ones)."""
         self.cache = self.model.allocate_cache(**self._cache_shape)
+        self.counts = self._new_counts()
+
+    def _new_counts(self) -> jax.Array:
+        zeros = jnp.zeros((self.penalty_slots, self.cfg.vocab_size), jnp.int32)
+        on = self._counts_sharding or sharding.replicated(self.mesh)
+        return zeros if on is None else jax.device_put(zeros, on)
 
     def num_compiled(self) -> int:
         """Step programs compiled since this runner was made (``benchmarks/decode.py`` checks
@@ -199,7 +228,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_logprobs):
+def _step(leaves, cache, batch, sampling, copies, prev_ids, penalty, counts, *, structure, top_logprobs):
     fed = prev_ids[jnp.maximum(batch.feed_rows, 0)]
     ids = jnp.where(batch.feed_rows >= 0, fed, batch.input_ids)
     batch = dataclasses.replace(batch, input_ids=ids, feed_rows=None)
@@ -212,13 +241,14 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, *, structure, top_lo
     cache = sharding.constrain(cache, structure.cache_shardings)
     cache = copy_states(cache, copies.after_src, copies.after_dst)
     rows = sharding.vocab_rows(structure.replicated, logits.shape[-1])
-    out = sample(logits, sampling, top_logprobs, rows, structure.replicated)
+    out = sample(logits, sampling, top_logprobs, rows, structure.replicated, (penalty, counts))
+    counts = sharding.constrain(penalties.counted(counts, penalty, out.next_ids), rows)
     n = min(out.next_ids.shape[0], prev_ids.shape[0])
     ids = jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
     cache = sharding.constrain(cache, structure.cache_shardings)
     out = sharding.constrain(out, structure.replicated)
-    return cache, out, sharding.constrain(ids, structure.replicated)
+    return cache, out, sharding.constrain(ids, structure.replicated), counts
 
 
 STEP_PROGRAM = "jit(_step)"  # the name compile events carry
-_step_jit = jax.jit(_step, static_argnames=("structure", "top_logprobs"), donate_argnums=(1,))
+_step_jit = jax.jit(_step, static_argnames=("structure", "top_logprobs"), donate_argnums=(1, 7))

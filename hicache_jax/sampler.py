@@ -47,6 +47,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from hicache_jax import penalties
 from hicache_jax import sampler_reference as reference
 
 CANDIDATES = 256  # C: top-k up to C and top-p nuclei of up to C tokens skip the reference
@@ -210,7 +211,12 @@ def _row_logprobs(logits: jax.Array, targets: jax.Array, K: int):
 
 @jax.named_scope("sampling")  # a profile's name for it (POST /start_profile)
 def sample(
-    logits: jax.Array, s: SamplingInputs, top_logprobs: int, rows_sharding=None, out_sharding=None
+    logits: jax.Array,
+    s: SamplingInputs,
+    top_logprobs: int,
+    rows_sharding=None,
+    out_sharding=None,
+    penalty: tuple[penalties.PenaltyInputs, jax.Array] | None = None,
 ) -> SamplingOutputs:
     """logits: [R, V] float32 for the batch's logits rows (under a mesh, split by vocabulary);
     ``rows_sharding``: where the S sampled rows go, ``out_sharding`` where the outputs go.
@@ -219,12 +225,21 @@ def sample(
     sums, top-k candidates and Gumbel noise (``jax_threefry_partitionable``: the same values
     however they are split) are computed per shard and combined across devices, so no
     device holds a [S, V] row block whole (64 rows of Gemma 3 in float32: 64 MiB, moved
-    several times a step). The outputs are replicated: every device has the same tokens."""
+    several times a step). The outputs are replicated: every device has the same tokens.
+
+    ``penalty``: the rows' penalty settings and the device's penalty counts
+    (``penalties.py``); tokens are then chosen from the penalised logits, while logprobs
+    stay those of the raw ones."""
     logits_s = logits[s.last_rows]  # [S, V]
     if rows_sharding is not None:
         logits_s = jax.lax.with_sharding_constraint(logits_s, rows_sharding)
     logp_s = jax.nn.log_softmax(logits_s, axis=-1)
-    next_ids = next_tokens(logits_s, s, row_keys(s))
+    chosen_from = logits_s
+    if penalty is not None:
+        chosen_from = penalties.penalised(logits_s, *penalty, s.counters)
+        if rows_sharding is not None:  # split as the logits are (a cond's output is left free)
+            chosen_from = jax.lax.with_sharding_constraint(chosen_from, rows_sharding)
+    next_ids = next_tokens(chosen_from, s, row_keys(s))
     next_lp = jnp.take_along_axis(logp_s, next_ids[:, None], axis=-1)[:, 0]
     target_lp, row_top_lp, row_top_ids = _row_logprobs(logits, s.targets, top_logprobs)
     out = SamplingOutputs(

@@ -13,6 +13,7 @@ import math
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOP_K = 2**31 - 1  # packed as int32; anything above the vocabulary means "off" anyway
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64, as clients send them; used modulo 2**32
 
 
@@ -41,6 +42,11 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    # Penalties and min_new_tokens (definitions: ``penalties.py``).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
 
     def __post_init__(self):
         def bad(field, why):
@@ -51,11 +57,11 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             bad("stop_token_ids", "must be a tuple of integers")
 
-        for f in ("max_new_tokens", "top_k", "n"):
+        for f in ("max_new_tokens", "top_k", "n", "min_new_tokens"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool):
                 bad(f, f"must be an integer, not {type(v).__name__}")
-        for f in ("temperature", "top_p", "min_p"):
+        for f in ("temperature", "top_p", "min_p", *PENALTIES):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v):
                 bad(f, "must be a finite number")
@@ -72,6 +78,13 @@ class SamplingParams:
             bad("top_k", f"must be -1 (off) or in [1, {MAX_TOP_K}]")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
+        for f in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, f) <= 2:
+                bad(f, "must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            bad("repetition_penalty", "must be in (0, 2]")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad("min_new_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}]")
         if self.n != 1:
             bad("n", "only n=1 is supported; send the prompt several times")
         if self.seed is not None:
@@ -84,6 +97,12 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of integers")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the request needs penalty counts on the device (``min_new_tokens``
+        alone does not: the batch builder knows how many tokens it has)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

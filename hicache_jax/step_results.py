@@ -36,11 +36,13 @@ def record_input_logprobs(req: Req, item, out, row0: int) -> None:
 def stop_reason(req: Req, tok: int, *, eos_token_ids, tokenizer, context_len: int) -> dict | None:
     """Why ``req`` stops after its newest token ``tok`` (SGLang's ``finish_reason``), or None."""
     sp = req.sampling
-    if tok in sp.stop_token_ids:
+    if len(req.output_ids) < sp.min_new_tokens:  # stop tokens and strings do not count yet
+        pass
+    elif tok in sp.stop_token_ids:
         return {"type": "stop", "matched": tok}
-    if not sp.ignore_eos and tok in eos_token_ids:
+    elif not sp.ignore_eos and tok in eos_token_ids:
         return {"type": "stop", "matched": tok}
-    if sp.stop and tokenizer.has_text:
+    elif sp.stop and tokenizer.has_text:
         # A new match ends in the newest token. A character is at most 4 UTF-8 bytes and
         # a token at least one, so the last 4 tokens per character hold any match (one
         # more in front: a window's first token may lose its leading space).

@@ -4,7 +4,8 @@ Serving runs two families of programs, each over a bounded set of shapes:
 
 - the step (``runner.py``): one program per ``BatchBuilder.warmup_programs()`` entry
   (decode and prefill buckets, per-token logits rows for input logprobs, with and without
-  top logprobs); Mamba state copies run inside it;
+  top logprobs); Mamba state copies and penalty counts run inside it;
+- a penalty slot's row write (``penalties.py``), when a request with a penalty starts;
 - page transfers (``transfer.py``, with a host tier): a gather (device -> host: backups)
   and a scatter (host -> device: L2 hits, and L3 hits, which land in the host pool first)
   per page kind and chunk bucket.
@@ -88,6 +89,7 @@ def lowerings(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer
     for shape, top in builder.warmup_programs():
         name = f"{'decode' if shape[3] else 'prefill'} step T={shape[0]} S={shape[1]} R={shape[2]} top={top}"
         yield name, functools.partial(lower_step, runner, builder, shape, top)
+    yield "penalty row write", runner.lower_penalty_row
     if transfer is not None:
         yield from transfer.lowerings()
 

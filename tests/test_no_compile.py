@@ -1,6 +1,6 @@
 """No compile while serving: after ``Engine.warmup`` a varied stream (decode and prefill
 buckets, 1 to max_running_requests sequences, input and top logprobs, Mamba state copies,
-L2 loads and backups, L3 hits, a rebuild after a failed step) compiles nothing. Compiles
+L2 loads and backups, L3 hits, penalties, a rebuild after a failed step) compiles nothing. Compiles
 are counted through JAX's public monitoring events (``hicache_jax.compiles``)."""
 
 import numpy as np
@@ -52,11 +52,16 @@ def test_warmup_shapes_cover_every_plan():
         assert len(seen) > len(warm) // 2  # the plans are varied enough to mean something
 
 
-def _requests(rng, lengths, **extra):
+def _requests(rng, lengths, sampling=None, **extra):
     for n in lengths:
         yield dict(
             input_ids=rng.randint(3, 500, n).tolist(),
-            sampling_params={"max_new_tokens": int(rng.randint(1, 6)), "temperature": 0.7, "seed": n},
+            sampling_params={
+                "max_new_tokens": int(rng.randint(1, 6)),
+                "temperature": 0.7,
+                "seed": n,
+                **(sampling or {}),
+            },
             **extra,
         )
 
@@ -93,6 +98,8 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
         with compiles.Watch() as watch:
             outs = _run(engine, first, sizes)  # 1..2 running, long and short prompts, chunked
             outs += _run(engine, _requests(rng, [40]), sizes)  # alone
+            penalised = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "min_new_tokens": 1}
+            outs += _run(engine, _requests(rng, [30, 60], penalised), sizes)  # penalty rows written
             outs += _run(engine, _requests(rng, [70, 9], **logprobs), sizes)  # input and top logprobs
             outs += _run(engine, _requests(rng, [45], return_logprob=True), sizes)  # output logprobs only
             outs += _run(engine, _requests(rng, [100, 80, 70]), sizes)  # evicts `first` from the device

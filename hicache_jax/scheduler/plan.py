@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 
 from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.penalties import PenaltyInputs, held_back
 from hicache_jax.request import Req
 from hicache_jax.runner import StateCopies
 from hicache_jax.sampler import SamplingInputs
@@ -207,6 +208,25 @@ class BatchBuilder:
         wants_top = any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items)
         top = TOP_WIDTHS[wants_top]
         return batch, sampling, copies, top, first_rows
+
+    @staticmethod
+    def penalties(plan: StepPlan, S: int, eos_token_ids=()) -> PenaltyInputs:
+        """The rows' penalty inputs (``penalties.py``), for a step of S sequence rows. Only
+        rows that sample their request's next token name its slot: a chunk that does not
+        end the request's sequence adds nothing to its counts."""
+        out = PenaltyInputs.neutral(S)
+        for s, item in enumerate(plan.items):
+            r, sp = item.req, item.req.sampling
+            if item.samples and r.penalty_slot is not None:
+                out.slots[s] = r.penalty_slot
+            out.repetition[s] = sp.repetition_penalty
+            out.frequency[s] = sp.frequency_penalty
+            out.presence[s] = sp.presence_penalty
+            out.min_new_tokens[s] = sp.min_new_tokens
+            if sp.min_new_tokens:
+                ids = held_back(sp, eos_token_ids)
+                out.stop_ids[s, : len(ids)] = ids
+        return out
 
     def _copies(self, plan: StepPlan) -> StateCopies:
         K = self.max_running

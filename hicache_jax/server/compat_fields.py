@@ -169,10 +169,6 @@ GENERATE = (
 # ---- sampling_params: SGLang's fields (those SamplingParams has are its own to check) ---------
 SAMPLING = (
     ignored("stream_interval", int | None),  # how often a stream sends: every step here
-    default_only("frequency_penalty", 0.0, None),
-    default_only("presence_penalty", 0.0, None),
-    default_only("repetition_penalty", 1.0, None),
-    default_only("min_new_tokens", 0, None),
     default_only("stop_regex", None, []),
     default_only("json_schema"),
     default_only("regex"),
@@ -193,8 +189,6 @@ OPENAI_COMMON = (
     default_only("routed_experts_start_len", 0),
     default_only("return_cached_tokens_details", False),  # details are always in usage here
     default_only("return_token_ids", False),
-    default_only("min_tokens", 0),
-    default_only("repetition_penalty", None, 1.0),
     default_only("regex"),
     default_only("ebnf"),
     default_only("stop_regex", None, []),

@@ -1,8 +1,10 @@
 """OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) and their mapping to
 engine sampling settings. Unknown fields are refused; accepted-but-unsupported settings
-(penalties, ``logit_bias``, ``n > 1``, ``echo`` with ``stream``) are refused with a message
-saying so rather than silently ignored. ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens`` and ``cache_salt`` are accepted as extensions, as in SGLang and vLLM;
+(``logit_bias``, ``n > 1``, ``echo`` with ``stream``) are refused with a message saying so
+rather than silently ignored; ``frequency_penalty`` and ``presence_penalty`` are served
+(``penalties.py``). ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``repetition_penalty``, ``min_tokens`` and ``cache_salt`` are
+accepted as extensions, as in SGLang and vLLM;
 SGLang's other extensions and OpenAI's other fields are in ``compat_fields``.
 """
 
@@ -36,6 +38,8 @@ class _Common(StrictModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # SGLang's and vLLM's extensions
+    min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions.
@@ -55,9 +59,6 @@ class _Common(StrictModel):
             raise InvalidRequest("stream_options is only allowed with stream=true")
         if self.n != 1:
             raise InvalidRequest(f"n={self.n} is not supported (only n=1); send the prompt several times")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name}: penalties are not supported (use 0 or leave it out)")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported")
 
@@ -69,9 +70,14 @@ class _Common(StrictModel):
     def sampling_params(self, max_new_tokens: int) -> dict:
         """SGLang sampling_params; unset fields keep the engine's (= OpenAI's) defaults."""
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "skip_special_tokens"):
+        for name in (
+            *("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "skip_special_tokens"),
+            *("frequency_penalty", "presence_penalty", "repetition_penalty"),
+        ):
             if getattr(self, name) is not None:
                 sp[name] = getattr(self, name)
+        if self.min_tokens is not None:
+            sp["min_new_tokens"] = self.min_tokens
         if self.stop is not None:
             sp["stop"] = list(self.stop_strings())
         if self.stop_token_ids:

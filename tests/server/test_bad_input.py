@@ -124,9 +124,9 @@ CASES = [
     (
         "oai-penalty",
         "/v1/completions",
-        {"model": MODEL, "prompt": "a", "presence_penalty": 1.0},
+        {"model": MODEL, "prompt": "a", "presence_penalty": 2.5},
         400,
-        "presence_penalty",
+        "presence_penalty: must be in [-2, 2]",
     ),
     (
         "oai-too-long",
@@ -170,16 +170,16 @@ CASES = [
     (
         "sglang-penalty",
         "/generate",
-        {"text": "a", "sampling_params": {"frequency_penalty": 0.5}},
+        {"text": "a", "sampling_params": {"repetition_penalty": 0}},
         400,
-        "sampling_params.frequency_penalty=0.5 is not supported",
+        "sampling_params.repetition_penalty: must be in (0, 2]",
     ),
     (
         "oai-min-tokens",
         "/v1/completions",
-        {"model": MODEL, "prompt": "a", "min_tokens": 2},
+        {"model": MODEL, "prompt": "a", "min_tokens": 20, "max_tokens": 4},
         400,
-        "min_tokens=2 is not supported",
+        "min_new_tokens: must be in [0, max_new_tokens=4]",
     ),
     (
         "oai-stream-options-without-stream",
