@@ -141,8 +141,12 @@ class Engine:
         top_logprobs_num: int = 0,
         cache_salt: str | None = None,
         stream: bool = False,
+        after: str | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequest naming the bad field."""
+        """Validate and queue a request; raises InvalidRequest naming the bad field.
+        ``after``: the rid of a queued request with the same prompt (an earlier choice of
+        an ``n > 1`` request); this one is admitted only once that one has computed the
+        prompt, so it takes the prompt's pages from the radix tree instead of computing it."""
         validate_rid(rid)
         validate_cache_salt(cache_salt)
         sp = SamplingParams.from_dict(sampling_params)
@@ -183,6 +187,7 @@ class Engine:
             seed=sp.seed if sp.seed is not None else self._rng.getrandbits(31),
             stream=stream,
             prefetch_key=f"{rid}#{next(self._keys)}",
+            after=None if self.cfg.disable_radix_cache else self.requests.get(after),
         )
         self.requests[rid] = req
         self.scheduler.add(req)  # and its L3 prefetch starts

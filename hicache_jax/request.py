@@ -29,6 +29,9 @@ class Req:
     seed: int = 0  # resolved sampling seed (the request's, or drawn at arrival)
     stream: bool = False
     prefetch_key: str = ""  # the L3 prefetch task's key: unique per request, even if rid repeats
+    # Another choice of the same prompt (n > 1): this one is admitted only once that one has
+    # computed the prompt, so it finds the prompt's pages in the tree (``Scheduler``).
+    after: Req | None = None
 
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING

@@ -24,6 +24,10 @@ number of such steps instead of spinning.
 
 Retraction keeps outputs: sampling draws from per-token seeds, so a resumed request
 continues exactly as it would have alone.
+
+Choices of one prompt (``n > 1``) share it through the tree, not within a step: a request
+with ``after`` set waits until that request has computed the prompt (it has sampled, or
+finished), whose pages are then in the tree; admitted together, each would compute it.
 """
 
 from __future__ import annotations
@@ -135,8 +139,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
-            if not self.prefetch.ready(req):
-                continue  # still prefetching from L3: later requests may go first
+            if not self.prefetch.ready(req) or not _prompt_ready(req):
+                continue  # still prefetching from L3, or waiting for its prompt: others may go first
             match = self.adapter.match(req)
             end = self.chunk_end(req, match.end, budget)
             if not self.adapter.admit(req, match, end):
@@ -190,3 +194,12 @@ class Scheduler:
             if slot is not None:
                 plan.copies_after.append((req.state_slot, slot))
         plan.items.append(item)
+
+
+def _prompt_ready(req: Req) -> bool:
+    """Whether ``req`` may be admitted: it follows no request, or the one it follows (the
+    same prompt) has computed its prompt and so put it in the tree."""
+    lead = req.after
+    if lead is not None and (lead.output_ids or lead.finished):
+        req.after = lead = None  # for good: a retraction later does not make it wait again
+    return lead is None

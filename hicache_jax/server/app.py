@@ -146,7 +146,7 @@ def create_app(state: ServerState) -> FastAPI:
         reqs, batched = body.to_engine_requests()
         watch = Watch(state.loop, await state.loop.generate(reqs), request)
         if body.stream:
-            return stream_response(watch, _events(watch))
+            return stream_response(watch, _events(watch, indexed=batched))
         outs = await wait_whole(watch)
         if outs is None:
             return error_response(499, "client closed the request")
@@ -185,9 +185,10 @@ def server_info(state: ServerState, metrics: dict) -> dict:
     }
 
 
-async def _events(watch: Watch) -> AsyncIterator[bytes]:
+async def _events(watch: Watch, indexed: bool) -> AsyncIterator[bytes]:
     """SGLang's stream: each event carries the text and ids so far. The engine loop sends
-    deltas; ``CumulativeStream`` adds them up."""
-    events = CumulativeStream()
-    async for upd in watch.updates(watch.sinks[0]):
-        yield events.event(upd.out)
+    deltas; ``CumulativeStream`` adds them up. The n choices of a prompt (streaming takes
+    one) stream side by side, each event with its choice's ``index`` (``indexed``)."""
+    events = [CumulativeStream(i if indexed else None) for i in range(len(watch.sinks))]
+    async for i, upd in watch.interleaved():
+        yield events[i].event(upd.out)

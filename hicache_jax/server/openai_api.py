@@ -26,9 +26,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from hicache_jax.sampling_params import show
+from hicache_jax.server import choices
 from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from hicache_jax.server.protocol import parse_body
+from hicache_jax.server.protocol import MAX_BATCH, parse_body
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import Watch, sse, stream_response, wait_whole
 
@@ -59,18 +60,22 @@ def finish_reason(meta: dict) -> str | None:
     return None if reason is None else reason.get("type")
 
 
-def usage(metas: list[dict]) -> dict:
-    prompt = sum(m["prompt_tokens"] for m in metas)
+def usage(metas: list[dict], n: int = 1) -> dict:
+    """The usage of these outputs, ``n`` choices per prompt (prompt-major): each prompt counts
+    once, with its first choice's prompt and cached tokens (as OpenAI and vLLM count); every
+    choice's completion counts."""
+    prompts = metas[::n]
+    prompt = sum(m["prompt_tokens"] for m in prompts)
     completion = sum(m["completion_tokens"] for m in metas)
     details = {
-        t: sum(m["cached_tokens_details"].get(t, 0) for m in metas) for t in ("device", "host", "storage")
+        t: sum(m["cached_tokens_details"].get(t, 0) for m in prompts) for t in ("device", "host", "storage")
     }
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {
-            "cached_tokens": sum(m["cached_tokens"] for m in metas),
+            "cached_tokens": sum(m["cached_tokens"] for m in prompts),
             "cached_tokens_details": details,
         },
     }
@@ -171,10 +176,13 @@ async def completions(request: Request) -> Response:
     prompts = body.prompts()
     if body.stream and len(prompts) > 1:
         raise ApiError(400, "stream=true takes a single prompt; send one request per prompt")
+    n = choices.check_n(body.n, len(prompts), MAX_BATCH)
     want_lp = body.logprobs is not None
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     lsl = 0 if body.echo else -1  # echo: the prompt's logprobs from its first token
     reqs = [_engine_request(p, "cmpl", body, max_tokens, want_lp, body.logprobs, lsl) for p in prompts]
+    rid = reqs[0]["rid"]
+    reqs = choices.expand(reqs, n)  # choice k: prompt k // n
     created = int(time.time())
 
     def choice(i: int, text: str, logprobs: tuple, offset: int, reason: str | None) -> dict:
@@ -185,41 +193,44 @@ async def completions(request: Request) -> Response:
             "finish_reason": reason,
         }
 
-    def frame(rid: str, choices: list, **extra) -> dict:
+    def frame(cs: list, **extra) -> dict:
         return dict(
             id=rid,
             object="text_completion",
             created=created,
             model=s.served_model_name,
-            choices=choices,
+            choices=cs,
             **extra,
         )
 
     async def chunks(watch: Watch) -> AsyncIterator[bytes]:
-        sink, sent = watch.sinks[0], 0  # characters sent so far
-        async for upd in watch.updates(sink):
-            delta = upd.out  # what is new since the previous update
+        sent = [0] * len(reqs)  # characters sent so far, per choice
+        finals: list[dict] = [{}] * len(reqs)
+        async for i, upd in watch.interleaved():
+            delta = upd.out  # what is new since the choice's previous update
             text = delta.text or ""
             if text or upd.finished or (want_lp and delta.output_ids):
                 reason = finish_reason(delta.meta) if upd.finished else None
-                c = choice(0, text, (delta.logprobs or [], delta.top_logprobs), sent, reason)
-                yield sse(frame(sink.rid, [c], **_running_usage(body, delta.meta)))
-            sent += len(text)
-            if upd.finished and body.include_usage:
-                yield sse(frame(sink.rid, [], usage=usage([delta.meta])))
+                c = choice(i, text, (delta.logprobs or [], delta.top_logprobs), sent[i], reason)
+                yield sse(frame([c], **_running_usage(body, delta.meta)))
+            sent[i] += len(text)
+            if upd.finished:
+                finals[i] = delta.meta
+        if body.include_usage:
+            yield sse(frame([], usage=usage(finals, n)))
 
     async def whole(outs: list[dict]) -> dict:
         metas = [o["meta_info"] for o in outs]
-        choices = [
+        cs = [
             choice(i, o["text"] or "", _logprobs(m), 0, finish_reason(m))
             for i, (o, m) in enumerate(zip(outs, metas))
         ]
         if body.echo:
-            for c, p, m in zip(choices, prompts, metas):
-                head = prompt_text(p, s.chat.tokenizer)
+            for k, (c, m) in enumerate(zip(cs, metas)):
+                head = prompt_text(prompts[k // n], s.chat.tokenizer)
                 c["text"] = head + c["text"]
                 c["logprobs"] = echo_logprobs(m, head) if want_lp else None
-        return frame(reqs[0]["rid"], choices, usage=usage(metas))
+        return frame(cs, usage=usage(metas, n))
 
     return await _respond(s, request, reqs, body.stream, chunks, whole)
 
@@ -232,31 +243,37 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = body.max_new_tokens(len(ids), s.max_request_tokens)
     req = _engine_request({"input_ids": ids}, "chatcmpl", body, max_tokens, body.logprobs, body.top_logprobs)
     rid = req["rid"]
+    n = body.n or 1
+    reqs = choices.expand([req], n)
     created = int(time.time())
 
-    def frame(choices: list, obj: str, **extra) -> dict:
-        return dict(id=rid, object=obj, created=created, model=s.served_model_name, choices=choices, **extra)
+    def frame(cs: list, obj: str, **extra) -> dict:
+        return dict(id=rid, object=obj, created=created, model=s.served_model_name, choices=cs, **extra)
 
-    async def chunks(watch: Watch) -> AsyncIterator[bytes]:
-        sink = watch.sinks[0]
-        first = {
-            "index": 0,
+    def role(i: int) -> dict:  # a choice's first chunk
+        return {
+            "index": i,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
-        if not body.continuous_usage:  # else it waits for the first update, to carry its usage
-            yield sse(frame([first], "chat.completion.chunk"))
-            first = None
-        async for upd in watch.updates(sink):
-            delta = upd.out  # what is new since the previous update
-            if first is not None:
-                yield sse(frame([first], "chat.completion.chunk", **_running_usage(body, delta.meta)))
-                first = None
+
+    async def chunks(watch: Watch) -> AsyncIterator[bytes]:
+        unannounced = set(range(n))
+        if not body.continuous_usage:  # else each waits for its choice's first update, to carry its usage
+            for i in range(n):
+                yield sse(frame([role(i)], "chat.completion.chunk"))
+            unannounced.clear()
+        finals: list[dict] = [{}] * n
+        async for i, upd in watch.interleaved():
+            delta = upd.out  # what is new since the choice's previous update
+            if i in unannounced:
+                yield sse(frame([role(i)], "chat.completion.chunk", **_running_usage(body, delta.meta)))
+                unannounced.discard(i)
             text = delta.text or ""
             if text or upd.finished or (body.logprobs and delta.output_ids):
                 c = {
-                    "index": 0,
+                    "index": i,
                     "delta": {"content": text} if text else {},
                     "logprobs": chat_logprobs(delta.logprobs or [], delta.top_logprobs)
                     if body.logprobs
@@ -264,20 +281,24 @@ async def chat_completions(request: Request) -> Response:
                     "finish_reason": finish_reason(delta.meta) if upd.finished else None,
                 }
                 yield sse(frame([c], "chat.completion.chunk", **_running_usage(body, delta.meta)))
-            if upd.finished and body.include_usage:
-                yield sse(frame([], "chat.completion.chunk", usage=usage([delta.meta])))
+            if upd.finished:
+                finals[i] = delta.meta
+        if body.include_usage:
+            yield sse(frame([], "chat.completion.chunk", usage=usage(finals, n)))
 
     async def whole(outs: list[dict]) -> dict:
-        out, meta = outs[0], outs[0]["meta_info"]
-        c = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out["text"] or ""},
-            "logprobs": chat_logprobs(*_logprobs(meta)) if body.logprobs else None,
-            "finish_reason": finish_reason(meta),
-        }
-        return frame([c], "chat.completion", usage=usage([meta]))
+        cs = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": out["text"] or ""},
+                "logprobs": chat_logprobs(*_logprobs(out["meta_info"])) if body.logprobs else None,
+                "finish_reason": finish_reason(out["meta_info"]),
+            }
+            for i, out in enumerate(outs)
+        ]
+        return frame(cs, "chat.completion", usage=usage([o["meta_info"] for o in outs], n))
 
-    return await _respond(s, request, [req], body.stream, chunks, whole)
+    return await _respond(s, request, reqs, body.stream, chunks, whole)
 
 
 def _running_usage(body, meta: dict) -> dict:

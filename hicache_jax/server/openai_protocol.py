@@ -1,10 +1,11 @@
 """OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) and their mapping to
 engine sampling settings. Unknown fields are refused; accepted-but-unsupported settings
-(``logit_bias``, ``n > 1``, ``echo`` with ``stream``) are refused with a message saying so
-rather than silently ignored; ``frequency_penalty`` and ``presence_penalty`` are served
-(``penalties.py``). ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``repetition_penalty``, ``min_tokens`` and ``cache_salt`` are
-accepted as extensions, as in SGLang and vLLM;
+(``logit_bias``, ``best_of`` other than ``n``, ``echo`` with ``stream``) are refused
+with a message saying so rather than silently ignored; ``n > 1`` is served (``choices``),
+and so are ``frequency_penalty`` and ``presence_penalty`` (``penalties.py``).
+``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``repetition_penalty``, ``min_tokens`` and ``cache_salt`` are accepted as extensions, as in
+SGLang and vLLM;
 SGLang's other extensions and OpenAI's other fields are in ``compat_fields``.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest
-from hicache_jax.server import compat_fields
+from hicache_jax.server import choices, compat_fields
 from hicache_jax.server.protocol import MAX_BATCH, StrictModel
 
 
@@ -31,7 +32,7 @@ class _Common(StrictModel):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -57,8 +58,7 @@ class _Common(StrictModel):
                 raise InvalidRequest(f"{name} must be >= 0, got {limit}")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true")
-        if self.n != 1:
-            raise InvalidRequest(f"n={self.n} is not supported (only n=1); send the prompt several times")
+        choices.check_n(self.n, 1, MAX_BATCH)  # and per prompt count, where the prompts are known
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported")
 
@@ -110,8 +110,11 @@ class CompletionRequest(_Common):
             raise InvalidRequest("echo with stream=true is not supported; send stream=false")
         if self.suffix:
             raise InvalidRequest("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest("best_of: only 1 is supported")
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
+            raise InvalidRequest(f"best_of must be >= n ({n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > n:
+            raise InvalidRequest(f"best_of={self.best_of} is not supported (only best_of equal to n, {n})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

@@ -15,7 +15,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from hicache_jax.sampling_params import InvalidRequest, SamplingParams
-from hicache_jax.server import compat_fields
+from hicache_jax.server import choices, compat_fields
 from hicache_jax.server.compat_fields import Compat
 from hicache_jax.server.errors import ApiError, describe_validation_errors
 
@@ -111,7 +111,8 @@ class GenerateRequest(StrictModel):
 
     def to_engine_requests(self) -> tuple[list[dict], bool]:
         """``Engine.add_request`` keyword arguments per prompt (each with a rid), and whether
-        the response is a list."""
+        the response is a list. With ``sampling_params.n`` > 1 that is n per prompt, in
+        order (``choices``: rids ``<rid>_<j>``), and always a list, as in SGLang."""
         items, batched = self.prompts()
         n = len(items)
         if n > MAX_BATCH:
@@ -124,6 +125,7 @@ class GenerateRequest(StrictModel):
                 raise InvalidRequest(f"{len(params)} sampling_params for {n} prompts")
         else:
             params = [params] * n
+        params, n_choices = choices.take_n(params, MAX_BATCH)
         params = [compat_fields.sglang_sampling_params(p) for p in params]
         for p in params:
             SamplingParams.from_dict(p)  # fail fast, before the engine thread
@@ -146,7 +148,7 @@ class GenerateRequest(StrictModel):
             stream=self.stream,
         )
         reqs = [dict(item, sampling_params=p, rid=r, **common) for item, p, r in zip(items, params, rids)]
-        return reqs, batched
+        return choices.expand(reqs, n_choices), batched or n_choices > 1
 
 
 def _is_int(x) -> bool:

@@ -52,17 +52,38 @@ class Watch:
         if not get.done():
             get.cancel()
             raise ClientGone()
-        event = get.result()
-        if isinstance(event, Failure):
-            sink.done = True
-            raise ApiError(500, event.message)
-        if event.finished:
-            sink.done = True
-        return event
+        return _taken(sink, get.result())
 
     async def updates(self, sink: Sink) -> AsyncIterator[Update]:
         while not sink.done:
             yield await self.next(sink)
+
+    async def interleaved(self) -> AsyncIterator[tuple[int, Update]]:
+        """Every request's updates as they arrive, each with the request's index (the
+        choices of an ``n > 1`` request stream side by side); ends when all have finished."""
+        gets: dict[asyncio.Future, int] = {}
+
+        def wait_on(i: int) -> None:
+            gets[asyncio.ensure_future(self.sinks[i].queue.get())] = i
+
+        for i, sink in enumerate(self.sinks):
+            if not sink.done:
+                wait_on(i)
+        try:
+            while gets:
+                await asyncio.wait({*gets, self._gone}, return_when=asyncio.FIRST_COMPLETED)
+                if self._gone.done():
+                    raise ClientGone()
+                ready = sorted(((i, f) for f, i in gets.items() if f.done()), key=lambda x: x[0])
+                for i, f in ready:
+                    del gets[f]
+                    event = _taken(self.sinks[i], f.result())
+                    if not self.sinks[i].done:
+                        wait_on(i)
+                    yield i, event
+        finally:
+            for f in gets:
+                f.cancel()
 
     async def finals(self) -> list[dict]:
         """Every request's final output, in order."""
@@ -82,6 +103,16 @@ class Watch:
             if not sink.done:
                 self.loop.abort(sink)
                 sink.done = True
+
+
+def _taken(sink: Sink, event: Update | Failure) -> Update:
+    """The event a sink gave, marking the sink done after its last; a Failure raises."""
+    if isinstance(event, Failure):
+        sink.done = True
+        raise ApiError(500, event.message)
+    if event.finished:
+        sink.done = True
+    return event
 
 
 async def wait_whole(watch: Watch) -> list[dict] | None:
@@ -121,9 +152,12 @@ class CumulativeStream:
 
     The event grows with the output, but only its bytes are copied again: each part is kept
     JSON-encoded and only the delta is encoded (JSON escapes each character on its own, so
-    encoded pieces concatenate), so an event never re-encodes or re-decodes the output."""
+    encoded pieces concatenate), so an event never re-encodes or re-decodes the output.
+    ``index``: the choice's position among an ``n > 1`` request's outputs, sent in every
+    event as SGLang does (None: a single output, no index)."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int | None = None) -> None:
+        self._head = b'data: {"text": ' if index is None else b'data: {"index": %d, "text": ' % index
         self._text: bytearray | None = bytearray()
         self._ids = _JsonList()
         self._logprobs: _JsonList | None = None
@@ -149,7 +183,7 @@ class CumulativeStream:
         if fixed:
             self._fixed = b", " + _encode(fixed)[1:-1]
         text = [b"null"] if self._text is None else [b'"', self._text, b'"']
-        parts = [b'data: {"text": ', *text, b', "output_ids": ', *self._ids.parts()]
+        parts = [self._head, *text, b', "output_ids": ', *self._ids.parts()]
         parts += [b', "meta_info": ', _encode(meta)[:-1]]
         for key, value in (("output_token_logprobs", self._logprobs), ("output_top_logprobs", self._tops)):
             if value is not None:

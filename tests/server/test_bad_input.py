@@ -120,7 +120,7 @@ CASES = [
         400,
         "max_tokens",
     ),
-    ("oai-n", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n=1"),
+    ("oai-n", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n must be >= 1"),
     (
         "oai-penalty",
         "/v1/completions",
