@@ -7,6 +7,7 @@ import dataclasses
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,7 @@ FIELD_RULES = (
     ("attention_backend", lambda v, c: v in (None, "xla", "pallas"), "must be xla or pallas"),
     ("ssd_backend", lambda v, c: v in (None, "xla", "pallas"), "must be xla or pallas"),
     ("tp_size", lambda v, c: v >= 1, "must be >= 1"),
+    ("schedule_policy", lambda v, c: v in SCHEDULE_POLICIES, f"must be one of {SCHEDULE_POLICIES}"),
     ("dist_num_processes", lambda v, c: v >= 1, "must be >= 1"),
     (
         "dist_process_id",
@@ -110,6 +112,7 @@ class EngineConfig:
     context_length: int | None = None  # default: the model's max_position_embeddings
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False  # read each step's results before scheduling the next
+    schedule_policy: str = "fcfs"  # fcfs | lpm: longest cached prefix first (scheduler/scheduler.py)
     attention_backend: str | None = None  # xla | pallas; None: platform default
     ssd_backend: str | None = None
     kernel_interpret: bool = False  # Pallas interpret mode (CPU tests)

@@ -37,6 +37,10 @@ ENGINE_HELP = {
     "max_queued_tokens": "Most prompt tokens waiting to run; beyond it requests get 503 (default 16 x pool).",
     "context_length": "Longest prompt + completion; default: the model's max_position_embeddings.",
     "disable_radix_cache": "Turn off prefix caching.",
+    "schedule_policy": (
+        "Queue order: fcfs (arrival), or lpm (longest cached prefix first, L2 and L3 included; "
+        "a request waiting 64 steps goes first, and queues over 128 fall back to fcfs)."
+    ),
     "attention_backend": "xla (reference; CPU default) or pallas (TPU/GPU default).",
     "ssd_backend": "Mamba2 SSD kernel: xla or pallas.",
     "kernel_interpret": "Run Pallas kernels in interpret mode (CPU testing).",

@@ -56,6 +56,8 @@ class Req:
     swa_locked: list = dataclasses.field(default_factory=list)  # nodes whose SWA page it pins
     num_inserted_pages: int = 0  # pages of fill_ids already in the tree
     retractions: int = 0
+    held_steps: int = 0  # steps it waited for a running request computing a shared prefix
+    queued_steps: int = 0  # scheduling rounds it has waited (the lpm policy's age bound)
     computed_before: int = 0  # most tokens it had computed itself before a retraction
     loaded_tiers: list = dataclasses.field(default_factory=list)  # see CacheAdapter._count_cached
     # Tokens sampled by a step still in flight (the overlap schedule): their ids are on the

@@ -19,6 +19,7 @@ BAD = {  # one value per field that its rule must refuse (the other fields at th
     "attention_backend": "cuda",
     "ssd_backend": "triton",
     "tp_size": 0,
+    "schedule_policy": "lifo",
     "dist_num_processes": 0,
     "dist_process_id": 3,
     "hicache_ratio": 0.0,

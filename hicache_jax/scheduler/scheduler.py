@@ -1,4 +1,5 @@
-"""FCFS continuous batching with chunked prefill, mixed prefill/decode steps and retraction.
+"""FCFS (or longest-prefix-first) continuous batching with chunked prefill, mixed
+prefill/decode steps and retraction.
 
 Each step walks the running requests oldest first: a decode takes one token, a prefill its
 next chunk while the prefill token budget (``chunked_prefill_size``) lasts. Then waiting
@@ -25,20 +26,40 @@ number of such steps instead of spinning.
 Retraction keeps outputs: sampling draws from per-token seeds, so a resumed request
 continues exactly as it would have alone.
 
-Choices of one prompt (``n > 1``) share it through the tree, not within a step: a request
-with ``after`` set waits until that request has computed the prompt (it has sampled, or
-finished), whose pages are then in the tree; admitted together, each would compute it.
+Queue order (``schedule_policy``): ``fcfs`` admits in queue order. ``lpm`` admits the
+requests with the longest cached prefix first (what ``match`` finds: device and host pages,
+and L3 pages once their prefetch has landed), ties in queue order; under pressure that turns
+more of the budget into hits. Two bounds keep it live: retracted requests and any request
+that has waited ``LPM_AGE_STEPS`` scheduling rounds go first, in queue order, so nothing
+waits forever; and a queue longer than ``LPM_MAX_QUEUE`` is taken in queue order (matching
+every waiting request each step would cost more than it saves), as SGLang does.
+
+Prefixes shared within a batch are computed once, through the tree. Choices of one prompt
+(``n > 1``): a request with ``after`` set waits until that request has computed the prompt
+(it has sampled, or finished), whose pages are then in the tree; admitted together, each
+would compute it. Any other waiting request whose prompt shares at least a page beyond its
+match with a running request's prompt that the running one has not computed yet waits for
+it too (``_held``), so it finds those pages in the tree when it is admitted. The wait is
+bounded (``hold_limit``: twice the chunks the shared part needs, plus ``HOLD_SLACK``
+steps) and ends as soon as the running request has computed the shared part, is
+retracted or ends: nothing waits on a request that is not advancing.
 """
 
 from __future__ import annotations
 
 import collections
 
+import numpy as np
+
 from hicache_jax.config import EngineConfig
 from hicache_jax.request import Req, Status
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
 from hicache_jax.scheduler.prefetch import NOTHING, PrefetchDecisions, Prefetcher
+
+HOLD_SLACK = 4  # steps a request may wait for a shared prefix beyond what its chunks need
+LPM_AGE_STEPS = 64  # lpm: a request waiting this many scheduling rounds goes first
+LPM_MAX_QUEUE = 128  # lpm: longer queues are taken in queue order
 
 
 class OutOfMemory(RuntimeError):
@@ -136,12 +157,16 @@ class Scheduler:
             self._add(plan, req, end)
             if not decode:
                 budget -= end - req.num_computed
-        for req in list(self.waiting):
+        for req in self.waiting:
+            req.queued_steps += 1
+        for req in self._queue_order():
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
             if not self.prefetch.ready(req) or not _prompt_ready(req):
                 continue  # still prefetching from L3, or waiting for its prompt: others may go first
             match = self.adapter.match(req)
+            if self._held(req, match.end):
+                continue  # a running request is computing its prefix: others may go first
             end = self.chunk_end(req, match.end, budget)
             if not self.adapter.admit(req, match, end):
                 break  # out of memory: FCFS, the rest wait behind it
@@ -152,6 +177,39 @@ class Scheduler:
             self._add(plan, req, end)
             budget -= end - match.end
         return plan if plan.items else None
+
+    def _queue_order(self) -> list[Req]:
+        """The waiting requests in the order admission tries them (see the module docstring)."""
+        queue = list(self.waiting)
+        if self.cfg.schedule_policy == "fcfs" or len(queue) > LPM_MAX_QUEUE:
+            return queue
+        first = [r for r in queue if r.retractions or r.queued_steps >= LPM_AGE_STEPS]
+        rest = [r for r in queue if not (r.retractions or r.queued_steps >= LPM_AGE_STEPS)]
+        cached = {id(r): self.adapter.match(r).end for r in rest}
+        return first + sorted(rest, key=lambda r: -cached[id(r)])  # stable: ties in queue order
+
+    def _held(self, req: Req, matched: int) -> bool:
+        """Whether ``req`` (matched up to ``matched``) waits this step for a running request
+        still computing a prefix they share, worth at least one more page to ``req``."""
+        lsl = req.logprob_start_len if req.return_logprob else -1
+        usable = self.adapter.cache.rules.max_end(req.input_len, lsl)  # the most a match can cover
+        if usable - matched < self.P:
+            return False
+        for other in self.running:
+            if other.cache_salt != req.cache_salt or other.num_computed >= usable:
+                continue
+            shared = min(_common_prefix(req.input_ids, other.input_ids), usable) // self.P * self.P
+            if shared - matched >= self.P and other.num_computed < shared:
+                if req.held_steps >= self.hold_limit(shared - matched):
+                    return False
+                req.held_steps += 1
+                return True
+        return False
+
+    def hold_limit(self, tokens: int) -> int:
+        """Steps a request waits for ``tokens`` of shared prefix to be computed: twice the
+        chunks they take (a running request may share the prefill budget), plus slack."""
+        return 2 * -(-tokens // self.cfg.chunked_prefill_size) + HOLD_SLACK
 
     def _make_room(self, req: Req, end: int) -> bool:
         """Pages for ``req`` up to ``end``, retracting newer requests as needed. False when
@@ -203,3 +261,12 @@ def _prompt_ready(req: Req) -> bool:
     if lead is not None and (lead.output_ids or lead.finished):
         req.after = lead = None  # for good: a retraction later does not make it wait again
     return lead is None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    differ = np.asarray(a[:n]) != np.asarray(b[:n])
+    return int(differ.argmax()) if differ.any() else n

@@ -1,6 +1,6 @@
 """Liveness: any set of requests that each fit the pool alone all finish, each with the
-output it gets alone, whatever the arrival order, sizes, families and tiers; afterwards a
-flush leaves every page free."""
+output it gets alone, whatever the arrival order, sizes, families, tiers and queue policy;
+afterwards a flush leaves every page free."""
 
 import numpy as np
 import pytest
@@ -81,8 +81,9 @@ CONFIGS = [
     trace=traces(max_requests=7, max_len=176),
     config=st.sampled_from(CONFIGS),
     tiers=st.sampled_from(["l1", "l2", "l3"]),
+    policy=st.sampled_from(["fcfs", "lpm"]),
 )
-def test_random_traces_finish_with_solo_outputs(trace, config, tiers):
+def test_random_traces_finish_with_solo_outputs(trace, config, tiers, policy):
     preset, page, chunk, max_running = config
     cfg = EngineConfig(
         preset=preset,
@@ -90,6 +91,7 @@ def test_random_traces_finish_with_solo_outputs(trace, config, tiers):
         chunked_prefill_size=chunk,
         max_running_requests=max_running,
         max_total_tokens=POOL_TOKENS,
+        schedule_policy=policy,
         **tier_kwargs(tiers),
     )
     check(cfg, trace)

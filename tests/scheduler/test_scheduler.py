@@ -28,6 +28,12 @@ def checked_step(sim: Sim):
     waiting = list(sched.waiting)
     seq_len = {r: r.seq_len for r in running + waiting}
     outputs = {r: list(r.output_ids) for r in running}
+    held_before = {r: r.held_steps for r in waiting}
+
+    def held():
+        """Waiting requests held this step for a shared prefix (``Scheduler._held``): the
+        queue goes on past them, so FCFS is checked among the others."""
+        return {r for r in waiting if r.held_steps > held_before[r]}
 
     def head_did_not_fit(plan):
         """Admission stopped with budget and a slot left: only because the head's pages did
@@ -35,8 +41,9 @@ def checked_step(sim: Sim):
         items = plan.items if plan else []
         used = sum(i.num_tokens for i in items if not (i.req in running and i.num_tokens == 1 and i.samples))
         budget = sim.cfg.chunked_prefill_size - used
-        if sched.waiting and len(sched.running) < sim.cfg.max_running_requests and budget > 0:
-            head = sched.waiting[0]
+        unheld = [r for r in sched.waiting if r not in held()]
+        if unheld and len(sched.running) < sim.cfg.max_running_requests and budget > 0:
+            head = unheld[0]
             match = sim.adapter.match(head)
             end = sched.chunk_end(head, match.end, budget)
             assert not sim.adapter.admit(head, match, end), f"{head.rid} fits but waits"
@@ -83,9 +90,12 @@ def checked_step(sim: Sim):
         assert item.end == expected_end(sim, item.start, seq_len[r], budget)
         budget -= item.num_tokens
 
-    # FCFS: the admitted are the head of the queue (retracted requests first, then arrival order).
-    queue = admitted + list(sched.waiting)
-    assert [r for r in queue if r not in retracted] == waiting
+    # FCFS: the admitted are the head of the queue (retracted requests first, then arrival
+    # order), held requests aside.
+    waits = held()
+    assert all(r.held_steps <= sched.hold_limit(r.input_len) for r in waits), "held past the bound"
+    queue = [r for r in admitted + list(sched.waiting) if r not in waits]
+    assert [r for r in queue if r not in retracted] == [r for r in waiting if r not in waits]
     first_new = next((k for k, r in enumerate(queue) if r not in retracted), len(queue))
     assert all(r in retracted for r in queue[:first_new]) and not set(retracted) & set(queue[first_new:])
     sim.check_ownership()
@@ -157,7 +167,8 @@ def test_generated_traces(name, trace, repeat):
 
 def test_fcfs_and_running_limit():
     sim = Sim(Setup(chunk=64, max_running=2))
-    a, b, c = (sim.add(x, [3 + k for k in range(8)], 3) for x in "abc")
+    same, other = [3 + k for k in range(8)], [30 + k for k in range(8)]
+    a, b, c = (sim.add(x, p, 3) for x, p in zip("abc", (same, other, same)))
     plan = checked_step(sim)
     assert [i.req for i in plan.items] == [a, b] and list(sim.sched.waiting) == [c]
     while sim.sched.has_work():
