@@ -106,7 +106,7 @@ class Engine:
         )
         self.scheduler = Scheduler(cfg, self.adapter, prefetch)
         self.builder = make_builder(cfg, mc, self.context_len)
-        self.penalty_slots = penalties.Slots(self.runner.penalty_slots)
+        self.penalty_slots = penalties.Slots(self.runner.num_penalty_slots)
         self.requests: dict[str, Req] = {}
         self._keys = itertools.count()
         self._idle_steps = 0

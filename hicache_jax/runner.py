@@ -1,7 +1,8 @@
 """The model runner: device cache arrays and one jitted function per step shape.
 
-A step is ``restore snapshots -> forward -> take snapshots -> sample``, all inside one
-jit, so logits never leave the device and Mamba state copies need no extra dispatch.
+A step is ``restore snapshots -> forward -> take snapshots -> sample -> count``, all inside
+one jit, so logits never leave the device, Mamba state copies need no extra dispatch, and
+the penalty counts (``penalties.py``) take each sampled token on the device.
 
 ``launch`` only dispatches (JAX runs it asynchronously) and ``fetch`` reads the results,
 so the engine can schedule the next step while this one runs. A step may take input tokens
@@ -118,8 +119,7 @@ class ModelRunner:
         )
         self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
         # Penalty counts (``penalties.py``): one row per slot, split by vocabulary as logits are.
-        self.penalty_slots = max_seqs
-        counts_shape = (max_seqs, self.cfg.vocab_size)
+        self.num_penalty_slots = max_seqs
         self._counts_sharding = sharding.vocab_rows(sharding.replicated(self.mesh), self.cfg.vocab_size)
         if abstract_on is None:
             self.cache = model.allocate_cache(**self._cache_shape)
@@ -130,7 +130,7 @@ class ModelRunner:
             on = sharding.replicated(self.mesh or abstract_on)
             self._no_ids = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=on)
             vocab_on = self._counts_sharding or on
-            self.counts = jax.ShapeDtypeStruct(counts_shape, jnp.int32, sharding=vocab_on)
+            self.counts = jax.ShapeDtypeStruct((max_seqs, self.cfg.vocab_size), jnp.int32, sharding=vocab_on)
         self._compiled_before = compiles.total(STEP_PROGRAM)
         self._multiprocess = jax.process_count() > 1
         self._launched = 0
@@ -205,7 +205,7 @@ class ModelRunner:
         self.counts = self._new_counts()
 
     def _new_counts(self) -> jax.Array:
-        zeros = jnp.zeros((self.penalty_slots, self.cfg.vocab_size), jnp.int32)
+        zeros = jnp.zeros((self.num_penalty_slots, self.cfg.vocab_size), jnp.int32)
         on = self._counts_sharding or sharding.replicated(self.mesh)
         return zeros if on is None else jax.device_put(zeros, on)
 

@@ -10,8 +10,9 @@ Tokens are chosen without sorting the vocabulary, and are the same tokens for th
 as the definition in ``sampler_reference.py``, whose cuts search the whole vocabulary (the
 tests hold the two together):
 
-- Greedy rows (temperature < 1e-5) take the argmax of the raw logits. A batch of greedy
-  rows only runs nothing else (``lax.cond``).
+- Greedy rows (temperature < 1e-5) take the argmax of the logits (penalised, when a row has
+  a penalty: ``sample``'s ``penalty``). A batch of greedy rows only runs nothing else
+  (``lax.cond``).
 - Every other row divides by its temperature and reads its top-k and top-p cut off its
   C + 1 largest values (``lax.top_k``; C = ``CANDIDATES``, at most V - 1). Together the two
   cuts are one threshold: ``x < thr`` is masked, then min-p and the draw run on the whole

@@ -196,7 +196,8 @@ class Scheduler:
         if usable - matched < self.P:
             return False
         for other in self.running:
-            if other.cache_salt != req.cache_salt or other.num_computed >= usable:
+            # (one that has computed its whole prompt, or past ``usable``, has nothing to wait for)
+            if other.cache_salt != req.cache_salt or other.num_computed >= min(usable, other.input_len):
                 continue
             shared = min(_common_prefix(req.input_ids, other.input_ids), usable) // self.P * self.P
             if shared - matched >= self.P and other.num_computed < shared:
