@@ -2,18 +2,30 @@
 Pallas backends: built from shapes by the engine's own code (``hicache_jax/tpu/abstract.py``),
 at real widths, cut to one layer of each kind the model has to bound compile time.
 
-Programs: the largest decode bucket and the largest prefill bucket (mixed batches run the
-prefill program), and the smallest and largest page copy of each kind; one family also
-compiles per-token logits rows with top logprobs. A step program's TPU compile time grows
-with its token and sequence widths, not with the code compiled (mostly the matmuls' codegen
-and the sampler's candidates: Mistral-7B's decode and prefill on v5e:2x2 take 6.8 and 11.9 s
-at the engine's default chunk of 512 and 32 running requests, 3.3 and 7.1 s at 256 and 8),
-so these compile at 256 and 8. The kernel matrices (``test_*_kernels.py``) cover the
-kernels at the wider shapes the default buckets produce, and the planner
-(``python -m hicache_jax.plan``) compiles the real flags at full depth.
+Each family compiles a step program on both slices (v5e:2x2 at tp 4, v6e:2x4 at tp 8): its
+largest decode bucket on one and its largest prefill bucket (mixed batches run it) on the
+other, swapped from family to family (``STEPS``), so each slice compiles two families'
+decode steps and two families' prefill steps, and each family both kinds. The two kinds are
+one function at two widths (and the kernel matrices, ``test_*_kernels.py``, compile every
+kernel for every chip in both kinds), while a step program costs 4-25 s of TPU compile: all
+of them on both slices was most of this group's time. Gemma 3's prefill program is the one
+with every token's logits row and top logprobs, the largest program serving runs. The
+smallest and largest page copy of each kind compile on both slices. ``HICACHE_TPU_FULL=1``
+compiles both kinds on both slices, and the logprob-row program besides the plain one.
+
+Where a step program's TPU compile time goes: the sampler, penalties included, is about
+half of it and grows with the vocabulary per chip (Gemma-3-4B's decode on v5e:2x2: 13 s,
+4.8 s with a bare argmax in its place); the forward grows with the token width (Mistral-7B's
+decode and prefill on v5e:2x2 take 6.8 and 11.9 s at the engine's default chunk of 512 and
+32 running requests, 4.1 and 7.2 s at 128 and 8; Bamba-9B's prefill on v6e:2x4, 25 s at
+256 and 19 s at 128). So these compile at 128 and 8. The kernel matrices cover the kernels
+at the wider shapes the default buckets produce, and the planner (``python -m
+hicache_jax.plan``) compiles the real flags at full depth.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -23,60 +35,75 @@ from hicache_jax.tpu.configs import real_config
 from hicache_jax.tpu.hbm import in_vmem
 from hicache_jax.tpu.target import target
 
-FAMILIES = ("mistral-7b", "llama-3-8b", "gemma-3-4b", "bamba-9b")
-SLICES = (("v5e:2x2", 4), ("v6e:2x4", 8))
+V5E, V6E = "v5e:2x2", "v6e:2x4"
+TP = {V5E: 4, V6E: 8}
+# The step program each family compiles on each slice ("rows": prefill with every token's
+# logits row and top logprobs).
+STEPS = {
+    "mistral-7b": {V5E: "decode", V6E: "prefill"},
+    "llama-3-8b": {V5E: "prefill", V6E: "decode"},
+    "gemma-3-4b": {V5E: "rows", V6E: "decode"},
+    "bamba-9b": {V5E: "decode", V6E: "prefill"},
+}
+FULL = os.environ.get("HICACHE_TPU_FULL") == "1"
 SERVING = dict(
     dtype="bfloat16",
     page_size=16,
-    chunked_prefill_size=256,  # the engine's defaults are 512 and 32 (see the module docstring)
+    chunked_prefill_size=128,  # the engine's defaults are 512 and 32 (see the module docstring)
     max_running_requests=8,
     max_total_tokens=65536,
     enable_hierarchical_cache=True,
 )
 
 
-def chosen(server: AbstractServer, logprob_rows: bool = False) -> set[str]:
-    """Names of the programs compiled here (``logprob_rows``: only the every-row logprob
-    program; the others are compiled by ``test_serving_programs_compile``)."""
-    b = server.builder
-    S, T = b.max_running, b.buckets[-1]
-    if logprob_rows:
-        return {f"prefill step T={T} S={S} R={T} top=20"}
-    return _step_and_copies(server)
-
-
-def _step_and_copies(server: AbstractServer) -> set[str]:
-    """The largest decode and prefill steps, and the smallest and largest page copies."""
+def step_names(server: AbstractServer, kinds: set[str]) -> set[str]:
+    """Names of the step programs of ``kinds``: "decode" (the largest decode bucket),
+    "prefill" (the largest prefill bucket) and "rows" (that bucket with every token's logits
+    row and top logprobs)."""
     b = server.builder
     S, T = b.max_running, b.buckets[-1]
     decode = max(s for _, s, _, decode_only in b.warmup_shapes() if decode_only)
-    names = {f"decode step T={decode} S={decode} R={decode} top=0", f"prefill step T={T} S={S} R={S} top=0"}
+    names = {
+        "decode": f"decode step T={decode} S={decode} R={decode} top=0",
+        "prefill": f"prefill step T={T} S={S} R={S} top=0",
+        "rows": f"prefill step T={T} S={S} R={T} top=20",
+    }
+    return {names[k] for k in kinds}
+
+
+def copy_names(server: AbstractServer) -> set[str]:
+    """The smallest and largest page copies (both directions) of each page kind."""
+    names = set()
     for kind in server.transfer.kinds():
         for n in (server.transfer.buckets(kind)[0], server.transfer.buckets(kind)[-1]):
             names |= {f"read {kind} x{n}", f"write {kind} x{n}"}
     return names
 
 
-def compile_chosen(family: str, topology: str, tp: int, logprob_rows: bool = False):
-    cfg = EngineConfig(tp_size=tp, **SERVING)
+def compile_chosen(family: str, topology: str):
+    cfg = EngineConfig(tp_size=TP[topology], **SERVING)
     server = AbstractServer.build(real_config(family, num_layers=1), cfg, target(topology))
-    want = chosen(server, logprob_rows)
+    kinds = {"decode", "prefill", "rows"} if FULL else {STEPS[family][topology]}
+    want = step_names(server, kinds) | copy_names(server)
     compiled = dict(server.compile(lambda name: name in want))
     assert set(compiled) == want
     return server, compiled
 
 
-@pytest.mark.parametrize("topology,tp", SLICES, ids=[s for s, _ in SLICES])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_serving_programs_compile(family, topology, tp):
-    server, compiled = compile_chosen(family, topology, tp)  # raises naming the program that fails
+def test_every_family_compiles_both_kinds_and_each_slice_both():
+    for slices in STEPS.values():
+        assert {k.replace("rows", "prefill") for k in slices.values()} == {"decode", "prefill"}
+    for topology in TP:
+        kinds = [slices[topology].replace("rows", "prefill") for slices in STEPS.values()]
+        assert sorted(kinds) == ["decode", "decode", "prefill", "prefill"]
+
+
+@pytest.mark.parametrize("topology", list(TP))
+@pytest.mark.parametrize("family", list(STEPS))
+def test_serving_programs_compile(family, topology):
+    server, compiled = compile_chosen(family, topology)  # raises naming the program that fails
     # The step's kernels read a few pages of each pool by DMA: no pool is moved into VMEM
     # around them (whole, it would be copied in and back every step).
     for name, program in compiled.items():
         moved = in_vmem(program, server.kernel_pool_shapes()) if "step" in name else []
         assert not moved, (name, moved[:4])
-
-
-def test_logprob_rows_compile():
-    """The largest program serving runs: every prefill token's logits, with top logprobs."""
-    compile_chosen("gemma-3-4b", "v5e:2x2", 4, logprob_rows=True)
