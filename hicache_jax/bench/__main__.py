@@ -59,6 +59,12 @@ flags.DEFINE_integer("chat_user_tokens", 64, "tokens per user turn")
 flags.DEFINE_integer("chat_output_tokens", 32, "tokens per reply")
 flags.DEFINE_float("chat_arrival_rate", 4.0, "conversations starting per second (Poisson)")
 flags.DEFINE_float("chat_think_s", 0.5, "mean pause before the next turn (exponential)")
+flags.DEFINE_float(
+    "chat_pool_multiple",
+    0.0,
+    "> 0: as many clients as make the conversations' distinct tokens this many times the "
+    "server's device pool (--max_total_tokens), in place of --chat_clients",
+)
 # document QA and warm restart
 flags.DEFINE_integer("qa_documents", 4, "documents")
 flags.DEFINE_integer("qa_questions", 8, "questions per document")
@@ -66,6 +72,17 @@ flags.DEFINE_integer("qa_doc_tokens", 1024, "tokens per document")
 flags.DEFINE_integer("qa_question_tokens", 32, "tokens per question")
 flags.DEFINE_integer("qa_output_tokens", 16, "tokens per answer")
 flags.DEFINE_float("qa_rate", 4.0, "questions per second (Poisson)")
+flags.DEFINE_float(
+    "qa_zipf",
+    0.0,
+    "> 0: documents x questions questions, each on a document drawn with probability "
+    "~ 1 / rank ** qa_zipf (0: each document qa_questions times, shuffled)",
+)
+flags.DEFINE_float(
+    "qa_pool_multiple",
+    0.0,
+    "> 0: as many documents as hold this many times the server's device pool, in place of --qa_documents",
+)
 flags.DEFINE_integer("restart_questions", 2, "questions per document before and after the restart")
 # trace replay
 flags.DEFINE_string("trace_file", _TRACE, "Mooncake-format JSONL trace")
@@ -99,7 +116,7 @@ def config_from_flags() -> BenchConfig:
         workloads=tuple(F.workloads),
         chat=_from_flags(ChatConfig, "chat_"),
         qa=qa,
-        restart=dataclasses.replace(qa, questions=F.restart_questions),
+        restart=dataclasses.replace(qa, questions=F.restart_questions, zipf=0.0, pool_multiple=0.0),
         trace=trace,
         server_flags=tuple(shlex.split(F.server_flags)),
         server_env=tuple(env.items()),

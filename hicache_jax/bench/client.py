@@ -64,6 +64,7 @@ class ServerInfo:
     vocab_size: int
     capacity_pages: int | None  # distinct pages the cache can hold; None: unbounded or unknown
     has_storage: bool
+    device_tokens: int | None = None  # the device pool (max_total_tokens); None: unknown
 
 
 def fetch_info(url: str, *, page_size: int = 16, vocab_size: int = 32000) -> ServerInfo:
@@ -95,7 +96,12 @@ def fetch_info(url: str, *, page_size: int = 16, vocab_size: int = 32000) -> Ser
     elif l2:
         capacity = max(capacity, int(capacity * eng["hicache_ratio"]))
     return ServerInfo(
-        rules, int(eng["chunked_prefill_size"]), vocab, capacity, bool(eng.get("hicache_storage_backend"))
+        rules,
+        int(eng["chunked_prefill_size"]),
+        vocab,
+        capacity,
+        bool(eng.get("hicache_storage_backend")),
+        int(eng["max_total_tokens"]),
     )
 
 

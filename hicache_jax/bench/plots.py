@@ -1,5 +1,6 @@
-"""One PNG per workload: throughput and TTFT per configuration, and cached prompt tokens
-per tier in each round (matplotlib, Agg backend: no display needed)."""
+"""One PNG per workload: throughput and TTFT per configuration, the TTFT distribution
+(CDF) of each, and cached prompt tokens per tier in each round (matplotlib, Agg backend: no
+display needed)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def plot_workload(results: dict, workload: str, path: str) -> str:
 
     rows = [(cfg["label"], ph) for cfg in results.values() for ph in cfg.get(workload, [])]
     names = [label if ph["phase"] == "run" else f"{label}\n{ph['phase']}" for label, ph in rows]
-    fig, (ax_tp, ax_ttft, ax_tier) = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, (ax_tp, ax_ttft, ax_cdf, ax_tier) = plt.subplots(1, 4, figsize=(21, 4.6))
     x = range(len(rows))
 
     ax_tp.bar([i - 0.2 for i in x], [ph["input_tok_s"] or 0 for _, ph in rows], 0.4, label="input")
@@ -31,6 +32,17 @@ def plot_workload(results: dict, workload: str, path: str) -> str:
     ax_ttft.legend()
     for ax in (ax_tp, ax_ttft):
         ax.set_xticks(list(x), names, fontsize=8)
+
+    for name, (_, ph) in zip(names, rows, strict=True):
+        ttfts = ph.get("ttft_ms_sorted") or []
+        if ttfts:
+            n = len(ttfts)
+            ax_cdf.step(ttfts, [(i + 1) / n for i in range(n)], where="post", label=name.replace("\n", " "))
+    ax_cdf.set_xscale("log")
+    ax_cdf.set_xlabel("TTFT (ms)")
+    ax_cdf.set_ylabel("fraction of requests")
+    ax_cdf.set_title("TTFT distribution")
+    ax_cdf.legend(fontsize=7)
 
     # Cached tokens per tier per round: one stacked bar per configuration in each round.
     width = 0.8 / max(1, len(rows))

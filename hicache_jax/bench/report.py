@@ -56,6 +56,7 @@ def summarize(
         "input_tok_s": prompt / seconds if seconds else None,
         "output_tok_s": sum(len(r.output) for r in ok) / seconds if seconds else None,
         "ttft_ms": _quantiles_ms([r.ttft for r in ok]),
+        "ttft_ms_sorted": sorted(round(1000 * r.ttft, 3) for r in ok),  # the CDF's points
         "tpot_ms": _quantiles_ms([t for r in ok if (t := r.tpot) is not None]),
         "cached_tokens": cached,
         "cached_tokens_per_tier": {t: sum(r.cached_tiers[t] for r in ok) for t in TIERS},

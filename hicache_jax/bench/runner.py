@@ -148,7 +148,8 @@ class Runner:
     def _workloads(self, server: list[ServerProcess] | None, cc: CacheConfig, l3: str) -> dict:
         url = self.cfg.url or server[0].url
         info = fetch_info(url, page_size=self.cfg.page_size)
-        out = {"label": cc.label, "server": dataclasses.asdict(info)}
+        self._size(info)
+        out = {"label": cc.label, "server": dataclasses.asdict(info), "sizes": self._sizes()}
         for k, w in enumerate(self.cfg.workloads):
             if k:
                 self._empty(url, info, storage_too=True)
@@ -174,6 +175,28 @@ class Runner:
                 ),
             ]
             out[w][1]["restart"] = restart
+        return out
+
+    def _size(self, info: ServerInfo) -> None:
+        """Workloads sized from the server's device pool (``pool_multiple``) get their sizes;
+        the progress bar's total follows."""
+        before = sum(self.cfg.requests_per_pass(w) for w in self.cfg.workloads)
+        self.cfg = dataclasses.replace(
+            self.cfg, chat=self.cfg.chat.sized(info.device_tokens), qa=self.cfg.qa.sized(info.device_tokens)
+        )
+        after = sum(self.cfg.requests_per_pass(w) for w in self.cfg.workloads)
+        if self.progress is not None and after != before:
+            configs = 1 if self.cfg.url else len(self.cfg.configs)
+            self.progress.total += (after - before) * (2 if self.cfg.warmup_pass else 1) * configs
+            self.progress.refresh()
+
+    def _sizes(self) -> dict:
+        """The sizes each workload ran at."""
+        out = {}
+        if "multi_turn" in self.cfg.workloads:
+            out["multi_turn"] = dataclasses.asdict(self.cfg.chat)
+        if "doc_qa" in self.cfg.workloads:
+            out["doc_qa"] = dataclasses.asdict(self.cfg.qa)
         return out
 
     def _measured(self, url: str, w: str, info: ServerInfo, name: str, phase: str = "run"):

@@ -6,8 +6,14 @@ drives a ``BenchClient`` and returns its ``Record``s.
   ``arrival_rate``); each turn appends a user message to the history, sends it, appends
   the model's actual reply, and thinks for an exponential time before the next turn.
 - Shared-prefix document QA: ``documents`` long documents, ``questions`` questions on
-  each, arriving as a Poisson stream in shuffled order. The warm-restart workload sends
-  one set of questions, restarts the server, and sends another on the same documents.
+  each, arriving as a Poisson stream in shuffled order; or, with ``zipf``, as many
+  questions each on a document drawn by a Zipf law (a few documents asked again and again,
+  the rest rarely). The warm-restart workload sends one set of questions, restarts the
+  server, and sends another on the same documents.
+
+Both can be sized from the server: ``pool_multiple`` picks the number of conversations
+(documents) whose distinct tokens are that many times the device pool, the working set
+that decides what L2 and L3 buy.
 - Trace replay: a Mooncake JSONL trace (``hicache_jax.traces``), each 512-token block
   scaled to ``block_tokens`` tokens, sent at its timestamp times ``time_scale``.
 
@@ -40,6 +46,12 @@ def positive(cfg, *names: str) -> None:
             raise ValueError(f"{type(cfg).__name__}.{name} must be > 0, got {getattr(cfg, name)}")
 
 
+def _not_negative(cfg, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{type(cfg).__name__}.{name} must be >= 0, got {getattr(cfg, name)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatConfig:
     clients: int = 8
@@ -49,15 +61,31 @@ class ChatConfig:
     output_tokens: int = 32
     arrival_rate: float = 4.0  # clients per second
     think_s: float = 0.5  # mean pause between a reply and the next turn
+    pool_multiple: float = 0.0  # > 0: clients from the device pool (``sized``)
 
     def __post_init__(self):
         positive(self, "clients", "rounds", "system_tokens", "user_tokens", "output_tokens", "arrival_rate")
-        if self.think_s < 0:
-            raise ValueError(f"ChatConfig.think_s must be >= 0, got {self.think_s}")
+        _not_negative(self, "think_s", "pool_multiple")
 
     @property
     def num_requests(self) -> int:
         return self.clients * self.rounds
+
+    def distinct_tokens(self, clients: int) -> int:
+        """Tokens the conversations hold at their end: the system prompt once, then every
+        client's turns and replies."""
+        return self.system_tokens + clients * self.rounds * (self.user_tokens + self.output_tokens)
+
+    def sized(self, device_tokens: int | None) -> ChatConfig:
+        """With ``pool_multiple``: as many clients (at least 2) as make ``distinct_tokens``
+        about ``pool_multiple`` x the device pool."""
+        if not self.pool_multiple:
+            return self
+        if not device_tokens:
+            raise ValueError("chat pool_multiple needs the server's device pool size (max_total_tokens)")
+        per_client = self.rounds * (self.user_tokens + self.output_tokens)
+        want = self.pool_multiple * device_tokens - self.system_tokens
+        return dataclasses.replace(self, clients=max(2, math.ceil(want / per_client)), pool_multiple=0.0)
 
 
 async def multi_turn(client: BenchClient, cfg: ChatConfig, vocab: int, seed: int) -> list[Record]:
@@ -88,18 +116,40 @@ async def multi_turn(client: BenchClient, cfg: ChatConfig, vocab: int, seed: int
 @dataclasses.dataclass(frozen=True)
 class DocQAConfig:
     documents: int = 4
-    questions: int = 8  # per document (per phase in the warm-restart workload)
+    questions: int = 8  # per document (per phase in the warm-restart workload); with zipf, on average
     doc_tokens: int = 1024
     question_tokens: int = 32
     output_tokens: int = 16
     rate: float = 4.0  # requests per second
+    zipf: float = 0.0  # > 0: each question's document drawn with probability ~ 1 / rank ** zipf
+    pool_multiple: float = 0.0  # > 0: documents from the device pool (``sized``)
 
     def __post_init__(self):
         positive(self, "documents", "questions", "doc_tokens", "question_tokens", "output_tokens", "rate")
+        _not_negative(self, "zipf", "pool_multiple")
 
     @property
     def num_requests(self) -> int:
         return self.documents * self.questions
+
+    def sized(self, device_tokens: int | None) -> DocQAConfig:
+        """With ``pool_multiple``: as many documents (at least 2) as hold about
+        ``pool_multiple`` x the device pool."""
+        if not self.pool_multiple:
+            return self
+        if not device_tokens:
+            raise ValueError("qa pool_multiple needs the server's device pool size (max_total_tokens)")
+        documents = max(2, math.ceil(self.pool_multiple * device_tokens / self.doc_tokens))
+        return dataclasses.replace(self, documents=documents, pool_multiple=0.0)
+
+    def asked(self, rng: np.random.Generator) -> np.ndarray:
+        """The document of each question, in the order asked."""
+        n = self.documents * self.questions
+        if not self.zipf:
+            return rng.permutation(np.repeat(np.arange(self.documents), self.questions))
+        weights = 1.0 / np.arange(1, self.documents + 1) ** self.zipf
+        ranks = rng.permutation(self.documents)  # which document is how popular
+        return ranks[rng.choice(self.documents, size=n, p=weights / weights.sum())]
 
 
 async def doc_qa(
@@ -111,7 +161,7 @@ async def doc_qa(
     docs_rng = np.random.default_rng(seed)
     docs = [_tokens(docs_rng, cfg.doc_tokens, vocab) for _ in range(cfg.documents)]
     rng = np.random.default_rng([seed, seed if question_seed is None else question_seed, 1])
-    order = rng.permutation(np.repeat(np.arange(cfg.documents), cfg.questions))  # documents asked
+    order = cfg.asked(rng)  # documents asked
     arrivals = np.cumsum(rng.exponential(1 / cfg.rate, len(order)))
     questions = [_tokens(rng, cfg.question_tokens, vocab) for _ in order]
     asked, count = [], [0] * cfg.documents  # questions on the same document before this one

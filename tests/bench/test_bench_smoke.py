@@ -74,3 +74,55 @@ def test_every_workload_on_every_configuration(tmp_path):
     assert warm["cached_tokens_per_tier"]["storage"] > 0
     for name in ("none", "l1", "l1l2"):  # nothing survives a restart without L3
         assert results[name]["warm_restart"][1]["cached_tokens"] == 0
+
+
+POOL_FLAGS = (
+    "--flagfile=configs/cpu.flags --chunked_prefill_size=64 --max_running_requests=2 "
+    "--max_total_tokens=256 --hicache_ratio=2 --hicache_prefetch_threshold=16 "
+    "--hicache_storage_prefetch_policy=wait_complete --log_level=warning"
+)
+POOL_SIZES = (
+    "--chat_pool_multiple=4 --chat_rounds=2 --chat_system_tokens=32 --chat_user_tokens=48 "
+    "--chat_output_tokens=2 --chat_arrival_rate=5 --chat_think_s=0.02 "
+    "--qa_pool_multiple=8 --qa_doc_tokens=128 --qa_questions=1 --qa_zipf=1.2 "
+    "--qa_question_tokens=8 --qa_output_tokens=2 --qa_rate=5"
+)
+
+
+def test_working_sets_sized_from_the_pool_reach_l2_and_l3(tmp_path):
+    """Multi-turn chat at 4x and documents at 8x a 256-token device pool (sizes the
+    benchmark picks from the server's /get_server_info), with a host pool of 2x: L1+L2 serves
+    pages from the host, and L1+L2+L3 from storage what the host pool could not keep."""
+    out = tmp_path / "out"
+    env = server_env()
+    cmd = [
+        sys.executable,
+        "-m",
+        "hicache_jax.bench",
+        f"--out_dir={out}",
+        f"--server_flags={POOL_FLAGS}",
+        f"--compilation_cache_dir={env['JAX_COMPILATION_CACHE_DIR']}",
+        "--warmup_pass=false",
+        "--configs=l1l2,l1l2l3",
+        "--workloads=multi_turn,doc_qa",
+        *POOL_SIZES.split(),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())["results"]
+    for name, cfg in results.items():
+        sizes = cfg["sizes"]
+        chat, qa = sizes["multi_turn"], sizes["doc_qa"]
+        # 32 + clients x 2 x (48 + 2) tokens ~ 4 x 256; 8 x 256 tokens in 128-token documents.
+        assert chat["clients"] == 10 and qa["documents"] == 16, sizes
+        for w in ("multi_turn", "doc_qa"):
+            (p,) = cfg[w]
+            assert p["num_errors"] == 0, (name, w, p["errors"])
+            assert p["requests_over_max"] == 0 and p["cached_tokens"] <= p["max_cached_tokens"]
+            assert len(p["ttft_ms_sorted"]) == p["requests"]
+        tiers = {w: cfg[w][0]["cached_tokens_per_tier"] for w in ("multi_turn", "doc_qa")}
+        assert all(t["host"] > 0 for t in tiers.values()), (name, tiers)
+        if name == "l1l2":
+            assert all(t["storage"] == 0 for t in tiers.values()), tiers
+    assert results["l1l2l3"]["multi_turn"][0]["cached_tokens_per_tier"]["storage"] > 0
+    assert os.path.getsize(out / "multi_turn.png") > 1000
