@@ -24,7 +24,11 @@ Conditionals are counted once, as their operands and results, and loops (``while
 all; neither's body is walked. A loop updates its carried buffers in place, and the serving
 step's loops run per item of work, usually none: the recurrent-state copies (one slot read
 and written per copy, ``runner.copy_states``) and the sampler's reference cuts (only for
-rows the candidates cannot settle). The conditional is the sampler's draw, a few rows of the
+rows the candidates cannot settle). A conditional with a branch that hands its operands on
+unchanged (its root a tuple of its parameters: XLA aliases them, nothing moves) counts as
+nothing: those are the serving step's skips, penalties for a batch without any
+(``penalties.py``), taken every step such a batch runs; with a penalty the step moves those
+rows and counts besides. The other conditional is the sampler's draw, a few rows of the
 vocabulary.
 """
 
@@ -45,6 +49,7 @@ _LINE = re.compile(r"\s*(?:ROOT )?(%[\w.-]+) = (.*?) ([\w-]+)\((.*)$")
 _IN_PLACE = re.compile(r"scatter|dynamic.update.slice")  # fusions XLA names by their root
 _GATHER = re.compile(r"^%gather_fusion")
 _COST = re.compile(r'\\?"cost_estimate\\?":\s*(\{[^}]*\})')
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
 def _arrays(shape_text: str) -> list[tuple[float, bool]]:
@@ -68,6 +73,29 @@ def _operands(rest: str) -> list[str]:
             end = i
             break
     return re.findall(r"%[\w.-]+", rest[:end])
+
+
+def _passes_through(text: str, computation: str) -> bool:
+    """Whether ``computation`` returns its parameters unchanged (a tuple of them, or of the
+    elements of a tuple parameter)."""
+    start = text.find(f"\n{computation} ")
+    if start < 0:
+        return False
+    body = text[start : text.find("\n}", start)]
+    params, root = set(), None
+    for line in body.splitlines()[1:]:
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, _, op, rest = m.groups()
+        if op == "parameter" or (op == "get-tuple-element" and set(_operands(rest)) <= params):
+            params.add(name)
+        if line.lstrip().startswith("ROOT"):
+            root = (op, _operands(rest))
+    if root is None:
+        return False
+    op, operands = root
+    return (op == "tuple" and set(operands) <= params) or (op == "parameter")
 
 
 def hbm_bytes(compiled) -> float:
@@ -98,6 +126,11 @@ def hbm_bytes(compiled) -> float:
                 src = dst[0] if src else 0  # reads the slice only
             total += src + (dst[0] if dst[1] else 0)
             continue
+        if op == "conditional":
+            branches = _BRANCHES.search(rest)
+            names = re.findall(r"%[\w.-]+", branches.group(1)) if branches else []
+            if any(_passes_through(text, b) for b in names):
+                continue
         hbm_in = [sum(b for b, hbm in _arrays(shapes.get(o, "")) if hbm) for o in _operands(rest)]
         if _GATHER.match(name) and hbm_in:
             hbm_in[0] = min(hbm_in[0], sum(b for b, _ in _arrays(shape)))  # the rows gathered

@@ -53,3 +53,25 @@ def test_a_weight_prefetched_in_slices_is_read_once():
         )
         lines.append(f"  %d{i} = bf16[1024,1024]{vmem} slice-done(%s{i})")
     assert hbm_bytes(_Text("\n".join(lines))) == 4096 * 1024 * 2
+
+
+def test_a_skip_conditional_moves_nothing():
+    """A ``lax.cond`` with a branch that hands its operand on (the penalties of a batch
+    without any) aliases it: the program moves what producing the operand does, no more. A
+    conditional without such a branch counts its operands and results."""
+    import jax
+
+    mesh = target.target(target.TOPOLOGIES[0]).mesh(1)
+    a = target.abstract(mesh, (8192, 4096), jnp.float32)  # 128 MiB: stays in HBM
+    on = target.abstract(mesh, (), jnp.bool_)
+    plain = hbm_bytes(target.compile_for(mesh, lambda a, on: a * 2, a, on))
+
+    def skip(a, on):
+        return jax.lax.cond(on, lambda y: jnp.tanh(y) * 3, lambda y: y, a * 2)
+
+    def both(a, on):
+        return jax.lax.cond(on, lambda y: jnp.tanh(y) * 3, lambda y: y - 1, a * 2)
+
+    skipped = hbm_bytes(target.compile_for(mesh, skip, a, on))
+    assert plain <= skipped <= plain + 16  # the predicate, to the scalar core
+    assert hbm_bytes(target.compile_for(mesh, both, a, on)) >= plain + 2 * 8192 * 4096 * 4
