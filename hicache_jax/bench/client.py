@@ -52,7 +52,7 @@ class Record:
         return (self.done - self.first_token) / (n - 1) if n > 1 else None
 
     def seq(self) -> SeqRecord:
-        return SeqRecord(self.prompt, self.output, self.sent)
+        return SeqRecord(self.prompt, self.output, self.sent, self.first_token, self.done)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,10 +26,13 @@ any cache can reach. A Mamba prefill chunk that the step's token budget cuts sho
 leave one more snapshot than the rule above counts, so on Mamba models under concurrent
 load the maximum is the one for requests whose chunks run whole.
 
-The maximum under the configured capacity replays the requests in the order they were
-sent through an LRU cache of ``capacity_pages`` pages (leaf pages first, as the radix
-tree evicts), with the same rule. It is an estimate: running requests' pages are not
-pinned and the sliding-window and Mamba pools are not sized separately.
+The maximum under the configured capacity replays the requests through an LRU cache of
+``capacity_pages`` pages (leaf pages first, as the radix tree evicts), with the same rule.
+With the run's timings (``prefilled``, ``done``) it replays them as they happened: a
+request looks up just before its first token, its prompt enters the cache then and its
+whole sequence when it finishes; without them, in the order they were sent, each whole at
+once. It is an estimate: running requests' pages are not pinned and the sliding-window and
+Mamba pools are not sized separately.
 
 Sequences are cut into page-sized blocks and kept in a trie over blocks, so a run costs
 O(total tokens).
@@ -54,6 +57,8 @@ class SeqRecord:
     prompt: tuple[int, ...]
     output: tuple[int, ...]
     sent: float = 0.0
+    prefilled: float | None = None  # its first token (the prompt is in the cache)
+    done: float | None = None  # its last token (the whole sequence is)
 
 
 def snapshot_pages(rules: PrefixRules, prompt_len: int, total_len: int, chunk: int) -> set[int]:
@@ -199,6 +204,18 @@ def capacity_max(
     for s in seen:
         trie.insert(s, SEEN_BEFORE)
     out = [0] * len(records)
+    if records and all(r.prefilled is not None and r.done is not None for r in records):
+        # (time, order at equal times: look-ups first, then prompts, then whole sequences)
+        events = [(r.prefilled, 0, i) for i, r in enumerate(records)]
+        events += [(r.prefilled, 1, i) for i, r in enumerate(records)]
+        events += [(r.done, 2, i) for i, r in enumerate(records)]
+        for _, what, i in sorted(events):
+            r = records[i]
+            if what == 0:
+                out[i] = trie.query(r.prompt, i, touch=True)
+            else:
+                trie.insert(r if what == 2 else SeqRecord(r.prompt, ()), i)
+        return out
     for i in sorted(range(len(records)), key=lambda i: records[i].sent):
         out[i] = trie.query(records[i].prompt, i, touch=True)
         trie.insert(records[i], i)

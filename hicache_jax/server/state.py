@@ -53,6 +53,7 @@ class ServerState:
             "page_size": cfg.page_size,
             "has_tokenizer": engine.tokenizer.has_text,
             "eos_token_ids": list(mc.eos_token_ids),
+            "kv_bytes_per_token": engine.runner.kv_bytes_per_token(),  # attention layers, every head
         }
         chat = ChatTemplate(engine.tokenizer)
         info["has_chat_template"] = chat.from_model

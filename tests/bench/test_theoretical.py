@@ -28,11 +28,16 @@ def kept(rules: PrefixRules, chunk: int, s: SeqRecord, j: int, kind: str) -> boo
     return True
 
 
-def brute(records, rules, chunk, visible_at, seen=()):
+def brute(records, rules, chunk, visible_at, seen=(), views=None):
+    """``views(i)``: the sequences request ``i`` may hit (default: those sent by
+    ``visible_at(r)``, whole)."""
     P = rules.page_size
     out = []
     for i, r in enumerate(records):
-        vis = list(seen) + [s for k, s in enumerate(records) if k != i and s.sent <= visible_at(r)]
+        if views is not None:
+            vis = list(seen) + views(i)
+        else:
+            vis = list(seen) + [s for k, s in enumerate(records) if k != i and s.sent <= visible_at(r)]
 
         def holds(j, kind, r=r, vis=vis):
             n = (j + 1) * P
@@ -92,3 +97,36 @@ def test_theoretical_max_matches_brute_force(run):
     for cap in (0, 1, 3):
         assert all(a <= b for a, b in zip(capacity_max(records, rules, chunk, cap, seen=seen), in_order))
     assert capacity_max(records, rules, chunk, 0) == [0] * len(records)
+
+
+@settings(max_examples=100, deadline=None)
+@given(runs(), st.data())
+def test_capacity_max_replays_the_run_as_it_happened(run, data):
+    """With first-token and finish times a request looks up just before its first token and
+    sees the prompts of requests that had their first token before, and the whole sequences
+    of those that had finished."""
+    rules, chunk, records, seen, _ = run
+    delay = st.sampled_from([0.0, 0.3, 1.0, 4.0])
+    timed = []
+    for r in records:
+        prompt = r.prompt
+        if timed and data.draw(st.booleans()):  # a later turn: an earlier sequence and more
+            before = data.draw(st.sampled_from(timed))
+            prompt = before.prompt + before.output + prompt[: data.draw(st.integers(1, 4))]
+        first = r.sent + data.draw(delay)
+        timed.append(SeqRecord(prompt, r.output, r.sent, first, first + data.draw(delay)))
+
+    def views(i):
+        me = timed[i].prefilled
+        out = []
+        for k, s in enumerate(timed):
+            if k != i and s.done < me:
+                out.append(s)
+            elif k != i and s.prefilled < me:
+                out.append(SeqRecord(s.prompt, ()))
+        return out
+
+    got = capacity_max(timed, rules, chunk, None, seen=seen)
+    assert got == brute(timed, rules, chunk, None, seen, views=views)
+    for cap in (0, 1, 3):
+        assert all(a <= b for a, b in zip(capacity_max(timed, rules, chunk, cap, seen=seen), got))

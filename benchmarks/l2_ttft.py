@@ -1,0 +1,137 @@
+"""An L2 hit's TTFT against its floor: the same prompt's L1-hit TTFT plus the bytes the hit
+loads over the host -> device copy bandwidth, all measured in one run.
+
+    python benchmarks/l2_ttft.py [--server_flags "..."] [--prompt_tokens 4096] [--repeats 5]
+
+One server with the host tier on (write-through, ``--hicache_ratio`` large enough to keep
+everything the run sends). Each repeat, on fresh random tokens:
+
+1. the prompt, cold (every token computed);
+2. the prompt again: an L1 hit (all but the last page from the device);
+3. filler prompts of other tokens, more than the device pool in all: the prompt's device
+   pages are evicted, least recently used first, and their host copies stay;
+4. the prompt again: an L2 hit (its pages loaded host -> device, then the last page
+   computed, as in 2).
+
+The floor of 4 is 2 plus (pages loaded x page bytes) / bandwidth, the bandwidth measured
+here by ``jax.device_put`` of that many bytes from a numpy array to this machine's default
+device (the server's platform, when both run on one machine). On CPU the "device" is host
+memory too, so the copy is a memcpy into XLA's buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import statistics
+import time
+
+import httpx
+import numpy as np
+
+from hicache_jax.bench.client import BenchClient, fetch_info
+from hicache_jax.bench.server_process import REPO_CONFIGS, ServerProcess
+
+GOAL = 1.3  # L2-hit TTFT over its floor, at most
+
+
+def h2d_bytes_per_s(nbytes: int, repeats: int = 5) -> float:
+    """Host -> device copy bandwidth for a buffer of ``nbytes`` (the median of ``repeats``)."""
+    import jax
+
+    host = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    jax.device_put(host).block_until_ready()  # first-use costs out of the numbers
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.device_put(host).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+async def _ttft(url: str, prompt: list[int]) -> tuple[float, dict]:
+    client = BenchClient(url, timeout_s=1800)
+    try:
+        rec = await client.generate(prompt, 1, 0)
+    finally:
+        await client.aclose()
+    if not rec.ok:
+        raise RuntimeError(f"request failed: {rec.error}")
+    return rec.ttft, rec.cached_tiers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--server_flags",
+        default=f"--flagfile={os.path.join(REPO_CONFIGS, 'cpu.flags')} --preset=100m "
+        "--max_total_tokens=8192 --chunked_prefill_size=512",
+    )
+    ap.add_argument("--prompt_tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out_dir", default="l2-ttft-out")
+    a = ap.parse_args()
+    os.makedirs(a.out_dir, exist_ok=True)
+    flags = shlex.split(a.server_flags)
+    flags += ["--enable_hierarchical_cache", "--hicache_write_policy=write_through", "--hicache_ratio=8"]
+    rng = np.random.default_rng(0)
+    rows = []
+    with ServerProcess(flags, log_path=os.path.join(a.out_dir, "server.log"), startup_timeout=1800) as server:
+        info = fetch_info(server.url)
+        with httpx.Client(base_url=server.url) as c:
+            model = c.get("/get_model_info").json()
+        P, pool, vocab = info.rules.page_size, info.device_tokens, info.vocab_size
+        page_bytes = P * model["kv_bytes_per_token"]
+        if a.prompt_tokens > pool // 2:
+            raise SystemExit(f"--prompt_tokens={a.prompt_tokens}: at most half the device pool ({pool // 2})")
+        filler_tokens = pool // 2
+        fillers = -(-2 * pool // filler_tokens) + 1  # more than the pool, past the prompt's pages
+        print(f"prompt {a.prompt_tokens} tokens, device pool {pool}, {fillers} fillers of {filler_tokens}")
+        print(f"page {P} tokens, {page_bytes / 2**10:.0f} KiB of KV")
+
+        def tokens(n: int) -> list[int]:
+            return rng.integers(3, vocab, n).tolist()
+
+        for r in range(a.repeats + 1):  # repeat 0 compiles what the others run
+            prompt = tokens(a.prompt_tokens)
+            httpx.post(server.url + "/flush_cache", timeout=600).raise_for_status()
+            cold, _ = asyncio.run(_ttft(server.url, prompt))
+            l1, l1_tiers = asyncio.run(_ttft(server.url, prompt))
+            for _ in range(fillers):
+                asyncio.run(_ttft(server.url, tokens(filler_tokens)))
+            l2, l2_tiers = asyncio.run(_ttft(server.url, prompt))
+            loaded = l2_tiers["host"] // P * page_bytes
+            bw = h2d_bytes_per_s(max(loaded, 1 << 20))
+            floor = l1 + loaded / bw
+            row = dict(
+                cold=cold,
+                l1=l1,
+                l2=l2,
+                loaded=loaded,
+                bw=bw,
+                floor=floor,
+                l1_tiers=l1_tiers,
+                l2_tiers=l2_tiers,
+            )
+            tag = "warm-up" if r == 0 else f"repeat {r}"
+            print(
+                f"{tag:9s} cold {cold * 1e3:7.1f} ms  L1 hit {l1 * 1e3:6.1f} ms  L2 hit {l2 * 1e3:6.1f} ms "
+                f"({l2_tiers['host']} host + {l2_tiers['device']} device tokens; {loaded / 2**20:.1f} MiB "
+                f"at {bw / 1e9:.1f} GB/s)  floor {floor * 1e3:6.1f} ms  L2/floor {l2 / floor:.2f}",
+                flush=True,
+            )
+            if r:
+                rows.append(row)
+    med = {k: statistics.median(x[k] for x in rows) for k in ("cold", "l1", "l2", "floor")}
+    ratio = statistics.median(x["l2"] / x["floor"] for x in rows)
+    print(
+        f"\nmedian of {len(rows)}: cold {med['cold'] * 1e3:.1f} ms, L1 hit {med['l1'] * 1e3:.1f} ms, "
+        f"L2 hit {med['l2'] * 1e3:.1f} ms, floor {med['floor'] * 1e3:.1f} ms; "
+        f"L2 hit / floor {ratio:.2f} (goal <= {GOAL}); L2 hit / cold {med['l2'] / med['cold']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
