@@ -24,7 +24,6 @@ from typing import NoReturn
 
 import jax
 
-from hicache_jax import penalties
 from hicache_jax.build import (
     check_model_tp,
     context_length,
@@ -45,13 +44,14 @@ from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.outputs import OutputDelta, OutputStream, format_output, output_text
 from hicache_jax.request import Req, Status
+from hicache_jax.runtime import penalties
+from hicache_jax.runtime.transfer import PageTransfer
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import StepPlan
 from hicache_jax.scheduler.prefetch import PrefetchDecisions, Prefetcher
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
 from hicache_jax.step_results import append_token, record_input_logprobs, stop_reason
-from hicache_jax.transfer import PageTransfer
 from hicache_jax.validation import validate_cache_salt, validate_prompt, validate_rid
 from hicache_jax.warmup import WarmupReport, warmup
 

@@ -27,10 +27,11 @@ import time
 
 import jax
 
-from hicache_jax import compiles, progress
-from hicache_jax.runner import ModelRunner
+from hicache_jax import progress
+from hicache_jax.runtime import compiles
+from hicache_jax.runtime.runner import ModelRunner
+from hicache_jax.runtime.transfer import PageTransfer
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
-from hicache_jax.transfer import PageTransfer
 
 log = logging.getLogger(__name__)
 

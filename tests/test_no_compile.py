@@ -1,14 +1,14 @@
 """No compile while serving: after ``Engine.warmup`` a varied stream (decode and prefill
 buckets, 1 to max_running_requests sequences, input and top logprobs, Mamba state copies,
 L2 loads and backups, L3 hits, penalties, a rebuild after a failed step) compiles nothing. Compiles
-are counted through JAX's public monitoring events (``hicache_jax.compiles``)."""
+are counted through JAX's public monitoring events (``hicache_jax.runtime.compiles``)."""
 
 import numpy as np
 
-from hicache_jax import compiles
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
 from hicache_jax.request import Req
+from hicache_jax.runtime import compiles
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.scheduler.plan import BatchBuilder, StepPlan, WorkItem
 

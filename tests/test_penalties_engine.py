@@ -3,7 +3,7 @@ pool small enough to retract some (a retracted request may lose its penalty slot
 counts back from the host), every penalty mixed with plain rows.
 
 - greedy rows equal a recompute: transformers' logits for the sequence so far, the numpy
-  definitions of ``tests/test_penalties.py``, argmax (a first difference must be a near-tie
+  definitions of ``tests/runtime/test_penalties.py``, argmax (a first difference must be a near-tie
   in the penalised reference logits, as in ``test_engine_greedy.py``);
 - seeded sampled rows equal their solo runs;
 - nothing leaks: no page, no penalty slot.
@@ -15,7 +15,7 @@ import torch
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import Engine
 from tests.hf_checkpoints import load_reference
-from tests.test_penalties import numpy_penalised
+from tests.runtime.test_penalties import numpy_penalised
 
 NEW = 12
 

@@ -17,10 +17,10 @@ import dataclasses
 import numpy as np
 
 from hicache_jax.models.batch import ForwardBatch
-from hicache_jax.penalties import PenaltyInputs, held_back
 from hicache_jax.request import Req
-from hicache_jax.runner import StateCopies
-from hicache_jax.sampler import SamplingInputs
+from hicache_jax.runtime.penalties import PenaltyInputs, held_back
+from hicache_jax.runtime.runner import StateCopies
+from hicache_jax.runtime.sampler import SamplingInputs
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS
 
 TOP_WIDTHS = (0, MAX_TOP_LOGPROBS)  # top logprobs a step computes: none, or the most a request may ask

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_jax import penalties
-from hicache_jax.penalties import STOP_ID_SLOTS, PenaltyInputs, Slots
-from hicache_jax.sampler import SamplingInputs, sample
+from hicache_jax.runtime import penalties
+from hicache_jax.runtime.penalties import STOP_ID_SLOTS, PenaltyInputs, Slots
+from hicache_jax.runtime.sampler import SamplingInputs, sample
 
 V, SLOTS = 48, 6
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from hicache_jax.sampler import SamplingInputs, sample
+from hicache_jax.runtime.sampler import SamplingInputs, sample
 from hicache_jax.sampling_params import InvalidRequest, SamplingParams
 
 PROBS = np.array([0.4, 0.3, 0.2, 0.1, 0.0, 0.0])

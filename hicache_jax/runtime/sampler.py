@@ -48,8 +48,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from hicache_jax import penalties
-from hicache_jax import sampler_reference as reference
+from hicache_jax.runtime import penalties
+from hicache_jax.runtime import sampler_reference as reference
 
 CANDIDATES = 256  # C: top-k up to C and top-p nuclei of up to C tokens skip the reference
 TOP_P_MARGIN = 4e-6  # a cumulative probability this close to top_p sends the row to it

@@ -19,13 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hicache_jax import compiles, distributed, penalties
+from hicache_jax import distributed
 from hicache_jax.models import sharding
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.penalties import PenaltyInputs
-from hicache_jax.sampler import SamplingInputs, SamplingOutputs, sample
+from hicache_jax.runtime import compiles, penalties
+from hicache_jax.runtime.penalties import PenaltyInputs
+from hicache_jax.runtime.sampler import SamplingInputs, SamplingOutputs, sample
 
 
 @dataclasses.dataclass(frozen=True)

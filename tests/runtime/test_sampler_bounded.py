@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_jax import sampler_reference as reference
-from hicache_jax.sampler import (
+from hicache_jax.runtime import sampler_reference as reference
+from hicache_jax.runtime.sampler import (
     CANDIDATES,
     REFERENCE_BELOW,
     SamplingInputs,

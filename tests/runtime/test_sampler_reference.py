@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_jax.sampler_reference import filtered_logits
+from hicache_jax.runtime.sampler_reference import filtered_logits
 
 V = 300
 filtered_jit = jax.jit(filtered_logits)

@@ -7,7 +7,7 @@ import numpy as np
 
 from hicache_jax.models.cache import KVPages, MambaState
 from hicache_jax.models.presets import preset_config
-from hicache_jax.transfer import MIN_PAGES, PageTransfer
+from hicache_jax.runtime.transfer import MIN_PAGES, PageTransfer
 
 PAGES, SLOTS = 40, 24
 
