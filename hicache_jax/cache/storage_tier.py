@@ -16,7 +16,7 @@ tasks and, each step, takes the finished ones (``take_finished``); the prefetch'
 the host tier (``land``). Results are all or nothing per prefix: after the reads, the end is
 recomputed over what actually arrived.
 
-Over several processes (``hicache_jax/replicated.py``) every process holds the same whole
+Over several processes (``hicache_jax/multihost/replicated.py``) every process holds the same whole
 pages in L2, so any of them could write any page: each writes only the pages whose hash
 falls to it (``writer``), and no page is written twice. Only process 0 prefetches; what it
 reads reaches the others with its step (``scheduler/prefetch.py``).

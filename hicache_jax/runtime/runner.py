@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hicache_jax import distributed
 from hicache_jax.models import sharding
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.multihost import distributed
 from hicache_jax.runtime import compiles, penalties
 from hicache_jax.runtime.penalties import PenaltyInputs
 from hicache_jax.runtime.sampler import SamplingInputs, SamplingOutputs, sample

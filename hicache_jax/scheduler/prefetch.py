@@ -11,7 +11,7 @@ The scheduler is this object's only user::
 
 ``decide`` is the only place that reads a clock or the state of a read; ``apply`` changes the
 cache only from the ``PrefetchDecisions`` it is given. That split is what lets several
-processes serve one model (``hicache_jax/replicated.py``): process 0 decides, and its
+processes serve one model (``hicache_jax/multihost/replicated.py``): process 0 decides, and its
 decisions, landed page data included, travel with its ``step`` call, so every process inserts
 the same pages and admits the same requests at the same step. The other processes never read
 L3 for a prefetch (``reads=False``); their ``decide`` is never called.

@@ -1,4 +1,4 @@
-"""The call protocol of ``hicache_jax/replicated.py`` in one process, the broadcast replaced
+"""The call protocol of ``hicache_jax/multihost/replicated.py`` in one process, the broadcast replaced
 by a list: what process 0 sends, when, and how a follower replays it. Two real processes
 behind the server binary: ``tests/server/test_multihost.py``."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_jax import replicated
-from hicache_jax.distributed import PlanDivergence
 from hicache_jax.failures import EngineLost, StepFailed
-from hicache_jax.replicated import HEARTBEAT_S, LeaderEngine, follow
+from hicache_jax.multihost import replicated
+from hicache_jax.multihost.distributed import PlanDivergence
+from hicache_jax.multihost.replicated import HEARTBEAT_S, LeaderEngine, follow
 
 
 class RecordingEngine:
