@@ -247,7 +247,7 @@ def bench_ttft(args: argparse.Namespace) -> dict:
     with plain threads, dropped the same way (``raw_read_s``). A warm-up prompt goes through
     the same passes first, so every program they need is compiled before anything is timed."""
     from hicache_jax.config import EngineConfig
-    from hicache_jax.engine import Engine
+    from hicache_jax.engine.engine import Engine
 
     spec = Path(args.dir or tempfile.mkdtemp(prefix="hicache_ttft_")) / "l3"
     shutil.rmtree(spec, ignore_errors=True)

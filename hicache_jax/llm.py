@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from hicache_jax.sampling_params import QueueFull, SamplingParams
 
 

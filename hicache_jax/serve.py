@@ -82,7 +82,7 @@ def main(argv: list[str]) -> None:
     try:
         import jax
 
-        from hicache_jax.engine import Engine
+        from hicache_jax.engine.engine import Engine
 
         log.info("JAX %s on %s", jax.__version__, ", ".join(str(d) for d in jax.devices()))
         engine = Engine(engine_cfg)
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> None:
         _die(f"cannot start the engine: {e}", 1)
     log.info("engine ready in %.1fs", time.perf_counter() - t0)
 
-    from hicache_jax.failures import EngineLost
+    from hicache_jax.engine.failures import EngineLost
     from hicache_jax.multihost.replicated import LeaderEngine, follow
 
     if engine_cfg.dist_process_id > 0:  # only process 0 serves HTTP; the others replay it

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from hicache_jax.config import ConfigError, EngineConfig
-from hicache_jax.failures import EngineLost
+from hicache_jax.engine.failures import EngineLost
 
 
 class PlanDivergence(EngineLost):

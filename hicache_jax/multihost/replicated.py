@@ -42,7 +42,7 @@ import uuid
 
 import numpy as np
 
-from hicache_jax.failures import EngineLost, StepFailed
+from hicache_jax.engine.failures import EngineLost, StepFailed
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import queue
 import threading
 import time
 
-from hicache_jax.failures import EngineLost, StepFailed
-from hicache_jax.flush_result import FlushResult
+from hicache_jax.engine.failures import EngineLost, StepFailed
+from hicache_jax.engine.flush_result import FlushResult
+from hicache_jax.engine.outputs import OutputDelta, OutputStream
 from hicache_jax.metric_kinds import Metrics
-from hicache_jax.outputs import OutputDelta, OutputStream
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.server.errors import ApiError
 from hicache_jax.server.latency import RequestLatency

@@ -21,9 +21,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from hicache_jax import warmup
-from hicache_jax.build import context_length, make_builder, make_device_pools, make_runner
 from hicache_jax.config import EngineConfig
+from hicache_jax.engine import warmup
+from hicache_jax.engine.build import context_length, make_builder, make_device_pools, make_runner
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_jax.failures import EngineLost, StepFailed
+from hicache_jax.engine.failures import EngineLost, StepFailed
 from hicache_jax.multihost import replicated
 from hicache_jax.multihost.distributed import PlanDivergence
 from hicache_jax.multihost.replicated import HEARTBEAT_S, LeaderEngine, follow

@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 
 from hicache_jax import LLM
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
-from hicache_jax.outputs import OutputDelta
+from hicache_jax.engine.engine import Engine
+from hicache_jax.engine.outputs import OutputDelta
 from hicache_jax.sampling_params import QueueFull
 from hicache_jax.server.app import create_app
 from hicache_jax.server.config import ServerConfig

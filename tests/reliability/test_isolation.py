@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hicache_jax.engine.validation import MAX_SALT_CHARS
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.storage.layout import MARKER, parse_page_path
-from hicache_jax.validation import MAX_SALT_CHARS
 from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm
 
 GEN = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}

@@ -2,7 +2,7 @@
 leave a tree behind each (the salt is an unbounded user value)."""
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from tests.cache.test_prefix_cache import make
 from tests.reliability.workload import _tokens
 

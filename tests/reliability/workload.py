@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from hicache_jax.sampling_params import QueueFull
 
 VOCAB = (3, 500)  # token ids drawn here: no BOS/EOS (1, 2) inside prompts

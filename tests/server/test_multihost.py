@@ -30,7 +30,7 @@ import pytest
 
 from hicache_jax.bench.server_process import ServerError, ServerProcess, free_port
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from tests import hf_checkpoints
 from tests._diverging_follower import DIVERGE_TOKEN
 from tests.server.conftest import ROOT, server_env

@@ -13,12 +13,12 @@ import pytest
 from starlette.testclient import TestClient
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.detokenizer import REPLACEMENT
-from hicache_jax.engine import Engine
+from hicache_jax.engine.detokenizer import REPLACEMENT
+from hicache_jax.engine.engine import Engine
+from hicache_jax.engine.outputs import OutputStream, format_output
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.models.presets import TOKENIZER
 from hicache_jax.models.tokenizer import Tokenizer
-from hicache_jax.outputs import OutputStream, format_output
 from hicache_jax.request import Req, Status
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.server import metrics

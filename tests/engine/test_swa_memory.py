@@ -3,7 +3,7 @@
 import dataclasses
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.presets import preset_config
 

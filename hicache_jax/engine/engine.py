@@ -24,7 +24,9 @@ from typing import NoReturn
 
 import jax
 
-from hicache_jax.build import (
+from hicache_jax.cache.prefix_cache import PrefixCache
+from hicache_jax.config import EngineConfig
+from hicache_jax.engine.build import (
     check_model_tp,
     context_length,
     load_model_and_tokenizer,
@@ -35,14 +37,15 @@ from hicache_jax.build import (
     make_storage_tier,
     prefix_rules,
 )
-from hicache_jax.cache.prefix_cache import PrefixCache
-from hicache_jax.config import EngineConfig
-from hicache_jax.failures import EngineStalled, StepFailed
-from hicache_jax.flush_result import FlushResult
+from hicache_jax.engine.failures import EngineStalled, StepFailed
+from hicache_jax.engine.flush_result import FlushResult
+from hicache_jax.engine.outputs import OutputDelta, OutputStream, format_output, output_text
+from hicache_jax.engine.step_results import append_token, record_input_logprobs, stop_reason
+from hicache_jax.engine.validation import validate_cache_salt, validate_prompt, validate_rid
+from hicache_jax.engine.warmup import WarmupReport, warmup
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
-from hicache_jax.outputs import OutputDelta, OutputStream, format_output, output_text
 from hicache_jax.request import Req, Status
 from hicache_jax.runtime import penalties
 from hicache_jax.runtime.transfer import PageTransfer
@@ -51,9 +54,6 @@ from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import StepPlan
 from hicache_jax.scheduler.prefetch import PrefetchDecisions, Prefetcher
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
-from hicache_jax.step_results import append_token, record_input_logprobs, stop_reason
-from hicache_jax.validation import validate_cache_salt, validate_prompt, validate_rid
-from hicache_jax.warmup import WarmupReport, warmup
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from hicache_jax.detokenizer import IncrementalDetokenizer
+from hicache_jax.engine.detokenizer import IncrementalDetokenizer
 from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.request import Req
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 
 
 def run(engine, prompts, params, check_every_step=False):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_jax.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from hicache_jax.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from hicache_jax.models.presets import TOKENIZER
 from hicache_jax.models.tokenizer import Tokenizer
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from hicache_jax.models.presets import TOKENIZER, build_preset
 from hicache_jax.models.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from tests.hf_checkpoints import load_reference
 from tests.runtime.test_penalties import numpy_penalised
 

@@ -6,7 +6,7 @@ are counted through JAX's public monitoring events (``hicache_jax.runtime.compil
 import numpy as np
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from hicache_jax.request import Req
 from hicache_jax.runtime import compiles
 from hicache_jax.sampling_params import SamplingParams
