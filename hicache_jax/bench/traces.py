@@ -207,7 +207,7 @@ def write_trace(path: str, events: Iterable[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m hicache_jax.traces --out FILE [--sessions N --turns T --seed S]``: write a
+    """``python -m hicache_jax.bench.traces --out FILE [--sessions N --turns T --seed S]``: write a
     synthetic conversation trace in Mooncake's format."""
     import argparse
 

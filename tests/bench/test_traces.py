@@ -1,4 +1,4 @@
-"""Mooncake-format traces (``hicache_jax/traces.py``): what the generator writes passes an
+"""Mooncake-format traces (``hicache_jax/bench/traces.py``): what the generator writes passes an
 independent format check, and the reader names the first line that breaks the format.
 
 The format, as Mooncake's traces and the hashers that make them define it: a line's
@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_jax import traces
+from hicache_jax.bench import traces
 
 B = traces.MOONCAKE_BLOCK_TOKENS
 CHECKED_IN = os.path.join(
-    os.path.dirname(__file__), "..", "benchmarks", "traces", "conversations_small.jsonl"
+    os.path.dirname(__file__), "..", "..", "benchmarks", "traces", "conversations_small.jsonl"
 )
 
 
