@@ -19,9 +19,9 @@ from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.sharding import make_mesh, tp_size
 from hicache_jax.models.tokenizer import Tokenizer
+from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.runtime.runner import ModelRunner
 from hicache_jax.runtime.transfer import PageTransfer
-from hicache_jax.scheduler.plan import BatchBuilder
 
 log = logging.getLogger(__name__)
 

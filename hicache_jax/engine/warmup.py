@@ -29,9 +29,10 @@ import jax
 
 from hicache_jax import progress
 from hicache_jax.runtime import compiles
+from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.runtime.runner import ModelRunner
 from hicache_jax.runtime.transfer import PageTransfer
-from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
+from hicache_jax.scheduler.plan import StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.loader import resolve_dtype
 from hicache_jax.models.sharding import abstract_weights, make_mesh
+from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.runtime.runner import ModelRunner
 from hicache_jax.runtime.transfer import PageTransfer
-from hicache_jax.scheduler.plan import BatchBuilder
 from hicache_jax.tpu.target import TpuTarget, tracing_for
 
 Select = Callable[[str], bool] | None  # which programs, by name (None: all)

@@ -9,8 +9,9 @@ from hicache_jax.config import EngineConfig
 from hicache_jax.engine.engine import Engine
 from hicache_jax.request import Req
 from hicache_jax.runtime import compiles
+from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.sampling_params import SamplingParams
-from hicache_jax.scheduler.plan import BatchBuilder, StepPlan, WorkItem
+from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
 P = 16
 

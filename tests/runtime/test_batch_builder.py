@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_jax.request import Req
+from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from hicache_jax.scheduler.plan import BatchBuilder, StepPlan, WorkItem
+from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
 P = 4
 MAX_RUNNING = 4
