@@ -410,8 +410,8 @@ class Engine:
     # ---- maintenance -----------------------------------------------------------------------------
     def flush_cache(self) -> FlushResult:
         """Clear L1 and L2 after draining pending L3 writes (for at most
-        ``hicache_storage_timeout_s``); L3 is kept. Refused (falsy) while requests are in
-        flight. The result says what the L3 drain did."""
+        ``hicache_storage_timeout_s``); L3 is kept. Refused (``success`` False) while
+        requests are in flight. The result says what the L3 drain did."""
         if self.scheduler.has_work():
             return FlushResult(False, "requests are still in flight")
         t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""What ``Engine.flush_cache`` did: truthy when the device and host caches were cleared."""
+"""What ``Engine.flush_cache`` did: ``success`` when the device and host caches were cleared."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from hicache_jax.cache.storage_tier import StorageDrain
 
 @dataclasses.dataclass(frozen=True)
 class FlushResult:
-    """``bool(result)`` is `success` (callers that treated the old ``bool`` keep working).
-
-    A flush succeeds once L1 and L2 are cleared, even if L3 did not drain in time: `storage`
+    """A flush succeeds once L1 and L2 are cleared, even if L3 did not drain in time: `storage`
     then says how many prefetches were abandoned and how many page writes were left queued.
     """
 
@@ -20,9 +18,6 @@ class FlushResult:
     seconds: float = 0.0
     storage: StorageDrain | None = None  # None: refused, or no L3 configured
     failed: bool = False  # it raised (not merely refused while requests run)
-
-    def __bool__(self) -> bool:
-        return self.success
 
     def to_dict(self) -> dict:
         out = {"success": self.success, "message": self.message, "seconds": round(self.seconds, 3)}

@@ -103,8 +103,8 @@ class EngineLoop:
         if self._thread.is_alive():  # a dead loop runs nothing (and this is called in finally:)
             self.submit(Abort(sink.rid, sink))
 
-    async def flush(self):
-        """The engine's flush result (truthy on success)."""
+    async def flush(self) -> FlushResult:
+        """The engine's flush result (``success``, ``failed`` when it raised)."""
         reply = Reply()
         self.submit(Flush(reply))
         return await reply
@@ -361,12 +361,11 @@ class EngineLoop:
     def _flush(self) -> None:
         t0 = time.perf_counter()
         try:
-            result = self.engine.flush_cache()  # truthy on success; may say what L3 did
+            result = self.engine.flush_cache()  # says what L3 did, or why it refused
         except Exception as e:  # e.g. the integrity check found a leaked page
             log.exception("flush_cache failed")
             result = FlushResult(False, f"flush_cache failed: {type(e).__name__}: {e}", failed=True)
-        message = getattr(result, "message", "done" if result else "refused")
-        log.info("flush_cache: %s in %.2fs", message, time.perf_counter() - t0)
+        log.info("flush_cache: %s in %.2fs", result.message, time.perf_counter() - t0)
         for f in self._flushes:
             f.reply.set(result)
         self._flushes.clear()

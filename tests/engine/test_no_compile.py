@@ -106,7 +106,7 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
             outs += _run(engine, _requests(rng, [100, 80, 70]), sizes)  # evicts `first` from the device
             outs += _run(engine, first[:3], sizes)  # L2 hits: host -> device loads
             host_hits = engine.stats["cached_tokens_host"]
-            assert engine.flush_cache()  # drains L3 writes, empties L1 and L2
+            assert engine.flush_cache().success  # drains L3 writes, empties L1 and L2
             outs += _run(engine, first[3:], sizes)  # L3 hits: storage -> host -> device
             engine.recover()  # what a failed step does: fresh device cache arrays
             outs += _run(engine, [dict(first[0], **logprobs)], sizes)

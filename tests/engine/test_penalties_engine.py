@@ -102,6 +102,6 @@ def test_penalties_under_pressure(checkpoint_dir):
         if "min_new_tokens" in sp:
             assert first[i] not in got[: sp["min_new_tokens"]]
     assert not tight.penalty_slots.holders and not solo.penalty_slots.holders
-    assert tight.flush_cache()
+    assert tight.flush_cache().success
     for pool in tight.prefix_cache.pools.values():
         assert pool.num_used == 0, f"{pool.name}: {pool.num_used} still in use after flush"

@@ -22,7 +22,7 @@ def test_write_queue_is_bounded_in_bytes_and_never_blocks(make_llm):
     cap_mb = 0.1  # about 12 of the tiny preset's 8 KiB pages
     llm = make_llm(hicache_storage_write_queue_mb=cap_mb, hicache_storage_timeout_s=30.0)
     run(llm, prompt(seed=90))  # compiled and written before the store hangs
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     written = llm.engine.metrics()["l3_writes"]
     store = faulty(llm)
     store.hang("put")  # nothing leaves the queue
@@ -45,7 +45,7 @@ def test_prefetch_rows_are_reserved_while_in_flight(make_llm):
     llm = make_llm(hicache_host_rate_limit=0.002)
     a, b = prompt(seed=81), prompt(seed=82)
     refs = [run(llm, a), run(llm, b)]
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     tier = llm.engine.storage
     store = faulty(llm)
     store.hang("get")  # a's reads stay in flight

@@ -126,7 +126,7 @@ def solo_outputs(cfg: EngineConfig, trace: list[TraceReq]) -> list[list[int]]:
 
 def assert_all_free(engine: Engine) -> None:
     """After flush_cache: integrity holds and every device and host page is free."""
-    assert engine.flush_cache(), "flush_cache refused with nothing in flight"
+    assert engine.flush_cache().success, "flush_cache refused with nothing in flight"
     engine.check_integrity()
     for pool in engine.prefix_cache.pools.values():
         assert pool.num_used == 0, f"{pool.name}: {pool.num_used} still used after flush"
