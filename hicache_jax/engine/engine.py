@@ -71,6 +71,8 @@ class Launched:
 
 
 class Engine:
+    """Satisfies ``EngineAPI`` (``engine/interface.py``): the calls the server makes."""
+
     def __init__(self, cfg: EngineConfig, model: CausalLM | None = None, tokenizer: Tokenizer | None = None):
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg)
@@ -435,6 +437,9 @@ class Engine:
             return False
         self.storage.clear()
         return True
+
+    def heartbeat(self) -> None:
+        """Nothing to do on one process (``LeaderEngine.heartbeat`` keeps the others in touch)."""
 
     def close(self) -> None:
         """Stop L3 work: queued writes get up to ``hicache_storage_timeout_s``, then are dropped."""

@@ -39,10 +39,20 @@ import logging
 import pickle
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hicache_jax.engine.failures import EngineLost, StepFailed
+
+if TYPE_CHECKING:
+    from hicache_jax.config import EngineConfig
+    from hicache_jax.engine.engine import Engine
+    from hicache_jax.engine.flush_result import FlushResult
+    from hicache_jax.engine.outputs import OutputDelta
+    from hicache_jax.metric_kinds import Metrics
+    from hicache_jax.models.tokenizer import Tokenizer
+    from hicache_jax.request import Req
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +62,11 @@ HEARTBEAT_S = 2.0  # while process 0 is idle, the others hear from it at least t
 
 
 class LeaderEngine:
-    """Process 0's engine, recording its state-changing calls for the other processes."""
+    """Process 0's engine, recording its state-changing calls for the other processes. It
+    satisfies ``EngineAPI`` (``engine/interface.py``), so the server's engine thread drives it
+    as it drives a plain ``Engine``."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self._engine = engine
         self._calls: list[tuple[str, tuple, dict]] = []
         self._sent = time.monotonic()
@@ -66,12 +78,69 @@ class LeaderEngine:
         if self.lost is None and time.monotonic() - self._sent >= HEARTBEAT_S:
             self._send()
 
+    # -- reads: this process's engine, unrecorded ---------------------------------------------
+    @property
+    def cfg(self) -> EngineConfig:
+        return self._engine.cfg
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._engine.tokenizer
+
+    @property
+    def requests(self) -> dict[str, Req]:
+        return self._engine.requests
+
+    @property
+    def stats(self) -> Metrics:
+        return self._engine.stats
+
+    @property
+    def broken(self) -> BaseException | None:
+        return self._engine.broken
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished()
+
+    def metrics(self) -> Metrics:
+        return self._engine.metrics()
+
+    def __getattr__(self, name: str):
+        """Start-up facts outside ``EngineAPI`` (``model``, ``context_len``, ``runner``: read by
+        ``ServerState.from_engine``)."""
+        return getattr(self._engine, name)
+
+    # -- STATE_CALLS: run here, recorded, sent with the next device call -----------------------
+    def add_request(self, *args, **kwargs) -> str:
+        if not kwargs.get("rid"):
+            kwargs["rid"] = uuid.uuid4().hex  # drawn here, replayed as given
+        return self._state_call("add_request", self._engine.add_request, args, kwargs)
+
+    def abort(self, *args, **kwargs) -> bool:
+        return self._state_call("abort", self._engine.abort, args, kwargs)
+
+    def pop_output(self, *args, **kwargs) -> dict | OutputDelta:
+        return self._state_call("pop_output", self._engine.pop_output, args, kwargs)
+
+    # -- DEVICE_CALLS: sent with what is recorded, then run here -------------------------------
     def step(self, prefetch=None):
         """A step, with what the L3 prefetch brought as decided here: only process 0 reads
         L3, so its decision is the step's argument everywhere."""
         if prefetch is None and self.lost is None:
             prefetch = self._engine.prefetch_decisions()
-        return self._device_call("step", (), {"prefetch": prefetch})
+        return self._device_call("step", self._engine.step, (), {"prefetch": prefetch})
+
+    def sync(self, *args, **kwargs):
+        return self._device_call("sync", self._engine.sync, args, kwargs)
+
+    def flush_cache(self, *args, **kwargs) -> FlushResult:
+        return self._device_call("flush_cache", self._engine.flush_cache, args, kwargs)
+
+    def clear_storage(self, *args, **kwargs) -> bool:
+        return self._device_call("clear_storage", self._engine.clear_storage, args, kwargs)
+
+    def recover(self, *args, **kwargs) -> None:
+        return self._device_call("recover", self._engine.recover, args, kwargs)
 
     def close(self) -> None:
         """Close every process's engine, then leave ``jax.distributed`` together; after
@@ -83,31 +152,20 @@ class LeaderEngine:
         self._engine.close()
         leave()  # every process meets here, then the coordinator may go
 
-    def __getattr__(self, name: str):
-        attr = getattr(self._engine, name)
-        if name in DEVICE_CALLS:
-            return lambda *args, **kwargs: self._device_call(name, args, kwargs)
-        if name not in STATE_CALLS:
-            return attr
+    def _state_call(self, name: str, call, args: tuple, kwargs: dict):
+        result = call(*args, **kwargs)  # a refused call raises here and is not recorded
+        # A stream only shapes what process 0 returns; elsewhere the request is dropped.
+        self._calls.append((name, args[:1], {}) if name == "pop_output" else (name, args, kwargs))
+        return result
 
-        def state_call(*args, **kwargs):
-            if name == "add_request" and not kwargs.get("rid"):
-                kwargs["rid"] = uuid.uuid4().hex  # drawn here, replayed as given
-            result = attr(*args, **kwargs)  # a refused call raises here and is not recorded
-            # A stream only shapes what process 0 returns; elsewhere the request is dropped.
-            self._calls.append((name, args[:1], {}) if name == "pop_output" else (name, args, kwargs))
-            return result
-
-        return state_call
-
-    def _device_call(self, name: str, args: tuple, kwargs: dict):
+    def _device_call(self, name: str, call, args: tuple, kwargs: dict):
         """Send what is recorded and this call to the others, then run it here."""
         if self.lost is not None:
             raise self.lost
         self._calls.append((name, args, kwargs))
         self._send()
         try:
-            return getattr(self._engine, name)(*args, **kwargs)
+            return call(*args, **kwargs)
         except StepFailed as e:
             if isinstance(e.__cause__, EngineLost):
                 self.lost = e.__cause__

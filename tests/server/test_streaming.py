@@ -29,6 +29,7 @@ from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.messages import Sink, Update
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import CumulativeStream
+from tests.server.fake_engine import FakeEngine
 
 TEXT = "Hi 😀 世界, ok 😀!"  # 3- and 4-byte characters: spelled byte by byte by the tiny tokenizer
 TOK = Tokenizer(TOKENIZER)
@@ -45,7 +46,7 @@ def _logprob(n: int, tok: int, k: int):
     return (-0.25 - n / 8, top)
 
 
-class ScriptedEngine:
+class ScriptedEngine(FakeEngine):
     """The slice of ``Engine`` the loop uses: each step appends the script's next token (and
     made-up logprobs) to every request. Stop strings, lengths and outputs are the real
     ``Engine``'s code."""
