@@ -156,7 +156,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         kv_dtype=str(model.dtype),
         page_size=cfg.page_size,
         layout_version=1,
-        # Pages are stored whole at every tp_size (see transfer.py): the namespace names the
+        # Pages are stored whole at every tp_size (see runtime/transfer.py): the namespace names the
         # whole-page layout, so servers at any tp_size share them.
         tp_rank=0,
         tp_size=1,

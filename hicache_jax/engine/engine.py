@@ -104,7 +104,7 @@ class Engine:
         prefetch = Prefetcher(
             None if cfg.disable_radix_cache else self.storage,
             policy=cfg.hicache_storage_prefetch_policy,
-            reads=jax.process_index() == 0,  # the others get process 0's reads (replicated.py)
+            reads=jax.process_index() == 0,  # the others get process 0's reads (multihost/replicated.py)
         )
         self.scheduler = Scheduler(cfg, self.adapter, prefetch)
         self.builder = make_builder(cfg, mc, self.context_len)
@@ -209,7 +209,7 @@ class Engine:
     def step(self, prefetch: PrefetchDecisions | None = None) -> list[Req]:
         """Run one batch; returns requests that finished or produced tokens this step.
         ``prefetch``: what L3 prefetching brought, decided elsewhere (by process 0 when
-        several processes serve; see replicated.py); by default decided here.
+        several processes serve; see multihost/replicated.py); by default decided here.
 
         Raises ``StepFailed`` after a step failed (its running requests are failed, the
         device state rebuilt: the next step serves again) and ``EngineStalled`` when work is
@@ -279,7 +279,7 @@ class Engine:
 
     def _assign_penalty_slots(self, plan: StepPlan) -> None:
         """A penalty slot, with its counts written, for each request of the step that has a
-        penalty and no slot (``penalties.py``)."""
+        penalty and no slot (``runtime/penalties.py``)."""
         stepping = {item.req for item in plan.items}
         for item in plan.items:
             req = item.req

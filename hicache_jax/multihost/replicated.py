@@ -23,7 +23,7 @@ alone reads L3 for prefetches; before each ``step`` it decides what landed and w
 still wait (``Prefetcher.decide``: a clock and I/O, different on every host), and that
 decision, the landed pages included, is the recorded step's argument. So every process puts
 the same pages in its L2 and admits the same requests. L2 holds whole pages on every
-process (``transfer.py``), and each process writes its own share of them to L3
+process (``runtime/transfer.py``), and each process writes its own share of them to L3
 (``StorageTier.writer``), so no page is written twice.
 
 While process 0 is idle, the others wait in the broadcast; the engine loop calls
