@@ -154,10 +154,6 @@ class Engine:
         sp = SamplingParams.from_dict(sampling_params)
         if sp.min_new_tokens:
             penalties.held_back(sp, self.model.cfg.eos_token_ids)  # raises if too many to hold back
-        pools = self.prefix_cache.pools
-        capacity = min(p.size for k, p in pools.items() if k != "mamba") * self.cfg.page_size
-        if "full" not in pools and "mamba" not in pools:
-            capacity = 1 << 62  # sliding-only models hold a window, not the sequence
         input_ids = validate_prompt(
             input_ids,
             text,
@@ -165,7 +161,7 @@ class Engine:
             self.tokenizer,
             vocab_size=self.model.cfg.vocab_size,
             context_len=self.context_len,
-            capacity=capacity,
+            capacity=self.prefix_cache.sequence_capacity(),
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
         )
@@ -261,7 +257,7 @@ class Engine:
             return False
         if any(r.seq_len + 1 >= self.context_len for r in running):
             return False
-        return all(p.num_free >= len(running) for k, p in self.prefix_cache.pools.items() if k != "mamba")
+        return self.prefix_cache.has_free_pages(len(running))
 
     def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
         feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
@@ -426,7 +422,7 @@ class Engine:
         # Idle and flushed: every page must be free. Cheap now, and a leak found here is
         # reported by /flush_cache instead of surfacing later as a stall.
         self.check_integrity()
-        for name, used in self.pages_in_use().items():
+        for name, used in self.prefix_cache.pages_in_use().items():
             if used:
                 raise AssertionError(f"{name}: {used} pages still in use after flush_cache")
         return FlushResult.done(time.monotonic() - t0, drained)
@@ -459,18 +455,9 @@ class Engine:
         out.gauges(
             {"num_running_reqs": len(self.scheduler.running), "num_waiting_reqs": len(self.scheduler.waiting)}
         )
-        for kind, pool in self.prefix_cache.pools.items():
-            out.gauges({f"pool_{kind}_used": pool.num_used, f"pool_{kind}_size": pool.size})
-        for kind, pool in self.prefix_cache.host.items():
-            out.gauges({f"host_pool_{kind}_used": pool.index.num_used, f"host_pool_{kind}_size": pool.size})
-        out.add(self.prefix_cache.counters)
+        out.add(self.prefix_cache.metrics())  # pool use and the cache's counters
         if self.storage is not None:
             out.add(self.storage.stats())
-        return out
-
-    def pages_in_use(self) -> dict[str, int]:
-        out = {f"device {k}": p.num_used for k, p in self.prefix_cache.pools.items()}
-        out.update({f"host {k}": p.index.num_used for k, p in self.prefix_cache.host.items()})
         return out
 
     def check_integrity(self) -> None:
