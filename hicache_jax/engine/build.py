@@ -179,7 +179,5 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         StorageClient(store, namespace, client_cfg),
         namespace,
         prefix_cache,
-        threshold=cfg.hicache_prefetch_threshold,
-        host_rate_limit=cfg.hicache_host_rate_limit,
         writer=(jax.process_index(), jax.process_count()),
     )

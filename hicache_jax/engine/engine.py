@@ -51,8 +51,8 @@ from hicache_jax.runtime import penalties
 from hicache_jax.runtime.transfer import PageTransfer
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
+from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions, Prefetcher
 from hicache_jax.scheduler.plan import StepPlan
-from hicache_jax.scheduler.prefetch import PrefetchDecisions, Prefetcher
 from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,10 @@ class Engine:
         self.adapter = CacheAdapter(self.prefix_cache)
         prefetch = Prefetcher(
             None if cfg.disable_radix_cache else self.storage,
+            self.prefix_cache,
             policy=cfg.hicache_storage_prefetch_policy,
+            threshold=cfg.hicache_prefetch_threshold,
+            host_rate_limit=cfg.hicache_host_rate_limit,
             reads=jax.process_index() == 0,  # the others get process 0's reads (multihost/replicated.py)
         )
         self.scheduler = Scheduler(cfg, self.adapter, prefetch)
@@ -241,7 +244,7 @@ class Engine:
 
     def prefetch_decisions(self) -> PrefetchDecisions:
         """What the L3 prefetch brought since the last step, and who still waits for it."""
-        return self.scheduler.prefetch.decide()
+        return self.scheduler.prefetch_decisions()
 
     def sync(self) -> list[Req]:
         """Read the step in flight, if any (its requests as ``step`` returns them)."""
@@ -297,9 +300,9 @@ class Engine:
         return touched
 
     def _idle(self, timeout: float) -> None:
-        if self.scheduler.prefetch.pending():
+        if self.scheduler.waiting_on_storage():
             self._idle_steps = 0
-            self.scheduler.prefetch.wait(timeout)  # only requests waiting on L3: sleep until one lands
+            self.scheduler.wait_for_storage(timeout)  # only requests waiting on L3: sleep until one lands
             return
         self._idle_steps += 1
         if self._idle_steps >= STALL_STEPS and self.scheduler.has_work():
@@ -417,7 +420,9 @@ class Engine:
             # write_back keeps data only on the device until eviction: a flush writes it back.
             everything = self.cfg.hicache_write_policy == "write_back"
             self.prefix_cache.backup_pending(everything=everything)
-        drained = self.storage.drain() if self.storage is not None else None
+        drained = None
+        if self.storage is not None:  # in-flight prefetches are dropped, queued L3 writes drained
+            drained = self.storage.drain(self.scheduler.abandon_prefetches)
         self.prefix_cache.flush()
         # Idle and flushed: every page must be free. Cheap now, and a leak found here is
         # reported by /flush_cache instead of surfacing later as a stall.
@@ -440,6 +445,7 @@ class Engine:
     def close(self) -> None:
         """Stop L3 work: queued writes get up to ``hicache_storage_timeout_s``, then are dropped."""
         if self.storage is not None:
+            self.scheduler.close()  # no prefetch outlives the storage tier
             self.storage.close()
             done = self.storage.client.stats()
             log.info(
@@ -457,6 +463,7 @@ class Engine:
         )
         out.add(self.prefix_cache.metrics())  # pool use and the cache's counters
         if self.storage is not None:
+            out.add(self.scheduler.prefetch_metrics())
             out.add(self.storage.stats())
         return out
 

@@ -86,6 +86,7 @@ class ReadGate:
         """Open the gate and wait until no prefetch is reading (they have landed)."""
         self.open()
         deadline = time.monotonic() + timeout
-        while self.engine.storage.pending():
+        prefetch = self.engine.scheduler.prefetch
+        while prefetch.reading():
             assert time.monotonic() < deadline, "prefetch still reading after the gate opened"
-            self.engine.storage.wait(0.1)
+            prefetch.wait(0.1)

@@ -77,7 +77,7 @@ def _best_effort_second_pass(llm, ids, gate):
     revoked = engine.metrics()["prefetch_revoked"]
     rid = engine.add_request(input_ids=ids, sampling_params=greedy, return_logprob=True)
     engine.step()
-    assert [r.rid for r in engine.scheduler.running] == [rid] and engine.storage.pending()
+    assert [r.rid for r in engine.scheduler.running] == [rid] and engine.scheduler.prefetch.reading()
     assert engine.metrics()["prefetch_revoked"] == revoked + 1
     gate.release()
     while engine.has_unfinished():
@@ -90,7 +90,7 @@ def _best_effort_second_pass(llm, ids, gate):
     blocker = engine.add_request(input_ids=prompt(9, pages=2), sampling_params={"max_new_tokens": 4})
     rid = engine.add_request(input_ids=ids, sampling_params=greedy, return_logprob=True)
     engine.step()
-    assert [r.rid for r in engine.scheduler.running] == [blocker] and engine.storage.pending()
+    assert [r.rid for r in engine.scheduler.running] == [blocker] and engine.scheduler.prefetch.reading()
     gate.release()
     while engine.has_unfinished():
         engine.step()

@@ -9,7 +9,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from hicache_jax.scheduler.prefetch import prefetch_timeout
+from hicache_jax.scheduler.l3_prefetch import prefetch_timeout
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.faults import FaultyStore
 from hicache_jax.storage.keys import Namespace, page_hashes, page_keys

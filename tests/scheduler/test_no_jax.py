@@ -45,7 +45,7 @@ MUST_IMPORT = {
     "hicache_jax.scheduler.scheduler",
     "hicache_jax.scheduler.plan",
     "hicache_jax.scheduler.cache_adapter",
-    "hicache_jax.scheduler.prefetch",
+    "hicache_jax.scheduler.l3_prefetch",
     "hicache_jax.cache.prefix_cache",
     "hicache_jax.cache.radix",
     "hicache_jax.cache.storage_tier",

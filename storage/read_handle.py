@@ -1,4 +1,4 @@
-"""PrefetchHandle: the pages of one L3 prefetch, arriving in key order."""
+"""PrefetchHandle: the pages of one ordered L3 read (``StorageClient.prefetch``), arriving in key order."""
 
 from __future__ import annotations
 
