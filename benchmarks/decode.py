@@ -31,7 +31,7 @@ from floors import matmul_rate, step_flops
 from trace_summary import top_ops
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from hicache_jax.models.cache import MambaState
 
 

@@ -247,7 +247,7 @@ def bench_ttft(args: argparse.Namespace) -> dict:
     with plain threads, dropped the same way (``raw_read_s``). A warm-up prompt goes through
     the same passes first, so every program they need is compiled before anything is timed."""
     from hicache_jax.config import EngineConfig
-    from hicache_jax.engine import Engine
+    from hicache_jax.engine.engine import Engine
 
     spec = Path(args.dir or tempfile.mkdtemp(prefix="hicache_ttft_")) / "l3"
     shutil.rmtree(spec, ignore_errors=True)
@@ -279,14 +279,14 @@ def bench_ttft(args: argparse.Namespace) -> dict:
         ids = rng.randint(3, engine.model.cfg.vocab_size, args.ttft_tokens).tolist()
         cold, _ = ttft(ids)
         l1, _ = ttft(ids)
-        assert engine.flush_cache()  # drains the L3 writes
+        assert engine.flush_cache().success  # drains the L3 writes
         mine = sorted(set(_files(spec)) - before)  # this prompt's page files
         warm, details = ttft(ids)
-        assert engine.flush_cache()
+        assert engine.flush_cache().success
         dropped_ok = _evict(mine)
         resident = _resident_share(mine)
         dropped, details = ttft(ids)
-        assert engine.flush_cache()
+        assert engine.flush_cache().success
         _evict(mine)
         t0 = time.perf_counter()
         nbytes = _raw_read(

@@ -28,7 +28,7 @@ import numpy as np
 from floors import matmul_rate, step_flops  # benchmarks/ is the script's directory
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 
 
 class TimedRunner:

@@ -22,7 +22,7 @@ import time
 
 import jax
 
-import hicache_jax.runner as runner_mod
+import hicache_jax.runtime.runner as runner_mod
 from hicache_jax import LLM
 from hicache_jax.server.profiler import Profiler
 

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache_jax import sampler, sampler_reference
-from hicache_jax.sampler import SamplingInputs
+from hicache_jax.runtime import sampler, sampler_reference
+from hicache_jax.runtime.sampler import SamplingInputs
 
 # name -> (logit scale, per-row settings cycled over the batch: (temperature, top_k, top_p, min_p))
 CASES = {

@@ -23,9 +23,9 @@ import random
 import statistics
 import time
 
+from hicache_jax.engine.outputs import OutputStream, format_output
 from hicache_jax.models.presets import TOKENIZER
 from hicache_jax.models.tokenizer import Tokenizer
-from hicache_jax.outputs import OutputStream, format_output
 from hicache_jax.request import Req
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.server.openai_api import completion_logprobs

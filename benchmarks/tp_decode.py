@@ -22,7 +22,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hicache_jax.config import EngineConfig  # noqa: E402
-from hicache_jax.engine import Engine  # noqa: E402
+from hicache_jax.engine.engine import Engine  # noqa: E402
 
 
 def decode_ms(preset: str, tp: int, batch: int, context: int, steps: int) -> float:

@@ -118,7 +118,7 @@ class EngineConfig:
     kernel_interpret: bool = False  # Pallas interpret mode (CPU tests)
     random_seed: int = 0
     tp_size: int = 1  # tensor-parallel degree: a mesh of the first tp_size devices
-    # Several processes (hosts) on one mesh, joined by jax.distributed (hicache_jax/distributed.py).
+    # Several processes (hosts) on one mesh, joined by jax.distributed (hicache_jax/multihost/distributed.py).
     dist_coordinator: str | None = None  # host:port of process 0
     dist_num_processes: int = 1
     dist_process_id: int = 0

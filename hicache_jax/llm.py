@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
+from hicache_jax.engine.flush_result import FlushResult
 from hicache_jax.sampling_params import QueueFull, SamplingParams
 
 
@@ -73,7 +74,8 @@ class LLM:
         if not self.engine.scheduler.running:
             time.sleep(0.001)  # only requests waiting on L3 prefetches: don't spin
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self) -> FlushResult:
+        """Clear L1 and L2 (L3 is kept); check ``.success``: False while requests run."""
         return self.engine.flush_cache()
 
     def close(self) -> None:

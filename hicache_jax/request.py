@@ -8,7 +8,9 @@ import time
 
 from hicache_jax.sampling_params import SamplingParams
 
-PLACEHOLDER = 0  # fill_ids' stand-in for a token still on the device (never fed: see plan.py)
+PLACEHOLDER = (
+    0  # fill_ids' stand-in for a token still on the device (never fed: see runtime/batch_builder.py)
+)
 
 
 class Status(enum.Enum):

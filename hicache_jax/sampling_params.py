@@ -42,7 +42,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
-    # Penalties and min_new_tokens (definitions: ``penalties.py``).
+    # Penalties and min_new_tokens (definitions: ``runtime/penalties.py``).
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -6,8 +6,8 @@
 Parses flags (``hicache_jax/flags.py``), builds the engine (loading weights, compiling if
 ``--warmup``), then serves HTTP until interrupted. With ``--dist_num_processes`` > 1 every
 process runs this binary with its ``--dist_process_id``; process 0 serves HTTP and the
-others replay its engine calls (``hicache_jax/replicated.py``). A bad flag or an unloadable model stops
-it here with one line naming the problem and a non-zero exit code.
+others replay its engine calls (``hicache_jax/multihost/replicated.py``). A bad flag or an
+unloadable model stops it here with one line naming the problem and a non-zero exit code.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
     if server_cfg.platform != "auto":
         os.environ["JAX_PLATFORMS"] = server_cfg.platform  # before JAX starts a backend
     if engine_cfg.dist_num_processes > 1:
-        from hicache_jax import distributed
+        from hicache_jax.multihost import distributed
 
         distributed.initialize(engine_cfg)  # before JAX starts a backend
         try:
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> None:
     try:
         import jax
 
-        from hicache_jax.engine import Engine
+        from hicache_jax.engine.engine import Engine
 
         log.info("JAX %s on %s", jax.__version__, ", ".join(str(d) for d in jax.devices()))
         engine = Engine(engine_cfg)
@@ -90,8 +90,8 @@ def main(argv: list[str]) -> None:
         _die(f"cannot start the engine: {e}", 1)
     log.info("engine ready in %.1fs", time.perf_counter() - t0)
 
-    from hicache_jax.failures import EngineLost
-    from hicache_jax.replicated import LeaderEngine, follow
+    from hicache_jax.engine.failures import EngineLost
+    from hicache_jax.multihost.replicated import LeaderEngine, follow
 
     if engine_cfg.dist_process_id > 0:  # only process 0 serves HTTP; the others replay it
         log.info(

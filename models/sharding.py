@@ -21,7 +21,7 @@ Fewer KV heads than ``tp_size``: KV heads are *replicated*, not refused. ``k_pro
 ``v_proj`` stay whole, and each shard stores the one KV head its query heads read, so the
 device KV pool holds ``tp_size`` heads (``tp_size / kv_heads`` copies of each). That costs
 device memory for the copies, but no shard ever waits on another for a KV head. Host (L2)
-and storage (L3) pages keep each KV head once (see ``hicache_jax/transfer.py``).
+and storage (L3) pages keep each KV head once (see ``hicache_jax/runtime/transfer.py``).
 
 Split sizes must divide: query heads, intermediate size, Mamba heads and (with Mamba
 layers) hidden size by ``tp_size``; KV heads and Mamba groups must divide ``tp_size`` or

@@ -38,8 +38,8 @@ from hicache_jax.storage.codec import CorruptPage, decode_page, encode_page
 from hicache_jax.storage.guard import GuardConfig, L3Unavailable, StoreGuard
 from hicache_jax.storage.keys import Namespace
 from hicache_jax.storage.layout import LegacyLayout, check_layout
-from hicache_jax.storage.prefetch import PrefetchHandle
 from hicache_jax.storage.ratelog import RateLimitedLog
+from hicache_jax.storage.read_handle import PrefetchHandle
 from hicache_jax.storage.stats import Counters
 from hicache_jax.storage.write_queue import DrainReport, WriteItem, WriteQueue
 

@@ -9,7 +9,7 @@ Usage: python -m tests._diverging_follower --flag=value ... (the flags of hicach
 import random
 
 from hicache_jax import serve
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 
 DIVERGE_TOKEN = 511
 

@@ -14,7 +14,7 @@ drives a ``BenchClient`` and returns its ``Record``s.
 Both can be sized from the server: ``pool_multiple`` picks the number of conversations
 (documents) whose distinct tokens are that many times the device pool, the working set
 that decides what L2 and L3 buy.
-- Trace replay: a Mooncake JSONL trace (``hicache_jax.traces``), each 512-token block
+- Trace replay: a Mooncake JSONL trace (``hicache_jax.bench.traces``), each 512-token block
   scaled to ``block_tokens`` tokens, sent at its timestamp times ``time_scale``.
 
 ``seed`` picks every token, so a warm-up pass with another seed runs the same shapes on
@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from hicache_jax import traces
+from hicache_jax.bench import traces
 from hicache_jax.bench.client import BenchClient, Record
 
 FIRST_ID = 3  # ids below are special in this project's presets (pad, bos, eos)

@@ -1,42 +1,33 @@
 """The prefix cache over device (L1) and, optionally, host (L2) memory, behind a
-request-free API.
+request-free API: one radix tree per ``cache_salt``, matching with tier accounting, L2 ->
+L1 loads, inserts from L1 and from L3, locks, maintenance and integrity checks.
 
-Each pool may be short independently and has its own eviction, least recently used
-first, never touching locked data:
+Two parts are modules of their own, reached only through this facade:
 
-- device full-attention pages: a node keeps its host copy; a node without one goes only
-  as a whole leaf (its subtree would be unmatchable);
-- device sliding-window pages: tombstoned outside every running request's window
-  (``swa_lock == 0``), anywhere in the tree;
-- device Mamba snapshots: dropped from unlocked nodes;
-- host pages: copies of data still on the device go first-come; host-only full pages go
-  as whole leaves.
+- ``eviction.py`` (``Eviction``): each pool's eviction rule, its LRU order and the victims;
+- ``write_policy.py`` (``Backups``): when device data is copied to the host, the copies,
+  and the ``on_backup`` hook that queues the L3 write.
 
-Write policies decide when device data is copied to the host: ``write_through`` when a
-node enters the tree, ``write_through_selective`` once it has been hit twice,
-``write_back`` only when the device evicts it. Every completed copy is reported to
-``on_backup`` (which queues the L3 write). Evicting zero pages is always safe.
-
-Nothing here scans the trees per request or per step: each pool's eviction order lives in
-``LruQueue``s (``lru.py``) that every change of a node's data, locks or children updates,
-and ``dev_kids`` counts, per node, the children with device full pages at or below them
-(what a page without a host copy waits for). Only maintenance (flush, drop_device,
-check_integrity) walks everything.
+Every change to a node's data goes through the setters below (``set_device``,
+``set_host``, ``set_from_storage``, ``remove_leaf``, ``remove_subtree``, ``prune``), which
+keep the eviction order, ``dev_kids`` and ``storage_rows`` current. Only maintenance
+(flush, drop_device, check_integrity) walks everything.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from hicache_jax.cache import integrity
+from hicache_jax.cache.eviction import Eviction
 from hicache_jax.cache.host_pool import HostPool
-from hicache_jax.cache.lru import LruQueue
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.radix import Node, RadixTree
+from hicache_jax.cache.write_policy import Backups
 from hicache_jax.metric_kinds import Metrics
 
 KINDS = ("full", "swa", "mamba")
@@ -73,23 +64,10 @@ class PrefixCache:
         self.transfer = transfer
         self.write_policy = write_policy
         self.trees: dict[str | None, RadixTree] = {}
-        self.pending_backup: dict[int, Node] = {}  # id -> node, in insertion order
-        self.on_backup: Callable[[Node, tuple[str, ...]], None] | None = None
         self.counters = Metrics().counters({"host_loads": 0, "host_backups": 0, "backup_skipped": 0})
         self.storage_rows = 0  # host rows of nodes L3 filled that no match used yet
-        # Eviction order, per pool: device pages, then host copies of device data (they go
-        # first) and host-only pages.
-        queues = [(k, k, self._evictable) for k in pools]
-        queues += [(k, "host copy " + k, self._host_copy) for k in self.host]
-        queues += [(k, "host only " + k, self._host_only) for k in self.host]
-        self._queues = [
-            LruQueue(name, 1 << b, functools.partial(f, kind=kind))
-            for b, (kind, name, f) in enumerate(queues)
-        ]
-        self._all_bits = (1 << len(self._queues)) - 1
-        self._device = {q.name: q for q in self._queues[: len(pools)]}
-        self._copies = {k: q for k, q in zip(self.host, self._queues[len(pools) :])}
-        self._host_only_q = {k: q for k, q in zip(self.host, self._queues[len(pools) + len(self.host) :])}
+        self.eviction = Eviction(self)
+        self.backups = Backups(self, write_policy, self.counters)
 
     # ---- trees (one per cache_salt: tenants never share pages) ----------------------------
     def tree(self, salt: str | None = None) -> RadixTree:
@@ -113,11 +91,8 @@ class PrefixCache:
 
     # ---- lookup -------------------------------------------------------------------------
     def availability(self, path: Sequence[Node]) -> tuple[list[bool], list[bool], list[bool]]:
-        return (
-            [n.has("full") for n in path],
-            [n.has("swa") for n in path],
-            [n.has("mamba") for n in path],
-        )
+        """What each node of ``path`` holds in any tier: full, sliding-window, Mamba."""
+        return tuple([n.has(k) for n in path] for k in KINDS)
 
     def match(
         self, tokens: Sequence[int], input_len: int, logprob_start_len: int = -1, salt: str | None = None
@@ -145,8 +120,7 @@ class PrefixCache:
             )
             page_tier.append(tier)
             node.hit_count += 1
-            if self.write_policy == "write_through_selective" and node.hit_count >= 2:
-                self._want_backup(node)
+            self.backups.hit(node)
         # Pages that need no data (before a sliding window) count with the hit's deepest tier.
         fallback = next((t for t in ("storage", "host") if t in page_tier), "device")
         match.page_tiers = [tier or fallback for tier in page_tier]
@@ -172,150 +146,66 @@ class PrefixCache:
             rows = [getattr(n, "host_" + kind) for n in nodes]
             self.transfer.write(kind, got[kind], self.host[kind].read(rows))
             for n, i in zip(nodes, got[kind]):
-                self._set(n, kind, i)
+                self.set_device(n, kind, i)
             self.counters["host_loads"] += len(nodes)
         for n in match.nodes:
-            self._set_from_storage(n, False)
+            self.set_from_storage(n, False)
         match.loads = []
         return True
 
-    # ---- device allocation with eviction ---------------------------------------------------
+    # ---- allocation with eviction, and host backups (eviction.py, write_policy.py) ---------
     def alloc(self, kind: str, n: int) -> list[int] | None:
-        pool = self.pools[kind]
-        if pool.num_free < n:
-            self.evict(kind, n - pool.num_free)
-        return pool.alloc(n)
-
-    def _evictable(self, node: Node, kind: str) -> bool:
-        return self.may_evict(node, kind, device_below=lambda n: n.dev_kids > 0)
-
-    def may_evict(self, node: Node, kind: str, device_below) -> bool:
-        """The eviction rule for ``node``'s ``kind`` page; ``device_below(node)``: whether a
-        device page hangs below it (a maintained count here; a scan in the tests)."""
-        if getattr(node, kind) is None:
-            return False
-        if kind == "swa":
-            return node.swa_lock == 0
-        if node.lock_ref:
-            return False
-        if kind == "full" and node.host_full is None and node.children:
-            if self.write_policy == "write_back" and "full" in self.host:
-                return True  # backed up on eviction, then only its device page goes
-            return not device_below(node)  # goes with its host-only subtree
-        return True
-
-    @staticmethod
-    def _host_copy(node: Node, kind: str) -> bool:
-        """A host copy of data the device still holds: the first to go."""
-        return getattr(node, "host_" + kind) is not None and getattr(node, kind) is not None
-
-    @staticmethod
-    def _host_only(node: Node, kind: str) -> bool:
-        """The only copy: a full page goes only as an unlocked leaf."""
-        if getattr(node, "host_" + kind) is None or getattr(node, kind) is not None:
-            return False
-        return kind != "full" or not (node.children or node.lock_ref)
-
-    def evict(self, kind: str, n: int) -> int:
-        """Free at least ``n`` device indices of ``kind`` if unlocked nodes allow.
-
-        A full-attention page without a host copy is the only copy: it goes with its node,
-        and with the node's subtree, which then holds host copies only (they could never be
-        matched again without it). Device data below such a node keeps it in place: the
-        subtree's deeper, more recently used pages are evicted first; the last of them
-        makes it evictable (``dev_kids`` drops to zero), within the same call."""
-        freed = 0
-        while freed < n:
-            node = self._victim(kind)
-            if node is None:
-                break
-            if self.write_policy == "write_back" and getattr(node, "host_" + kind) is None:
-                self._backup([node])
-            if kind == "full" and node.host_full is None:
-                self._remove_subtree(node)
-            else:
-                self.pools[kind].free([getattr(node, kind)])
-                self._set(node, kind, None)
-                self._prune(node)
-            freed += 1
-        return freed
-
-    def evict_host(self, kind: str, n: int) -> int:
-        """Free at least ``n`` host rows of ``kind``: copies of device data first, then
-        host-only pages, least recently used first in each. (A node that asks for a row
-        holds none of that kind, so it is never a candidate.)"""
-        pool = self.host[kind].index
-        freed = 0
-        while freed < n:
-            node = self._host_victim(kind)
-            if node is None:
-                break
-            if kind == "full" and node.full is None:
-                self._remove(node)  # an unlocked leaf
-            else:
-                pool.free([getattr(node, "host_" + kind)])
-                self._set_host(node, kind, None)
-                self._prune(node)
-            freed += 1
-        return freed
-
-    def _victim(self, kind: str) -> Node | None:
-        """The least recently used evictable device page of ``kind``, taken off its queue."""
-        return self._device[kind].pop()
-
-    def _host_victim(self, kind: str) -> Node | None:
-        """The next host row of ``kind`` to drop, taken off its queue."""
-        return self._copies[kind].pop() or self._host_only_q[kind].pop()
+        """``n`` device indices of ``kind``, evicting unlocked data for them; None: no room."""
+        return self.eviction.alloc(kind, n)
 
     def host_alloc(self, kind: str, n: int) -> list[int] | None:
-        pool = self.host[kind].index
-        if pool.num_free < n:
-            self.evict_host(kind, n - pool.num_free)
-        return pool.alloc(n)
+        """``n`` host rows of ``kind``, evicting host data for them; None: no room."""
+        return self.eviction.host_alloc(kind, n)
 
-    # ---- every change to a node's data goes through these (they keep the queues) -----------
-    def _offer(self, node: Node) -> None:
-        inq = node.inq
-        if inq != self._all_bits:
-            for q in self._queues:
-                if not inq & q.bit:
-                    q.offer(node)
+    def evict(self, kind: str, n: int) -> int:
+        """Free at least ``n`` device indices of ``kind`` if unlocked nodes allow."""
+        return self.eviction.evict(kind, n)
 
-    def _set(self, node: Node, kind: str, idx: int | None) -> None:
+    def evict_host(self, kind: str, n: int) -> int:
+        """Free at least ``n`` host rows of ``kind`` if unlocked nodes allow."""
+        return self.eviction.evict_host(kind, n)
+
+    def backup_pending(self, everything: bool = False) -> int:
+        """Copy what the write policy queued to the host (``everything``: a write-back flush)."""
+        return self.backups.backup_pending(everything)
+
+    @property
+    def on_backup(self) -> Callable[[Node, tuple[str, ...]], None] | None:
+        """Called with each node and the kinds a backup copied to the host."""
+        return self.backups.on_backup
+
+    @on_backup.setter
+    def on_backup(self, hook: Callable[[Node, tuple[str, ...]], None] | None) -> None:
+        self.backups.on_backup = hook
+
+    # ---- every change to a node's data goes through these (they keep the eviction order) ---
+    def set_device(self, node: Node, kind: str, idx: int | None) -> None:
         """Set a device index (None: gone)."""
         was = getattr(node, kind) is not None
         setattr(node, kind, idx)
         if kind == "full" and was != (idx is not None) and not node.dev_kids:
-            self._hot_changed(node.parent, 1 if idx is not None else -1)
-        self._offer(node)
+            self.eviction.device_page_changed(node.parent, 1 if idx is not None else -1)
+        self.eviction.offer(node)
 
-    def _set_host(self, node: Node, kind: str, row: int | None) -> None:
+    def set_host(self, node: Node, kind: str, row: int | None) -> None:
         """Set a host row (None: gone)."""
         if node.from_storage:
             self.storage_rows += (row is not None) - (getattr(node, "host_" + kind) is not None)
         setattr(node, "host_" + kind, row)
-        self._offer(node)
+        self.eviction.offer(node)
 
-    def _set_from_storage(self, node: Node, value: bool) -> None:
+    def set_from_storage(self, node: Node, value: bool) -> None:
         if node.from_storage != value:
             held = sum(getattr(node, "host_" + k) is not None for k in self.host)
             self.storage_rows += held if value else -held
             node.from_storage = value
 
-    def _hot_changed(self, node: Node, delta: int) -> None:
-        """A child of ``node`` started (+1) or stopped (-1) holding a device full page at or
-        below it: update ``dev_kids`` up to the first node whose own state stays."""
-        while not node.is_root:
-            node.dev_kids += delta
-            if node.full is not None:
-                if not node.dev_kids:  # nothing on the device below it any more
-                    self._device["full"].offer(node)
-                return
-            if node.dev_kids != (delta > 0):  # not 0 -> 1 or 1 -> 0: its state stays
-                return
-            node = node.parent
-
-    def _remove(self, node: Node) -> None:
+    def remove_leaf(self, node: Node) -> None:
         """Drop a leaf with everything it holds."""
         parent, had_full = node.parent, node.full is not None
         for kind in KINDS:
@@ -330,22 +220,20 @@ class PrefixCache:
                 self.storage_rows -= node.from_storage
         self._unlink(node)
         if had_full:
-            self._hot_changed(parent, -1)
+            self.eviction.device_page_changed(parent, -1)
 
     def _unlink(self, node: Node) -> None:
         """Take an unlocked leaf out of its tree; drop the tree if that emptied it."""
-        self.pending_backup.pop(id(node), None)
+        self.backups.forget(node)
         parent = node.parent
         node.tree_remove()
-        if node.inq:
-            for q in self._queues:
-                q.forget(node)
+        self.eviction.forget(node)
         if not parent.is_root:
-            self._offer(parent)  # a leaf now
+            self.eviction.offer(parent)  # a leaf now
         elif not parent.children:
             del self.trees[parent.tree.salt]
 
-    def _remove_subtree(self, node: Node) -> None:
+    def remove_subtree(self, node: Node) -> None:
         """Drop an unlocked node with everything below it, in every tier."""
         stack, order = [node], []
         while stack:
@@ -353,9 +241,10 @@ class PrefixCache:
             order.append(x)
             stack.extend(x.children.values())
         for x in reversed(order):  # leaves first
-            self._remove(x)
+            self.remove_leaf(x)
 
-    def _prune(self, node: Node) -> None:
+    def prune(self, node: Node) -> None:
+        """Drop ``node`` and its ancestors while they hold nothing and nobody needs them."""
         while (
             not node.is_root and node.empty and not node.children and not node.lock_ref and not node.swa_lock
         ):
@@ -364,61 +253,14 @@ class PrefixCache:
             node = parent
 
     def _rebuild_index(self) -> None:
-        """Recount ``dev_kids`` and ``storage_rows`` and refill the queues from the trees
-        (after a bulk change: flush, drop_device)."""
-        for q in self._queues:
-            q.clear()
+        """Recount ``storage_rows`` and the eviction order from the trees (after a bulk
+        change: flush, drop_device)."""
         self.storage_rows = 0
         everything = [n for t in self.trees.values() for n in t.post_order()]
         for n in everything:
-            n.inq = 0
-            n.dev_kids = sum(c.full is not None or c.dev_kids > 0 for c in n.children.values())
             if n.from_storage:
                 self.storage_rows += sum(getattr(n, "host_" + k) is not None for k in self.host)
-        for n in everything:
-            self._offer(n)
-
-    # ---- host backups ------------------------------------------------------------------------
-    def _want_backup(self, node: Node) -> None:
-        if self.host and any(
-            getattr(node, k) is not None and getattr(node, "host_" + k) is None for k in self.host
-        ):
-            self.pending_backup[id(node)] = node
-
-    def backup_pending(self, everything: bool = False) -> int:
-        """Copy queued nodes' device data to the host (batched per kind); ``everything``:
-        every node with device data the host lacks (a write-back flush)."""
-        nodes = [n for n in self.pending_backup.values() if n.parent is not None]
-        if everything:
-            nodes = [n for n in self.nodes() if any(getattr(n, k) is not None for k in self.host)]
-        self.pending_backup.clear()
-        return self._backup(sorted(nodes, key=lambda n: n.depth))
-
-    def _backup(self, nodes: list[Node]) -> int:
-        done: dict[int, list[str]] = {}
-        for kind in self.host:
-            todo = [n for n in nodes if getattr(n, kind) is not None and getattr(n, "host_" + kind) is None]
-            rows = []
-            for _ in todo:
-                got = self.host_alloc(kind, 1)
-                if got is None:
-                    self.counters["backup_skipped"] += 1
-                    break
-                rows.append(got[0])
-            todo = todo[: len(rows)]
-            if not todo:
-                continue
-            data = self.transfer.read(kind, [getattr(n, kind) for n in todo])
-            self.host[kind].write(rows, data)
-            for n, r in zip(todo, rows):
-                self._set_host(n, kind, r)
-                done.setdefault(id(n), []).append(kind)
-            self.counters["host_backups"] += len(todo)
-        if self.on_backup:
-            for n in nodes:
-                if id(n) in done:
-                    self.on_backup(n, tuple(done[id(n)]))
-        return sum(len(v) for v in done.values())
+        self.eviction.rebuild(everything)
 
     # ---- insertion ------------------------------------------------------------------------------
     def insert(
@@ -442,10 +284,9 @@ class PrefixCache:
             child = node.children.get(key) or tree.add_child(node, key)
             for kind, idx in pages.items():
                 if idx[j] is not None and getattr(child, kind) is None:
-                    self._set(child, kind, idx[j])
+                    self.set_device(child, kind, idx[j])
                     taken[kind].add(j)
-                    if self.write_policy == "write_through":
-                        self._want_backup(child)
+                    self.backups.inserted(child)
             path.append(child)
             node = child
         RadixTree.touch(path)
@@ -474,11 +315,11 @@ class PrefixCache:
                     continue
                 row = self.host_alloc(kind, 1)
                 if row is None:
-                    self._prune(node)
+                    self.prune(node)
                     return stored
                 self.host[kind].write(row, {k: v[None] for k, v in arrays.items()})
-                self._set_host(node, kind, row[0])
-                self._set_from_storage(node, True)
+                self.set_host(node, kind, row[0])
+                self.set_from_storage(node, True)
                 stored += 1
             path.append(node)
         RadixTree.touch(path)
@@ -491,8 +332,8 @@ class PrefixCache:
     def unlock(self, node: Node | None) -> None:
         if node is not None:
             for n in RadixTree.unlock(node):
-                self._offer(n)
-            self._prune(node)
+                self.eviction.offer(n)
+            self.prune(node)
 
     def relock(self, old: Node | None, new: Node) -> None:
         """Move a lock from ``old`` down to its descendant ``new`` (lock(new), unlock(old)
@@ -509,7 +350,7 @@ class PrefixCache:
                 raise RuntimeError(f"swa-unlocking {n} below zero")
             n.swa_lock -= 1
             if not n.swa_lock and n.swa is not None:
-                self._device["swa"].offer(n)
+                self.eviction.offer_device("swa", n)
 
     # ---- maintenance ------------------------------------------------------------------------
     def flush(self) -> None:
@@ -517,8 +358,8 @@ class PrefixCache:
         for tree in list(self.trees.values()):
             for node in tree.post_order():  # a node's children go before it
                 if not node.children and not node.lock_ref and not node.swa_lock:
-                    self._remove(node)
-        self.pending_backup.clear()
+                    self.remove_leaf(node)
+        self.backups.clear()
         self._rebuild_index()
 
     def drop_device(self) -> None:
@@ -531,52 +372,47 @@ class PrefixCache:
                 setattr(node, kind, None)
         for pool in self.pools.values():
             pool.reset()
-        self.pending_backup.clear()
+        self.backups.clear()
         for tree in list(self.trees.values()):
             for node in tree.post_order():
                 if node.empty and not node.children:
                     self._unlink(node)
         self._rebuild_index()
 
-    def indices(self) -> dict[str, list[int]]:
-        """Every device and host index the trees hold, by pool."""
-        out: dict[str, list[int]] = {k: [] for k in self.pools}
-        out.update({"host_" + k: [] for k in self.host})
-        for node in self.nodes():
-            for kind in self.pools:
-                if getattr(node, kind) is not None:
-                    out[kind].append(getattr(node, kind))
-            for kind in self.host:
-                if getattr(node, "host_" + kind) is not None:
-                    out["host_" + kind].append(getattr(node, "host_" + kind))
-        return out
-
     def tree_indices(self) -> dict[str, list[int]]:
-        return {k: v for k, v in self.indices().items() if k in self.pools}
+        """Every device index the trees hold, by pool."""
+        return {k: v for k, v in integrity.indices(self).items() if k in self.pools}
 
     def check_integrity(self, held_outside: dict[str, list[int]] | None = None) -> None:
         """Pools consistent, trees consistent, and every used index owned exactly once: by
-        a tree or by ``held_outside`` (the running requests)."""
-        for t in self.trees.values():
-            t.check_integrity()
-        everything = list(self.nodes())
-        for q in self._queues:
-            q.check(everything)
-        rows = sum(
-            getattr(n, "host_" + k) is not None for n in everything if n.from_storage for k in self.host
-        )
-        if rows != self.storage_rows:
-            raise AssertionError(f"storage_rows {self.storage_rows}, but nodes from L3 hold {rows} host rows")
-        held_outside = held_outside or {}
-        owned = self.indices()
-        all_pools = dict(self.pools) | {"host_" + k: h.index for k, h in self.host.items()}
-        for kind, pool in all_pools.items():
-            pool.check_integrity()
-            owners = owned[kind] + list(held_outside.get(kind, []))
-            if len(owners) != len(set(owners)):
-                dup = sorted({i for i in owners if owners.count(i) > 1})[:8]
-                raise AssertionError(f"{pool.name}: indices owned twice: {dup}")
-            if set(owners) != pool.used():
-                leaked = sorted(pool.used() - set(owners))[:8]
-                unalloc = sorted(set(owners) - pool.used())[:8]
-                raise AssertionError(f"{pool.name}: leaked {leaked}, owned but not allocated {unalloc}")
+        a tree or by ``held_outside`` (the running requests); see ``integrity.py``."""
+        integrity.check_integrity(self, held_outside)
+
+    # ---- the pools, as the engine asks about them -------------------------------------------
+    def sequence_capacity(self) -> int:
+        """The most tokens one sequence can hold on the device (a longer prompt could never
+        run): the smallest page pool; sliding-only models hold a window, not the sequence."""
+        capacity = min(p.size for k, p in self.pools.items() if k != "mamba") * self.rules.page_size
+        if "full" not in self.pools and "mamba" not in self.pools:
+            capacity = 1 << 62
+        return capacity
+
+    def has_free_pages(self, n: int) -> bool:
+        """Whether every page pool (not the Mamba slots) has ``n`` free pages: ``n`` running
+        sequences can each take one more page without evicting anything."""
+        return all(p.num_free >= n for k, p in self.pools.items() if k != "mamba")
+
+    def metrics(self) -> Metrics:
+        """Pool use (gauges) and the cache's counters."""
+        out = Metrics()
+        for kind, pool in self.pools.items():
+            out.gauges({f"pool_{kind}_used": pool.num_used, f"pool_{kind}_size": pool.size})
+        for kind, pool in self.host.items():
+            out.gauges({f"host_pool_{kind}_used": pool.index.num_used, f"host_pool_{kind}_size": pool.size})
+        return out.add(self.counters)
+
+    def pages_in_use(self) -> dict[str, int]:
+        """Used pages per device and host pool (all zero once flushed and idle)."""
+        out = {f"device {k}": p.num_used for k, p in self.pools.items()}
+        out.update({f"host {k}": p.index.num_used for k, p in self.host.items()})
+        return out

@@ -1,26 +1,16 @@
-"""A step's work and the padded device inputs built from it.
+"""A step's work: ``StepPlan``, the ``WorkItem`` of each request it runs, and the bucket
+arithmetic its shapes come from (``token_buckets``, ``TOP_WIDTHS``).
 
-Shapes come from a few buckets so steady-state serving never recompiles:
-
-- decode-only steps: ``S`` = the next power of two >= the number of sequences, ``T = S``;
-- steps with prefill: ``T`` from a short geometric list, ``S = max_running_requests``;
-- logits rows: one per sequence, or one per token when a request wants input logprobs;
-- top logprobs: none, or ``MAX_TOP_LOGPROBS`` when a request wants any.
-
-``warmup_programs`` lists every combination, so warm-up can compile them all.
+The scheduler makes plans; ``hicache_jax/runtime/batch_builder.py`` turns a plan into padded
+device inputs. Nothing here imports JAX, so the scheduler does not either
+(``tests/scheduler/test_no_jax.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
-from hicache_jax.models.batch import ForwardBatch
-from hicache_jax.penalties import PenaltyInputs, held_back
 from hicache_jax.request import Req
-from hicache_jax.runner import StateCopies
-from hicache_jax.sampler import SamplingInputs
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS
 
 TOP_WIDTHS = (0, MAX_TOP_LOGPROBS)  # top logprobs a step computes: none, or the most a request may ask
@@ -70,174 +60,3 @@ def token_buckets(max_tokens: int) -> list[int]:
         out.append(b)
         b *= 4
     return out + [max_tokens]
-
-
-class BatchBuilder:
-    def __init__(
-        self, *, page_size: int, groups: tuple[str, ...], max_running: int, max_prefill: int, max_pages: int
-    ):
-        self.P = page_size
-        self.groups = groups
-        self.max_running = max_running
-        self.buckets = token_buckets(max_prefill + max_running)
-        self.max_pages = max_pages
-        self.max_seqs = self.max_seqs_for(max_running)
-
-    @staticmethod
-    def max_seqs_for(max_running: int) -> int:
-        """The most sequences any step holds (decode buckets round up to a power of two)."""
-        return max(max_running, 1 << (max_running - 1).bit_length())
-
-    def shapes(self, plan: StepPlan) -> tuple[int, int, int]:
-        """(T, S, R) for a plan."""
-        if plan.decode_only:
-            S = self._decode_seqs(len(plan.items))
-            T = S
-        else:
-            S = self.max_running
-            T = next(b for b in self.buckets if b >= plan.num_tokens)
-        R = T if any(i.wants_input_logprobs for i in plan.items) else S
-        return T, S, R
-
-    @staticmethod
-    def _decode_seqs(n: int) -> int:
-        return 1 << (n - 1).bit_length()
-
-    def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
-        """Every (T, S, R, decode_only) ``shapes`` can return (R = T: input logprobs)."""
-        decode = sorted({self._decode_seqs(n) for n in range(1, self.max_running + 1)})
-        out = [(S, S, S, True) for S in decode]
-        for T in self.buckets:
-            out += [(T, self.max_running, R, False) for R in sorted({self.max_running, T})]
-        return out
-
-    def warmup_programs(self) -> list[tuple[tuple[int, int, int, bool], int]]:
-        """Every (shape, top-logprobs width) a step can run with."""
-        return [(shape, top) for shape in self.warmup_shapes() for top in TOP_WIDTHS]
-
-    def build(
-        self,
-        plan: StepPlan,
-        shape: tuple[int, int, int, bool] | None = None,
-        feed_from: dict[Req, int] | None = None,
-    ) -> tuple[ForwardBatch, SamplingInputs, StateCopies, int, list[int]]:
-        """Device inputs, the top-logprobs width, and each item's first row in T.
-        ``shape`` forces (T, S, R, decode_only) (warm-up builds empty batches of each).
-        ``feed_from``: requests whose next input token is still on the device, sampled by
-        the step in flight at the given row (``ForwardBatch.feed_rows``)."""
-        T, S, R = shape[:3] if shape else self.shapes(plan)
-        decode_only = shape[3] if shape else plan.decode_only
-        P = self.P
-        ids = np.zeros(T, np.int32)
-        pos = np.zeros(T, np.int32)
-        cu = np.zeros(S + 1, np.int32)
-        kv = np.zeros(S, np.int32)
-        tables = {g: np.zeros((S, self.max_pages), np.int32) for g in self.groups}
-        slots = {g: np.full(T, -1, np.int32) for g in self.groups}
-        state_slots = np.full(S, -1, np.int32)
-        has_init = np.zeros(S, bool)
-        feed = np.full(T, -1, np.int32)
-        targets = np.full(R, -1, np.int32)
-        s_inputs = {
-            "temperature": np.zeros(S, np.float32),
-            "top_p": np.ones(S, np.float32),
-            "top_k": np.full(S, -1, np.int32),
-            "min_p": np.zeros(S, np.float32),
-            "seeds": np.zeros(S, np.uint32),
-            "counters": np.zeros(S, np.int32),
-        }
-        last_rows = np.zeros(S, np.int32)
-        first_rows = []
-        t = 0
-        for s, item in enumerate(plan.items):
-            r = item.req
-            fill = r.fill_ids
-            n = item.num_tokens
-            ids[t : t + n] = fill[item.start : item.end]
-            if r.pending:  # the last token fed is still on the device
-                feed[t + n - 1] = feed_from[r]
-            p = np.arange(item.start, item.end)
-            pos[t : t + n] = p
-            for g, pages in (("full", r.full_pages), ("swa", r.swa_pages)):
-                if g in tables:
-                    row = np.array([-1 if x is None else x for x in pages], np.int64)
-                    tables[g][s, : len(row)] = np.maximum(row, 0)
-                    slot_page = row[p // P]
-                    if (slot_page < 0).any():
-                        raise RuntimeError(f"request {r.rid}: no {g} page for positions being written")
-                    slots[g][t : t + n] = slot_page * P + p % P
-            kv[s] = item.end
-            state_slots[s] = -1 if r.state_slot is None else r.state_slot
-            has_init[s] = item.has_initial_state
-            sp = r.sampling
-            s_inputs["temperature"][s] = sp.temperature
-            s_inputs["top_p"][s] = sp.top_p
-            s_inputs["top_k"][s] = sp.top_k
-            s_inputs["min_p"][s] = sp.min_p
-            s_inputs["seeds"][s] = r.seed
-            s_inputs["counters"][s] = len(r.output_ids) + r.pending
-            last_rows[s] = (t + n - 1) if R == T else s
-            if R == T:
-                nxt = fill[item.start + 1 : item.end + 1]  # row q scores token q+1
-                targets[t : t + len(nxt)] = nxt
-            first_rows.append(t)
-            t += n
-            cu[s + 1] = t
-        cu[len(plan.items) + 1 :] = t
-        logits_rows = (
-            np.arange(R, dtype=np.int32) if R == T else np.minimum(cu[1:] - 1, T - 1).astype(np.int32)
-        )
-        if R != T:
-            logits_rows[len(plan.items) :] = 0
-        batch = ForwardBatch(
-            input_ids=ids,
-            positions=pos,
-            cu_q_lens=cu,
-            kv_lens=kv,
-            num_seqs=np.int32(len(plan.items)),
-            page_tables=tables,
-            slot_mappings=slots,
-            state_slots=state_slots,
-            has_initial_state=has_init,
-            logits_indices=logits_rows,
-            feed_rows=feed,
-            decode_only=decode_only,
-        )
-        sampling = SamplingInputs(last_rows=last_rows, targets=targets, **s_inputs)
-        copies = self._copies(plan)
-        wants_top = any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items)
-        top = TOP_WIDTHS[wants_top]
-        return batch, sampling, copies, top, first_rows
-
-    @staticmethod
-    def penalties(plan: StepPlan, S: int, eos_token_ids=()) -> PenaltyInputs:
-        """The rows' penalty inputs (``penalties.py``), for a step of S sequence rows. Only
-        rows that sample their request's next token name its slot: a chunk that does not
-        end the request's sequence adds nothing to its counts."""
-        out = PenaltyInputs.neutral(S)
-        for s, item in enumerate(plan.items):
-            r, sp = item.req, item.req.sampling
-            if item.samples and r.penalty_slot is not None:
-                out.slots[s] = r.penalty_slot
-            out.repetition[s] = sp.repetition_penalty
-            out.frequency[s] = sp.frequency_penalty
-            out.presence[s] = sp.presence_penalty
-            out.min_new_tokens[s] = sp.min_new_tokens
-            if sp.min_new_tokens:
-                ids = held_back(sp, eos_token_ids)
-                out.stop_ids[s, : len(ids)] = ids
-        return out
-
-    def _copies(self, plan: StepPlan) -> StateCopies:
-        K = self.max_running
-
-        def pad(pairs):
-            src = np.full(K, -1, np.int32)
-            dst = np.full(K, -1, np.int32)
-            for i, (a, b) in enumerate(pairs):
-                src[i], dst[i] = a, b
-            return src, dst
-
-        bs, bd = pad(plan.copies_before)
-        as_, ad = pad(plan.copies_after)
-        return StateCopies(before_src=bs, before_dst=bd, after_src=as_, after_dst=ad)

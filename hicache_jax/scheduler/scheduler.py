@@ -52,10 +52,11 @@ import collections
 import numpy as np
 
 from hicache_jax.config import EngineConfig
+from hicache_jax.metric_kinds import Metrics
 from hicache_jax.request import Req, Status
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
+from hicache_jax.scheduler.l3_prefetch import NOTHING, PrefetchDecisions, Prefetcher
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
-from hicache_jax.scheduler.prefetch import NOTHING, PrefetchDecisions, Prefetcher
 
 HOLD_SLACK = 4  # steps a request may wait for a shared prefix beyond what its chunks need
 LPM_AGE_STEPS = 64  # lpm: a request waiting this many scheduling rounds goes first
@@ -124,6 +125,32 @@ class Scheduler:
             if req.num_computed or req.last_node is not None:
                 self.adapter.release(req)
         return dropped
+
+    # ---- the L3 prefetch (l3_prefetch.py owns it; the engine asks here) -------------------
+    def prefetch_decisions(self) -> PrefetchDecisions:
+        """What the L3 prefetch brought since the last step, and who still waits for it
+        (process 0's decision when several processes serve: multihost/replicated.py)."""
+        return self.prefetch.decide()
+
+    def waiting_on_storage(self) -> bool:
+        """Whether a waiting request is held by its L3 prefetch (an idle step is no stall)."""
+        return self.prefetch.waiting()
+
+    def wait_for_storage(self, timeout: float) -> None:
+        """Sleep until an L3 read lands, or ``timeout``."""
+        self.prefetch.wait(timeout)
+
+    def abandon_prefetches(self, deadline: float) -> int:
+        """For flush_cache: give the reads in flight until ``deadline``, then drop every
+        prefetch; returns how many were still reading."""
+        return self.prefetch.abandon(deadline)
+
+    def prefetch_metrics(self) -> Metrics:
+        return self.prefetch.metrics()
+
+    def close(self) -> None:
+        """Stop prefetching (the storage tier is closed after this)."""
+        self.prefetch.close()
 
     # ---- planning -----------------------------------------------------------------------
     def chunk_end(self, req: Req, start: int, budget: int) -> int:

@@ -97,13 +97,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> dict:
         result = await state.loop.flush()
-        if not result:
-            if getattr(result, "failed", False):
+        if not result.success:
+            if result.failed:
                 raise ApiError(500, result.message)
             raise ApiError(400, "flush_cache refused: requests are still in flight")
-        if hasattr(result, "to_dict"):
-            return result.to_dict()  # with what the L3 drain did (writes drained / left queued)
-        return {"success": True, "message": "device and host caches flushed (L3 kept)"}
+        return result.to_dict()  # with what the L3 drain did (writes drained / left queued)
 
     @app.post("/clear_storage")
     async def clear_storage() -> dict:

@@ -22,10 +22,11 @@ import queue
 import threading
 import time
 
-from hicache_jax.failures import EngineLost, StepFailed
-from hicache_jax.flush_result import FlushResult
+from hicache_jax.engine.failures import EngineLost, StepFailed
+from hicache_jax.engine.flush_result import FlushResult
+from hicache_jax.engine.interface import EngineAPI
+from hicache_jax.engine.outputs import OutputDelta, OutputStream
 from hicache_jax.metric_kinds import Metrics
-from hicache_jax.outputs import OutputDelta, OutputStream
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.server.errors import ApiError
 from hicache_jax.server.latency import RequestLatency
@@ -53,7 +54,7 @@ THROUGHPUT_WINDOW_S = 10.0
 
 # ---- the loop --------------------------------------------------------------------------------
 class EngineLoop:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: EngineAPI) -> None:
         self.engine = engine
         self._queue: queue.Queue[Message] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
@@ -68,7 +69,6 @@ class EngineLoop:
         self.healthy = True
         self.fatal: EngineLost | None = None  # why the engine was lost, if it was
         self.on_fatal = lambda: None  # called on the engine thread then (stops the server)
-        self._heartbeat = getattr(engine, "heartbeat", None)  # replicated.LeaderEngine's
         self.paused = False  # /pause_generation: no step runs until /continue_generation
         self.latency = RequestLatency()  # TTFT / TPOT / e2e histograms, fed on the engine thread
         self.profiler = Profiler()  # /start_profile, /stop_profile: touched on the engine thread only
@@ -103,8 +103,8 @@ class EngineLoop:
         if self._thread.is_alive():  # a dead loop runs nothing (and this is called in finally:)
             self.submit(Abort(sink.rid, sink))
 
-    async def flush(self):
-        """The engine's flush result (truthy on success)."""
+    async def flush(self) -> FlushResult:
+        """The engine's flush result (``success``, ``failed`` when it raised)."""
         reply = Reply()
         self.submit(Flush(reply))
         return await reply
@@ -160,14 +160,12 @@ class EngineLoop:
             self._fail_all("the engine loop died")
             raise
         finally:
-            close = getattr(self.engine, "close", None)
             if self.profiler.running:  # a trace left running would be lost
                 try:
                     self.profiler.stop()
                 except Exception:
                     log.exception("could not stop the profile")
-            if close is not None:
-                close()  # the engine thread owns the engine: it also shuts it down
+            self.engine.close()  # the engine thread owns the engine: it also shuts it down
             log.info("engine loop stopped")
 
     def _serve(self) -> None:
@@ -178,11 +176,10 @@ class EngineLoop:
             busy = self.engine.has_unfinished() and not self.paused
             if not busy:
                 self._drain(timeout=0.1)
-                if self._heartbeat is not None:
-                    self._heartbeat()  # over several processes: the others hear from this one
+                self.engine.heartbeat()  # over several processes: the others hear from this one
             else:
                 self._drain(timeout=None if progressed else 0.001)
-            if getattr(self.engine, "broken", None) is not None:
+            if self.engine.broken is not None:
                 self._recover()
             elif self.engine.has_unfinished() and not self.paused:
                 progressed = self._step()
@@ -293,7 +290,7 @@ class EngineLoop:
                 raise e.__cause__ from None  # the processes disagree: nothing can be served
             self.stats["engine_errors"] += 1
             self._fail(e.failed, e.message)
-            self.healthy = getattr(self.engine, "broken", None) is None
+            self.healthy = self.engine.broken is None
             return True
         except EngineLost:
             raise
@@ -302,7 +299,7 @@ class EngineLoop:
             self.stats["engine_errors"] += 1
             self._fail_all(f"engine error: {type(e).__name__}: {e}")
             # Unhealthy until a step gets through (a broken engine rebuilds itself first).
-            self.healthy = getattr(self.engine, "broken", None) is None
+            self.healthy = self.engine.broken is None
             return True
         self.healthy = True
         if self.profiler.running:
@@ -361,12 +358,11 @@ class EngineLoop:
     def _flush(self) -> None:
         t0 = time.perf_counter()
         try:
-            result = self.engine.flush_cache()  # truthy on success; may say what L3 did
+            result = self.engine.flush_cache()  # says what L3 did, or why it refused
         except Exception as e:  # e.g. the integrity check found a leaked page
             log.exception("flush_cache failed")
             result = FlushResult(False, f"flush_cache failed: {type(e).__name__}: {e}", failed=True)
-        message = getattr(result, "message", "done" if result else "refused")
-        log.info("flush_cache: %s in %.2fs", message, time.perf_counter() - t0)
+        log.info("flush_cache: %s in %.2fs", result.message, time.perf_counter() - t0)
         for f in self._flushes:
             f.reply.set(result)
         self._flushes.clear()
@@ -375,15 +371,14 @@ class EngineLoop:
             self._add(msg)
 
     def _clear_storage(self) -> tuple[bool, str]:
-        clear = getattr(self.engine, "clear_storage", None)
-        if clear is None or not self.engine.cfg.hicache_storage_backend:
+        if not self.engine.cfg.hicache_storage_backend:
             return False, "no L3 storage configured (--hicache_storage_backend)"
         try:
-            result = clear()
+            cleared = self.engine.clear_storage()
         except Exception as e:
             log.exception("clear_storage failed")
             return False, f"clear_storage failed: {e}"
-        return result is not False, "L3 storage cleared" if result is not False else "clear_storage refused"
+        return cleared, "L3 storage cleared" if cleared else "clear_storage refused"
 
     def _metrics(self) -> Metrics:
         out = Metrics().add(self.engine.metrics()).add(self.stats)

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from hicache_jax.outputs import OutputDelta
+from hicache_jax.engine.outputs import OutputDelta
 
 
 # ---- plumbing back to asyncio ----------------------------------------------------------------

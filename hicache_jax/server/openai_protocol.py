@@ -2,7 +2,7 @@
 engine sampling settings. Unknown fields are refused; accepted-but-unsupported settings
 (``logit_bias``, ``best_of`` other than ``n``, ``echo`` with ``stream``) are refused
 with a message saying so rather than silently ignored; ``n > 1`` is served (``choices``),
-and so are ``frequency_penalty`` and ``presence_penalty`` (``penalties.py``).
+and so are ``frequency_penalty`` and ``presence_penalty`` (``runtime/penalties.py``).
 ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
 ``repetition_penalty``, ``min_tokens`` and ``cache_salt`` are accepted as extensions, as in
 SGLang and vLLM;

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from hicache_jax.outputs import OutputDelta
+from hicache_jax.engine.outputs import OutputDelta
 from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.errors import ApiError
 from hicache_jax.server.messages import Failure, Sink, Update

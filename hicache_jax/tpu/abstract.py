@@ -21,19 +21,19 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from hicache_jax import warmup
-from hicache_jax.build import context_length, make_builder, make_device_pools, make_runner
 from hicache_jax.config import EngineConfig
+from hicache_jax.engine import warmup
+from hicache_jax.engine.build import context_length, make_builder, make_device_pools, make_runner
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.loader import resolve_dtype
 from hicache_jax.models.sharding import abstract_weights, make_mesh
-from hicache_jax.runner import ModelRunner
-from hicache_jax.scheduler.plan import BatchBuilder
+from hicache_jax.runtime.batch_builder import BatchBuilder
+from hicache_jax.runtime.runner import ModelRunner
+from hicache_jax.runtime.transfer import PageTransfer
 from hicache_jax.tpu.target import TpuTarget, tracing_for
-from hicache_jax.transfer import PageTransfer
 
 Select = Callable[[str], bool] | None  # which programs, by name (None: all)
 

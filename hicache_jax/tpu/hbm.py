@@ -27,7 +27,7 @@ and written per copy, ``runner.copy_states``) and the sampler's reference cuts (
 rows the candidates cannot settle). A conditional with a branch that hands its operands on
 unchanged (its root a tuple of its parameters: XLA aliases them, nothing moves) counts as
 nothing: those are the serving step's skips, penalties for a batch without any
-(``penalties.py``), taken every step such a batch runs; with a penalty the step moves those
+(``runtime/penalties.py``), taken every step such a batch runs; with a penalty the step moves those
 rows and counts besides. The other conditional is the sampler's draw, a few rows of the
 vocabulary.
 """

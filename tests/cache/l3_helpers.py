@@ -48,7 +48,7 @@ def assert_same_as_recompute(out, ref):
 def two_pass(llm, ids):
     first = run(llm, ids)
     assert first["meta_info"]["cached_tokens"] == 0
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     llm.engine.check_integrity()
     for pool in llm.engine.prefix_cache.pools.values():
         assert pool.num_used == 0
@@ -86,6 +86,7 @@ class ReadGate:
         """Open the gate and wait until no prefetch is reading (they have landed)."""
         self.open()
         deadline = time.monotonic() + timeout
-        while self.engine.storage.pending():
+        prefetch = self.engine.scheduler.prefetch
+        while prefetch.reading():
             assert time.monotonic() < deadline, "prefetch still reading after the gate opened"
-            self.engine.storage.wait(0.1)
+            prefetch.wait(0.1)

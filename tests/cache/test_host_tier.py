@@ -41,7 +41,7 @@ def test_tiny_l2_evicts_and_l3_still_serves(tmp_path):
     run(llm, prompt(3))
     stats = llm.engine.metrics()
     assert stats["l3_writes"] > 20, "every backup reached L3 although L2 could not keep them"
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     again = run(llm, a)
     assert again["meta_info"]["cached_tokens_details"]["storage"] >= len(a) - P
     assert_same_as_recompute(again, first)
@@ -55,7 +55,7 @@ def test_two_pass_under_each_prefetch_policy(tmp_path, monkeypatch, policy):
     )
     ids = prompt(4)
     first = run(llm, ids)
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     if policy == "best_effort":
         gate = ReadGate(llm.engine, monkeypatch)
         try:
@@ -77,20 +77,20 @@ def _best_effort_second_pass(llm, ids, gate):
     revoked = engine.metrics()["prefetch_revoked"]
     rid = engine.add_request(input_ids=ids, sampling_params=greedy, return_logprob=True)
     engine.step()
-    assert [r.rid for r in engine.scheduler.running] == [rid] and engine.storage.pending()
+    assert [r.rid for r in engine.scheduler.running] == [rid] and engine.scheduler.prefetch.reading()
     assert engine.metrics()["prefetch_revoked"] == revoked + 1
     gate.release()
     while engine.has_unfinished():
         engine.step()
     assert engine.pop_output(rid)["meta_info"]["cached_tokens_details"]["storage"] == 0
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     # 2. Queued behind a running request (one slot): its reads land while it waits, and it
     #    starts from them.
     gate.close()
     blocker = engine.add_request(input_ids=prompt(9, pages=2), sampling_params={"max_new_tokens": 4})
     rid = engine.add_request(input_ids=ids, sampling_params=greedy, return_logprob=True)
     engine.step()
-    assert [r.rid for r in engine.scheduler.running] == [blocker] and engine.storage.pending()
+    assert [r.rid for r in engine.scheduler.running] == [blocker] and engine.scheduler.prefetch.reading()
     gate.release()
     while engine.has_unfinished():
         engine.step()

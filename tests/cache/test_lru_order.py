@@ -12,6 +12,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hicache_jax.cache.eviction import Eviction
 from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
@@ -40,17 +41,17 @@ def _device_below(node: Node) -> bool:
     return False
 
 
-class ScanCache(PrefixCache):
+class ScanEviction(Eviction):
     """Chooses victims by scanning everything (the definition, not the data structure)."""
 
-    def _victim(self, kind):
+    def victim(self, kind):
         # The same rule, with "a device page below" found by a scan, not the kept count.
-        cands = [x for x in self.nodes() if self.may_evict(x, kind, device_below=_device_below)]
+        cands = [x for x in self.cache.nodes() if self.may_evict(x, kind, device_below=_device_below)]
         return min(cands, key=lambda x: (x.last_access, -x.depth), default=None)
 
-    def _host_victim(self, kind):
+    def host_victim(self, kind):
         cands = []
-        for x in self.nodes():
+        for x in self.cache.nodes():
             if getattr(x, "host_" + kind) is None:
                 continue
             only = getattr(x, kind) is None
@@ -60,7 +61,7 @@ class ScanCache(PrefixCache):
         return min(cands, key=lambda x: (getattr(x, kind) is None, x.last_access, -x.depth), default=None)
 
 
-def make(cls, kinds, policy):
+def make(scan: bool, kinds, policy):
     rules = PrefixRules(
         page_size=P,
         has_full=True,
@@ -70,7 +71,10 @@ def make(cls, kinds, policy):
     sizes = {"full": 7, "swa": 5, "mamba": 5}
     pools = {k: IndexPool(sizes[k], k) for k in kinds}
     host = {k: HostPool(k, 6, {"x": ((1,), np.float32)}) for k in kinds}
-    return cls(rules, pools, host=host, transfer=FakeTransfer(), write_policy=policy)
+    cache = PrefixCache(rules, pools, host=host, transfer=FakeTransfer(), write_policy=policy)
+    if scan:  # still empty: the scanning part takes over from the start
+        cache.eviction = ScanEviction(cache)
+    return cache
 
 
 def tokens(seq: int, n_pages: int) -> list[int]:
@@ -183,7 +187,7 @@ OPS = st.tuples(
     ops=st.lists(OPS, min_size=30, max_size=80),
 )
 def test_queues_evict_what_a_full_scan_would(kinds, policy, ops):
-    real, ref = make(PrefixCache, kinds, policy), make(ScanCache, kinds, policy)
+    real, ref = make(False, kinds, policy), make(True, kinds, policy)
     held_real, held_ref = [], []
     for op in ops:
         assert apply(real, op, held_real) == apply(ref, op, held_ref), op

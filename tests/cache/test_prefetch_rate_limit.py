@@ -4,7 +4,7 @@ the limit never starves anyone: a refused prompt is schedulable at once, and row
 as requests use what was brought.
 
 The store is faked (every page exists, reads finish at once); decisions are made on the
-test's thread only (``start``, and ``Prefetcher.decide``/``apply``), so each trace runs the
+test's thread only (``Prefetcher.start``, ``decide``, ``apply``), so each trace runs the
 same every time. Under ``wait_complete`` a request waits exactly while its task exists."""
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.storage_tier import StorageTier
-from hicache_jax.scheduler.prefetch import Prefetcher
+from hicache_jax.request import Req
+from hicache_jax.sampling_params import SamplingParams
+from hicache_jax.scheduler.l3_prefetch import Prefetcher
 from hicache_jax.storage.keys import Namespace
-from hicache_jax.storage.prefetch import PrefetchHandle
 from hicache_jax.storage.ratelog import RateLimitedLog
+from hicache_jax.storage.read_handle import PrefetchHandle
 
 P = 4
 HOST_PAGES = 40
@@ -77,25 +79,30 @@ def make_tier():
         transfer=Transfer(),
     )
     ns = Namespace(model_fingerprint="fake", kv_dtype="int64", page_size=P, layout_version=1)
-    tier = StorageTier(AllHitClient(), ns, cache, threshold=P, host_rate_limit=LIMIT)
-    return cache, tier
+    tier = StorageTier(AllHitClient(), ns, cache)
+    prefetcher = Prefetcher(tier, cache, policy="wait_complete", threshold=P, host_rate_limit=LIMIT)
+    return cache, tier, prefetcher
 
 
-def land(tier):
+def start(prefetcher, key: str, tokens: list[int]) -> None:
+    """A request with this prompt arrives (``Scheduler.add``)."""
+    prefetcher.start(Req(rid=key, input_ids=tokens, sampling=SamplingParams(), prefetch_key=key))
+
+
+def land(prefetcher):
     """Wait for the reads in flight (they finish without the store), then apply them as
     the scheduler does."""
-    while tier.pending():
-        tier.wait(1.0)
-    prefetcher = Prefetcher(tier, policy="wait_complete")
+    while prefetcher.reading():
+        prefetcher.wait(1.0)
     decided = prefetcher.decide()
     prefetcher.apply(decided)
-    assert not decided.waiting and not tier.tasks
+    assert not decided.waiting and not prefetcher.tasks
 
 
-def waits(tier, key: str) -> bool:
+def waits(prefetcher, key: str) -> bool:
     """Whether the request of ``key`` is held by its prefetch (wait_complete: its task is
     in flight or landed but not yet applied)."""
-    return key in tier.tasks
+    return key in prefetcher.tasks
 
 
 def use(cache, tokens):
@@ -121,7 +128,7 @@ OPS = st.lists(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(ops=OPS)
 def test_prefetches_hold_at_most_the_limit_and_nobody_starves(ops):
-    cache, tier = make_tier()
+    cache, tier, prefetcher = make_tier()
     limit = LIMIT * HOST_PAGES
     prompts, refused = [], 0
     try:
@@ -131,45 +138,47 @@ def test_prefetches_hold_at_most_the_limit_and_nobody_starves(ops):
                 tokens = [10_000 * (k + 1) + t for t in range(arg * P + 1)]  # no shared prefix
                 prompts.append(tokens)
                 # Rows held before, counted from the tasks and the tree, not by the tier.
-                held = sum(t.rows for t in tier.tasks.values()) + sum(
+                held = sum(t.rows for t in prefetcher.tasks.values()) + sum(
                     n.host_full is not None for n in cache.nodes() if n.from_storage
                 )
-                before = tier.counters["prefetch_refused_host_full"]
-                tier.start(str(k), tokens, len(tokens), -1, None)
-                was_refused = tier.counters["prefetch_refused_host_full"] > before
+                before = prefetcher.counters["prefetch_refused_host_full"]
+                start(prefetcher, str(k), tokens)
+                was_refused = prefetcher.counters["prefetch_refused_host_full"] > before
                 assert was_refused == (held + arg > limit), (held, arg, limit)
                 refused += was_refused
                 if was_refused:
-                    assert not waits(tier, str(k)), "a refused prefetch must not hold its request"
+                    assert not waits(prefetcher, str(k)), "a refused prefetch must not hold its request"
             elif op == "land":
-                land(tier)
+                land(prefetcher)
             elif prompts:
                 tokens = prompts[arg % len(prompts)]
-                if not waits(tier, str(arg % len(prompts))):
+                if not waits(prefetcher, str(arg % len(prompts))):
                     use(cache, tokens)
-            assert tier.prefetched_rows() <= limit
+            assert prefetcher.prefetched_rows() <= limit
             cache.check_integrity()
         # Nobody starves: once everything landed and was used, every request is ready and
         # the whole allowance is free again.
-        land(tier)
+        land(prefetcher)
         for k, tokens in enumerate(prompts):
-            assert not waits(tier, str(k))
+            assert not waits(prefetcher, str(k))
             use(cache, tokens)
-        assert tier.prefetched_rows() == 0
+        assert prefetcher.prefetched_rows() == 0
         big = [7] * (int(limit) * P + 1)
-        tier.start("big", big, len(big), -1, None)
-        assert "big" in tier.tasks, "a prefetch of exactly the limit is refused after everything was used"
-        land(tier)
+        start(prefetcher, "big", big)
+        assert "big" in prefetcher.tasks, "a prefetch of exactly the limit refused after all was used"
+        land(prefetcher)
         assert use(cache, big) == int(limit) * P
-        assert tier.counters["prefetch_refused_host_full"] == refused
+        assert prefetcher.counters["prefetch_refused_host_full"] == refused
     finally:
+        prefetcher.close()
         tier.close()
 
 
 def test_a_prompt_larger_than_the_limit_is_never_prefetched_but_runs():
-    cache, tier = make_tier()
+    cache, tier, prefetcher = make_tier()
     tokens = list(range(3, 3 + math.ceil(LIMIT * HOST_PAGES + 1) * P + 1))
-    tier.start("a", tokens, len(tokens), -1, None)
-    assert not tier.tasks and tier.counters["prefetch_refused_host_full"] == 1
-    assert not waits(tier, "a")
+    start(prefetcher, "a", tokens)
+    assert not prefetcher.tasks and prefetcher.counters["prefetch_refused_host_full"] == 1
+    assert not waits(prefetcher, "a")
+    prefetcher.close()
     tier.close()

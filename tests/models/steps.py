@@ -14,8 +14,9 @@ from flax import nnx
 from hicache_jax.models.batch import ForwardBatch, page_group
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.request import Req
+from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.sampling_params import SamplingParams
-from hicache_jax.scheduler.plan import BatchBuilder, StepPlan, WorkItem
+from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
 
 def jit_forward(model: CausalLM):

@@ -19,8 +19,8 @@ def test_pallas_off_tpu_is_refused_at_start_up_naming_the_flag(flag):
 
 
 def test_the_server_refuses_pallas_off_tpu_before_loading(tmp_path):
-    from hicache_jax.build import load_model_and_tokenizer
     from hicache_jax.config import EngineConfig
+    from hicache_jax.engine.build import load_model_and_tokenizer
 
     with pytest.raises(ValueError, match="--attention_backend=pallas needs a TPU"):
         load_model_and_tokenizer(EngineConfig(preset="tiny", attention_backend="pallas"))

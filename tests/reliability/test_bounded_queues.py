@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 
 from hicache_jax import LLM
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
-from hicache_jax.outputs import OutputDelta
+from hicache_jax.engine.engine import Engine
+from hicache_jax.engine.outputs import OutputDelta
 from hicache_jax.sampling_params import QueueFull
 from hicache_jax.server.app import create_app
 from hicache_jax.server.config import ServerConfig
@@ -44,7 +44,7 @@ def test_waiting_queue_is_bounded_in_tokens():
         engine.step()
     assert [engine.pop_output(r)["meta_info"]["finish_reason"]["type"] for r in rids] == ["length"] * 5
     assert engine.scheduler.queued_tokens == 0
-    assert engine.flush_cache()
+    assert engine.flush_cache().success
 
 
 def test_full_queue_is_a_503_and_queues_nothing():

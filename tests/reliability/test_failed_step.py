@@ -7,8 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import STALL_STEPS, Engine
-from hicache_jax.failures import EngineStalled, StepFailed
+from hicache_jax.engine.engine import STALL_STEPS, Engine
+from hicache_jax.engine.failures import EngineStalled, StepFailed
 from hicache_jax.server.app import create_app
 from hicache_jax.server.config import ServerConfig
 from hicache_jax.server.engine_loop import EngineLoop

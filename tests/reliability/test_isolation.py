@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hicache_jax.engine.validation import MAX_SALT_CHARS
 from hicache_jax.sampling_params import InvalidRequest
 from hicache_jax.storage.layout import MARKER, parse_page_path
-from hicache_jax.validation import MAX_SALT_CHARS
 from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm
 
 GEN = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
@@ -86,7 +86,7 @@ def test_same_prompt_under_another_salt_hits_nothing_in_any_tier(llm):
     assert_same_as_recompute(c, first)
     assert hits(serve(llm, ids, "A"))["host"] > 0  # control: A does hit L2
 
-    assert llm.flush_cache()  # only L3 is left, holding A's, B's and C's pages
+    assert llm.flush_cache().success  # only L3 is left, holding A's, B's and C's pages
     for salt in ("D", None, ""):
         out = serve(llm, ids, salt)
         assert hits(out) == dict.fromkeys(TIERS, 0), (salt, out["meta_info"])
@@ -123,7 +123,7 @@ STEP = st.tuples(
 def _random_sequences(llm, steps):
     for salt, prefix, pages, seed, flush in steps:
         if flush:
-            assert llm.flush_cache()
+            assert llm.flush_cache().success
         ids = PREFIXES[prefix] + tokens(3000 + 10 * prefix + seed, pages) if pages else PREFIXES[prefix]
         out = serve(llm, ids, salt)
         allowed = max((lcp(ids, seen) for seen in history.get(salt, [])), default=0)
@@ -143,7 +143,7 @@ def test_random_salts_and_prompts_only_hit_their_own_pages(llm):
 def test_l3_keys_and_paths_never_come_from_user_text(llm):
     for salt in HOSTILE_SALTS:  # (the property test sent these too; this test stands alone)
         serve(llm, tokens(4000, pages=3), salt)
-    assert llm.flush_cache()  # drains pending L3 writes
+    assert llm.flush_cache().success  # drains pending L3 writes
     keys = llm.engine.storage.client.store.list_keys()
     pages = [k for k in keys if k != MARKER]
     assert pages, "nothing reached L3"

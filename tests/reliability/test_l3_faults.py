@@ -68,7 +68,7 @@ def test_damaged_page_is_a_miss_and_is_repaired(make_llm, fault):
     ids, other_ids = prompt(seed=11), prompt(seed=12)
     first = run(llm, ids)
     run(llm, other_ids)
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     damage, counter = FAULTS[fault]
     damage(llm, kv_keys(llm, ids), kv_keys(llm, other_ids))
     before = llm.engine.metrics()
@@ -81,7 +81,7 @@ def test_damaged_page_is_a_miss_and_is_repaired(make_llm, fault):
     llm.engine.check_integrity()
 
     # The bad page was forgotten as stored: the second pass's backup rewrote it.
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     third = run(llm, ids)
     assert_same_as_recompute(third, first)
     assert third["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P
@@ -101,7 +101,7 @@ def test_full_disk_skips_backups_logs_little_and_recovers(make_llm, caplog):
     ids = [prompt(seed=s) for s in (21, 22, 23)]
     with caplog.at_level(logging.WARNING):
         refs = [run(llm, x) for x in ids]
-        assert llm.flush_cache()
+        assert llm.flush_cache().success
         for x, ref in zip(ids, refs):
             assert_same_as_recompute(run(llm, x), ref)
     stats = llm.engine.metrics()
@@ -113,9 +113,9 @@ def test_full_disk_skips_backups_logs_little_and_recovers(make_llm, caplog):
 
     store.heal()
     _wait_for_probe(llm, "write")
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     run(llm, ids[0])  # its backup is the probe that closes the breaker
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     again = run(llm, ids[0])
     assert_same_as_recompute(again, refs[0])
     assert again["meta_info"]["cached_tokens_details"]["storage"] >= len(ids[0]) - P
@@ -127,7 +127,7 @@ def test_permission_denied_serves_without_l3_then_uses_it_again(make_llm, caplog
     set_breakers(llm)
     ids = prompt(seed=31)
     ref = run(llm, ids)
-    assert llm.flush_cache()  # ids' pages are in L3 now
+    assert llm.flush_cache().success  # ids' pages are in L3 now
     store = faulty(llm)
     store.fail(lambda: PermissionError(errno.EACCES, "Permission denied"))
     with caplog.at_level(logging.WARNING):
@@ -135,7 +135,7 @@ def test_permission_denied_serves_without_l3_then_uses_it_again(make_llm, caplog
         for seed in (31, 32, 33, 34):
             outs[seed] = run(llm, prompt(seed=seed))
             assert outs[seed]["meta_info"]["cached_tokens_details"]["storage"] == 0
-            assert llm.flush_cache()
+            assert llm.flush_cache().success
     assert_same_as_recompute(outs[31], ref)
     stats = llm.engine.metrics()
     assert stats["storage_read_breaker_open"] == 1 and stats["prefetch_skipped_l3_down"] >= 1
@@ -143,7 +143,7 @@ def test_permission_denied_serves_without_l3_then_uses_it_again(make_llm, caplog
 
     store.heal()
     _wait_for_probe(llm, "read")
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     back = run(llm, ids)  # the prefetch's probe closes the read breaker
     assert_same_as_recompute(back, ref)
     assert back["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P
@@ -156,12 +156,12 @@ def test_removed_l3_directory_fills_again(make_llm, tmp_path):
     llm = make_llm(tmp_path / "l3")
     ids = prompt(seed=41)
     ref = run(llm, ids)
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     shutil.rmtree(tmp_path / "l3")
     miss = run(llm, ids)
     assert miss["meta_info"]["cached_tokens_details"]["storage"] == 0
     assert llm.engine.metrics()["l3_stored_forgotten"] > 0
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     hit = run(llm, ids)
     assert_same_as_recompute(hit, ref)
     assert hit["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P
@@ -174,18 +174,18 @@ def test_l3_path_replaced_by_a_file_then_restored(make_llm, tmp_path):
     set_breakers(llm)
     ids = prompt(seed=51)
     ref = run(llm, ids)
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     shutil.rmtree(l3)
     l3.write_text("not a directory")
     for seed in (51, 52, 53):
         run(llm, prompt(seed=seed))
-        assert llm.flush_cache()
+        assert llm.flush_cache().success
     stats = llm.engine.metrics()
     assert stats["storage_write_breaker_open"] == 1 and stats["l3_write_errors"] >= 1
     l3.unlink()
     _wait_for_probe(llm, "write")
     run(llm, ids)
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     hit = run(llm, ids)
     assert_same_as_recompute(hit, ref)
     assert hit["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P

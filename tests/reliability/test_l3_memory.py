@@ -22,7 +22,7 @@ def test_write_queue_is_bounded_in_bytes_and_never_blocks(make_llm):
     cap_mb = 0.1  # about 12 of the tiny preset's 8 KiB pages
     llm = make_llm(hicache_storage_write_queue_mb=cap_mb, hicache_storage_timeout_s=30.0)
     run(llm, prompt(seed=90))  # compiled and written before the store hangs
-    assert llm.flush_cache()
+    assert llm.flush_cache().success
     written = llm.engine.metrics()["l3_writes"]
     store = faulty(llm)
     store.hang("put")  # nothing leaves the queue
@@ -45,15 +45,15 @@ def test_prefetch_rows_are_reserved_while_in_flight(make_llm):
     llm = make_llm(hicache_host_rate_limit=0.002)
     a, b = prompt(seed=81), prompt(seed=82)
     refs = [run(llm, a), run(llm, b)]
-    assert llm.flush_cache()
-    tier = llm.engine.storage
+    assert llm.flush_cache().success
+    prefetch = llm.engine.scheduler.prefetch
     store = faulty(llm)
     store.hang("get")  # a's reads stay in flight
     rid_a = llm.engine.add_request(input_ids=a, sampling_params=SAMPLING, return_logprob=True)
-    held = tier.stats()["prefetch_host_rows_in_flight"]
-    assert 16 < held == tier.prefetched_rows() <= 32  # counted before a single row arrived
+    held = prefetch.metrics()["prefetch_host_rows_in_flight"]
+    assert 16 < held == prefetch.prefetched_rows() <= 32  # counted before a single row arrived
     rid_b = llm.engine.add_request(input_ids=b, sampling_params=SAMPLING, return_logprob=True)
-    assert tier.stats()["prefetch_refused_host_full"] == 1 and tier.prefetched_rows() == held
+    assert prefetch.metrics()["prefetch_refused_host_full"] == 1 and prefetch.prefetched_rows() == held
     store.release()
     out_a, out_b = _finish(llm, [rid_a, rid_b])
     assert out_a["meta_info"]["cached_tokens_details"]["storage"] > 0
@@ -61,4 +61,4 @@ def test_prefetch_rows_are_reserved_while_in_flight(make_llm):
     assert_same_as_recompute(out_a, refs[0])
     assert_same_as_recompute(out_b, refs[1])
     # Applied and used by its request: nothing is held for prefetches any more.
-    assert tier.prefetched_rows() == 0 and tier.stats()["prefetch_host_rows_in_flight"] == 0
+    assert prefetch.prefetched_rows() == 0 and prefetch.metrics()["prefetch_host_rows_in_flight"] == 0

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from tests.reliability.workload import TraceReq, assert_all_free, run_trace, solo_outputs, tier_kwargs, traces
 
 

@@ -18,6 +18,7 @@ import pytest
 from hicache_jax.sampling_params import InvalidRequest, SamplingParams
 from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.messages import Abort, Generate, Reply, Sink, Update
+from tests.server.fake_engine import FakeEngine
 
 LONG = {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}
 SHORT = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -137,7 +138,7 @@ class FakeReq:
     finish_reason: dict | None = None
 
 
-class CountingEngine:
+class CountingEngine(FakeEngine):
     """The slice of ``Engine`` the loop uses, with the real one's rid rules: a rid is taken
     from ``add_request`` until ``pop_output``; each step adds one token to every request."""
 

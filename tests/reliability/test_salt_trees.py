@@ -2,7 +2,7 @@
 leave a tree behind each (the salt is an unbounded user value)."""
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from tests.cache.test_prefix_cache import make
 from tests.reliability.workload import _tokens
 
@@ -45,5 +45,5 @@ def test_engine_with_many_salts_keeps_few_trees():
     # 8 device + 8 host pages, 2-3 pages per tenant: only the last few tenants still have a tree.
     assert len(engine.prefix_cache.trees) <= 8, len(engine.prefix_cache.trees)
     engine.check_integrity()
-    assert engine.flush_cache()
+    assert engine.flush_cache().success
     assert engine.prefix_cache.trees == {}

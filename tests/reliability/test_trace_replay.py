@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from hicache_jax.bench.traces import prompt_ids, read_trace, scaled_output_length
 from hicache_jax.config import EngineConfig
-from hicache_jax.traces import prompt_ids, read_trace, scaled_output_length
 from tests.reliability.test_liveness import check
 from tests.reliability.workload import TraceReq
 

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from hicache_jax.sampling_params import QueueFull
 
 VOCAB = (3, 500)  # token ids drawn here: no BOS/EOS (1, 2) inside prompts
@@ -126,7 +126,7 @@ def solo_outputs(cfg: EngineConfig, trace: list[TraceReq]) -> list[list[int]]:
 
 def assert_all_free(engine: Engine) -> None:
     """After flush_cache: integrity holds and every device and host page is free."""
-    assert engine.flush_cache(), "flush_cache refused with nothing in flight"
+    assert engine.flush_cache().success, "flush_cache refused with nothing in flight"
     engine.check_integrity()
     for pool in engine.prefix_cache.pools.values():
         assert pool.num_used == 0, f"{pool.name}: {pool.num_used} still used after flush"

@@ -24,9 +24,10 @@ from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.radix import path_to
 from hicache_jax.config import EngineConfig
 from hicache_jax.request import Req, Status
+from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
-from hicache_jax.scheduler.plan import BatchBuilder, StepPlan
+from hicache_jax.scheduler.plan import StepPlan
 from hicache_jax.scheduler.scheduler import Scheduler
 
 EMPTY = -1  # a KV slot nothing was written to

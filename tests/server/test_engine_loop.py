@@ -9,12 +9,11 @@ import pytest
 from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.errors import ApiError
 from hicache_jax.server.messages import Sink
+from tests.server.fake_engine import FakeEngine
 
 
-class DyingEngine:
+class DyingEngine(FakeEngine):
     """Its first ``has_unfinished`` raises what no handler catches, killing the loop thread."""
-
-    requests: dict = {}
 
     def has_unfinished(self) -> bool:
         raise SystemExit("engine gone")

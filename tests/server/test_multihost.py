@@ -4,7 +4,7 @@ binary, every tier on (jax.distributed over gloo on 127.0.0.1; HTTP on process 0
 * concurrent requests on a pool small enough to retract give the greedy outputs of one
   process at tp_size 1 (a plain ``Engine`` over the same checkpoint, in this process);
 * after ``/flush_cache`` the same prompts are served from L3, prefetched by process 0 and
-  sent to process 1 with its steps (``hicache_jax/replicated.py``), with the same outputs;
+  sent to process 1 with its steps (``hicache_jax/multihost/replicated.py``), with the same outputs;
   the two processes wrote disjoint shares of the pages (``StorageTier.writer``): the
   writes they log at exit add up to the page files in the store;
 * a sampling seed drawn differently on process 1 (``tests/_diverging_follower.py``) stops
@@ -30,7 +30,7 @@ import pytest
 
 from hicache_jax.bench.server_process import ServerError, ServerProcess, free_port
 from hicache_jax.config import EngineConfig
-from hicache_jax.engine import Engine
+from hicache_jax.engine.engine import Engine
 from tests import hf_checkpoints
 from tests._diverging_follower import DIVERGE_TOKEN
 from tests.server.conftest import ROOT, server_env

@@ -13,12 +13,12 @@ import pytest
 from starlette.testclient import TestClient
 
 from hicache_jax.config import EngineConfig
-from hicache_jax.detokenizer import REPLACEMENT
-from hicache_jax.engine import Engine
+from hicache_jax.engine.detokenizer import REPLACEMENT
+from hicache_jax.engine.engine import Engine
+from hicache_jax.engine.outputs import OutputStream, format_output
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.models.presets import TOKENIZER
 from hicache_jax.models.tokenizer import Tokenizer
-from hicache_jax.outputs import OutputStream, format_output
 from hicache_jax.request import Req, Status
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.server import metrics
@@ -29,6 +29,7 @@ from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.messages import Sink, Update
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import CumulativeStream
+from tests.server.fake_engine import FakeEngine
 
 TEXT = "Hi 😀 世界, ok 😀!"  # 3- and 4-byte characters: spelled byte by byte by the tiny tokenizer
 TOK = Tokenizer(TOKENIZER)
@@ -45,7 +46,7 @@ def _logprob(n: int, tok: int, k: int):
     return (-0.25 - n / 8, top)
 
 
-class ScriptedEngine:
+class ScriptedEngine(FakeEngine):
     """The slice of ``Engine`` the loop uses: each step appends the script's next token (and
     made-up logprobs) to every request. Stop strings, lengths and outputs are the real
     ``Engine``'s code."""

@@ -1,0 +1,183 @@
+"""Building an engine's parts from its config: the model, the device pools, the host (L2)
+pools and the L3 tier."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+from hicache_jax.cache.host_pool import HostPool
+from hicache_jax.cache.pool import IndexPool
+from hicache_jax.cache.prefix import PrefixRules
+from hicache_jax.cache.prefix_cache import PrefixCache
+from hicache_jax.config import ConfigError, EngineConfig
+from hicache_jax.hub import resolve_model_path
+from hicache_jax.models.batch import page_group
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.kernels.backend import KernelConfig
+from hicache_jax.models.sharding import make_mesh, tp_size
+from hicache_jax.models.tokenizer import Tokenizer
+from hicache_jax.runtime.batch_builder import BatchBuilder
+from hicache_jax.runtime.runner import ModelRunner
+from hicache_jax.runtime.transfer import PageTransfer
+
+log = logging.getLogger(__name__)
+
+
+def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
+    kernels = KernelConfig(
+        attention=cfg.attention_backend,
+        ssd=cfg.ssd_backend,
+        interpret=cfg.kernel_interpret,
+        mesh=make_mesh(cfg.tp_size) if cfg.tp_size > 1 else None,
+    )
+    kernels.check_platform()
+    if cfg.model_path:
+        from hicache_jax.models.loader import load_model
+
+        path = resolve_model_path(cfg.model_path, cfg.revision)  # a Hub id: its cached snapshot
+        return load_model(path, dtype=cfg.dtype, kernels=kernels), Tokenizer(path)
+    from hicache_jax.models.loader import resolve_dtype
+    from hicache_jax.models.presets import TOKENIZER, build_preset
+
+    dtype = resolve_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)
+    return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
+
+
+def check_model_tp(cfg: EngineConfig, model: CausalLM) -> None:
+    """A model built elsewhere must sit on the mesh the config asks for; over several
+    processes that mesh holds every device."""
+    import jax
+
+    if jax.process_count() > 1 and cfg.tp_size != jax.device_count():
+        raise ConfigError(
+            f"tp_size={cfg.tp_size}: over {jax.process_count()} processes the mesh must hold "
+            f"every device ({jax.device_count()})"
+        )
+    if tp_size(model.mesh) != cfg.tp_size:
+        raise ConfigError(
+            f"tp_size={cfg.tp_size}, but the model given runs on {tp_size(model.mesh)} device(s); "
+            "build it with KernelConfig(mesh=make_mesh(tp_size))"
+        )
+
+
+def make_host_pools(
+    cfg: EngineConfig, pools: dict[str, IndexPool], transfer: PageTransfer
+) -> dict[str, HostPool]:
+    """L2 sized as the device pools x ``hicache_ratio``, or to ``hicache_size_gb``."""
+    layouts = {k: transfer.layout(k) for k in pools}
+    sizes = {k: max(1, int(p.size * cfg.hicache_ratio)) for k, p in pools.items()}
+    if cfg.hicache_size_gb > 0:
+        page_kinds = [k for k in pools if k != "mamba"]
+        per_page = sum(HostPool(k, 0, layouts[k]).bytes_per_page for k in page_kinds)
+        for k in page_kinds:
+            sizes[k] = max(1, int(cfg.hicache_size_gb * 1e9 / per_page))
+    return {k: HostPool(k, sizes[k], layouts[k]) for k in pools}
+
+
+def make_device_pools(cfg: EngineConfig, mc: ModelConfig) -> dict[str, IndexPool]:
+    """L1: full-attention pages, sliding-window pages, Mamba state slots (what the model uses)."""
+    kinds = set(mc.layer_kinds)
+    full_pages = cfg.max_total_tokens // cfg.page_size
+    pools: dict[str, IndexPool] = {}
+    if "attention" in kinds:
+        pools["full"] = IndexPool(full_pages, "full-attention pages")
+    if "sliding" in kinds:
+        n = max(1, int(full_pages * cfg.swa_full_tokens_ratio)) if "attention" in kinds else full_pages
+        pools["swa"] = IndexPool(n, "sliding-window pages")
+    if "mamba" in kinds:
+        pools["mamba"] = IndexPool(cfg.num_state_slots, "mamba state slots")
+    return pools
+
+
+def context_length(cfg: EngineConfig, mc: ModelConfig) -> int:
+    return min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings)
+
+
+def page_groups(mc: ModelConfig) -> tuple[str, ...]:
+    """The page groups (``"full"``, ``"swa"``) the model's attention layers use."""
+    return tuple(sorted({page_group(k) for k in mc.layer_kinds if k != "mamba"}))
+
+
+def make_runner(
+    cfg: EngineConfig, model: CausalLM, pools: dict[str, IndexPool], abstract_on=None
+) -> ModelRunner:
+    """The runner with a device cache the size of the pools (``abstract_on``: shapes only,
+    see ``ModelRunner``)."""
+    return ModelRunner(
+        model,
+        num_pages={g: pools[g].size for g in page_groups(model.cfg)},
+        page_size=cfg.page_size,
+        num_state_slots=pools["mamba"].size if "mamba" in pools else 0,
+        max_seqs=BatchBuilder.max_seqs_for(cfg.max_running_requests),
+        abstract_on=abstract_on,
+    )
+
+
+def make_builder(cfg: EngineConfig, mc: ModelConfig, context_len: int) -> BatchBuilder:
+    return BatchBuilder(
+        page_size=cfg.page_size,
+        groups=page_groups(mc),
+        max_running=cfg.max_running_requests,
+        max_prefill=cfg.chunked_prefill_size,
+        max_pages=-(-context_len // cfg.page_size),
+    )
+
+
+def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:
+    kinds = set(mc.layer_kinds)
+    return PrefixRules(
+        page_size=cfg.page_size,
+        has_full="attention" in kinds,
+        sliding_window=mc.sliding_window if "sliding" in kinds else None,
+        has_mamba="mamba" in kinds,
+    )
+
+
+def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: PrefixCache):
+    """L3: a TensorStore store under a namespace that pins the weights, KV dtype, page size
+    and layout (whole pages, whatever ``tp_size`` runs)."""
+    import jax
+
+    from hicache_jax.cache.storage_tier import StorageTier
+    from hicache_jax.models.fingerprint import params_fingerprint
+    from hicache_jax.models.loader import model_fingerprint
+    from hicache_jax.storage.base import make_store
+    from hicache_jax.storage.capacity import CapacityConfig
+    from hicache_jax.storage.client import ClientConfig, StorageClient
+    from hicache_jax.storage.keys import Namespace
+
+    fp = model_fingerprint(resolve_model_path(cfg.model_path, cfg.revision)) if cfg.model_path else None
+    fp = fp or params_fingerprint(params, label=model.cfg.architecture)
+    namespace = Namespace(
+        model_fingerprint=fp,
+        kv_dtype=str(model.dtype),
+        page_size=cfg.page_size,
+        layout_version=1,
+        # Pages are stored whole at every tp_size (see runtime/transfer.py): the namespace names the
+        # whole-page layout, so servers at any tp_size share them.
+        tp_rank=0,
+        tp_size=1,
+    )
+    spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
+    store = make_store(cfg.hicache_storage_backend, spec, timeout_s=cfg.hicache_storage_timeout_s)
+    log.info("L3: %s store at %s (namespace %s)", cfg.hicache_storage_backend, spec, namespace.fingerprint)
+    client_cfg = ClientConfig(
+        timeout_s=cfg.hicache_storage_timeout_s,
+        max_queue_bytes=int(cfg.hicache_storage_write_queue_mb * 2**20),
+        capacity=CapacityConfig(
+            max_bytes=int(cfg.hicache_storage_max_gb * 1e9),
+            min_free_bytes=int(cfg.hicache_storage_min_free_gb * 1e9),
+            low_watermark=cfg.hicache_storage_evict_ratio,
+            timeout_s=cfg.hicache_storage_timeout_s,
+            lease_ttl_s=max(30.0, 3 * cfg.hicache_storage_timeout_s),
+        ),
+    )
+    return StorageTier(
+        StorageClient(store, namespace, client_cfg),
+        namespace,
+        prefix_cache,
+        writer=(jax.process_index(), jax.process_count()),
+    )

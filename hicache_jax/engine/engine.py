@@ -1,0 +1,476 @@
+"""The engine: requests in, tokens out. ``step()`` is schedule -> run -> postprocess.
+
+Overlap schedule: a step is launched (JAX dispatches it asynchronously) and its results are
+read during the *next* ``step()`` call, so the host prepares step N+1 while the device runs
+step N. When step N is a plain decode step, step N+1 is even scheduled before N's tokens are
+known: each request carries its unread token as a placeholder (``Req.pending``) that the
+device fills in from N's sampled ids. That look-ahead is taken only when nothing in it can
+depend on N's results: no request waiting (no admission), a free page in every pool for
+each running request (no eviction of running state, no retraction), and room below the
+context length. A request that finishes at N (a stop token, a stop string) has then been
+run once more at N+1; that extra token is discarded, so outputs are the same as without
+overlap. ``disable_overlap_schedule`` reads every step before scheduling the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+import uuid
+from typing import NoReturn
+
+import jax
+
+from hicache_jax.cache.prefix_cache import PrefixCache
+from hicache_jax.config import EngineConfig
+from hicache_jax.engine.build import (
+    check_model_tp,
+    context_length,
+    load_model_and_tokenizer,
+    make_builder,
+    make_device_pools,
+    make_host_pools,
+    make_runner,
+    make_storage_tier,
+    prefix_rules,
+)
+from hicache_jax.engine.failures import EngineStalled, StepFailed
+from hicache_jax.engine.flush_result import FlushResult
+from hicache_jax.engine.outputs import OutputDelta, OutputStream, format_output, output_text
+from hicache_jax.engine.step_results import append_token, record_input_logprobs, stop_reason
+from hicache_jax.engine.validation import validate_cache_salt, validate_prompt, validate_rid
+from hicache_jax.engine.warmup import WarmupReport, warmup
+from hicache_jax.metric_kinds import Metrics
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.models.tokenizer import Tokenizer
+from hicache_jax.request import Req, Status
+from hicache_jax.runtime import penalties
+from hicache_jax.runtime.transfer import PageTransfer
+from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
+from hicache_jax.scheduler.cache_adapter import CacheAdapter
+from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions, Prefetcher
+from hicache_jax.scheduler.plan import StepPlan
+from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
+
+log = logging.getLogger(__name__)
+
+STALL_STEPS = 100  # steps with work queued, nothing in flight and nothing scheduled
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step on the device whose results nobody has read yet."""
+
+    plan: StepPlan
+    out: object  # SamplingOutputs of device arrays
+    ids: object  # its sampled ids padded to max_seqs (the next step's feed)
+    first_rows: list[int]
+
+
+class Engine:
+    """Satisfies ``EngineAPI`` (``engine/interface.py``): the calls the server makes."""
+
+    def __init__(self, cfg: EngineConfig, model: CausalLM | None = None, tokenizer: Tokenizer | None = None):
+        if model is None:
+            model, tokenizer = load_model_and_tokenizer(cfg)
+        check_model_tp(cfg, model)
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer or Tokenizer(None)
+        mc = model.cfg
+        self.context_len = context_length(cfg, mc)
+        pools = make_device_pools(cfg, mc)
+        self.rules = prefix_rules(cfg, mc)
+        self.runner = make_runner(cfg, model, pools)
+        host, transfer = None, None
+        if cfg.enable_hierarchical_cache:
+            transfer = PageTransfer(self.runner)
+            host = make_host_pools(cfg, pools, transfer)
+        self.prefix_cache = PrefixCache(
+            self.rules,
+            pools,
+            enabled=not cfg.disable_radix_cache,
+            host=host,
+            transfer=transfer,
+            write_policy=cfg.hicache_write_policy,
+        )
+        self.storage = None
+        if cfg.hicache_storage_backend:
+            self.storage = make_storage_tier(cfg, model, self.runner.params, self.prefix_cache)
+        self.adapter = CacheAdapter(self.prefix_cache)
+        prefetch = Prefetcher(
+            None if cfg.disable_radix_cache else self.storage,
+            self.prefix_cache,
+            policy=cfg.hicache_storage_prefetch_policy,
+            threshold=cfg.hicache_prefetch_threshold,
+            host_rate_limit=cfg.hicache_host_rate_limit,
+            reads=jax.process_index() == 0,  # the others get process 0's reads (multihost/replicated.py)
+        )
+        self.scheduler = Scheduler(cfg, self.adapter, prefetch)
+        self.builder = make_builder(cfg, mc, self.context_len)
+        self.penalty_slots = penalties.Slots(self.runner.num_penalty_slots)
+        self.requests: dict[str, Req] = {}
+        self._keys = itertools.count()
+        self._idle_steps = 0
+        self._inflight: Launched | None = None
+        self.broken: BaseException | None = None  # a failed step's cause, until recover()
+        self._rng = random.Random(cfg.random_seed)
+        stats = {
+            "steps": 0,
+            "overlapped_steps": 0,  # planned before the previous step's tokens were read
+            "requests_finished": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "cached_tokens": 0,
+            "cached_tokens_device": 0,
+            "cached_tokens_host": 0,
+            "cached_tokens_storage": 0,
+        }
+        self.stats = Metrics().counters(stats)
+        if cfg.warmup:
+            self.warmup()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        input_ids: list[int] | None = None,
+        text: str | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        cache_salt: str | None = None,
+        stream: bool = False,
+        after: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequest naming the bad field.
+        ``after``: the rid of a queued request with the same prompt (an earlier choice of
+        an ``n > 1`` request); this one is admitted only once that one has computed the
+        prompt, so it takes the prompt's pages from the radix tree instead of computing it."""
+        validate_rid(rid)
+        validate_cache_salt(cache_salt)
+        sp = SamplingParams.from_dict(sampling_params)
+        if sp.min_new_tokens:
+            penalties.held_back(sp, self.model.cfg.eos_token_ids)  # raises if too many to hold back
+        input_ids = validate_prompt(
+            input_ids,
+            text,
+            sp,
+            self.tokenizer,
+            vocab_size=self.model.cfg.vocab_size,
+            context_len=self.context_len,
+            capacity=self.prefix_cache.sequence_capacity(),
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+        )
+        rid = rid or uuid.uuid4().hex
+        if rid in self.requests:
+            raise InvalidRequest(f"rid {rid!r} is already in use")
+        limit = self.cfg.queued_token_limit
+        if self.scheduler.queued_tokens + len(input_ids) > limit:
+            raise QueueFull(
+                f"the queue holds {self.scheduler.queued_tokens} prompt tokens; this request's "
+                f"{len(input_ids)} would pass max_queued_tokens={limit}: retry later"
+            )
+        req = Req(
+            rid=rid,
+            input_ids=input_ids,
+            sampling=sp,
+            return_logprob=bool(return_logprob),
+            logprob_start_len=logprob_start_len if return_logprob else -1,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+            cache_salt=cache_salt,
+            seed=sp.seed if sp.seed is not None else self._rng.getrandbits(31),
+            stream=stream,
+            prefetch_key=f"{rid}#{next(self._keys)}",
+            after=None if self.cfg.disable_radix_cache else self.requests.get(after),
+        )
+        self.requests[rid] = req
+        self.scheduler.add(req)  # and its L3 prefetch starts
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        req = self.scheduler.abort(rid)
+        if req is None:
+            return False
+        self._finish(req, {"type": "abort", "message": "aborted"})
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self, prefetch: PrefetchDecisions | None = None) -> list[Req]:
+        """Run one batch; returns requests that finished or produced tokens this step.
+        ``prefetch``: what L3 prefetching brought, decided elsewhere (by process 0 when
+        several processes serve; see multihost/replicated.py); by default decided here.
+
+        Raises ``StepFailed`` after a step failed (its running requests are failed, the
+        device state rebuilt: the next step serves again) and ``EngineStalled`` when work is
+        queued but nothing could be scheduled for ``STALL_STEPS`` steps."""
+        if self.broken is not None:
+            self.recover()
+        prev, self._inflight = self._inflight, None
+        touched: list[Req] = []
+        if prev is not None and not self._can_run_ahead(prev):
+            touched, prev = self._complete(prev), None
+        if prefetch is None:
+            prefetch = self.prefetch_decisions()
+        try:
+            plan = self.scheduler.schedule(prefetch)
+        except OutOfMemory as e:  # the request cannot fit even alone: fail it, not the engine
+            self.scheduler.drop(e.req)
+            self._finish(e.req, {"type": "abort", "message": str(e)})
+            return touched + [e.req]
+        except Exception as e:  # e.g. an L2 -> L1 load (it donates the device cache)
+            self._step_failed(e)
+        if plan is not None:
+            self._idle_steps = 0
+            self.stats["overlapped_steps"] += prev is not None
+            try:
+                self._inflight = self._launch(plan, prev)
+            except Exception as e:
+                self._step_failed(e)
+        if prev is not None:
+            touched = self._complete(prev)
+        elif plan is None and not touched:
+            self._idle(0.01)
+        return touched
+
+    def prefetch_decisions(self) -> PrefetchDecisions:
+        """What the L3 prefetch brought since the last step, and who still waits for it."""
+        return self.scheduler.prefetch_decisions()
+
+    def sync(self) -> list[Req]:
+        """Read the step in flight, if any (its requests as ``step`` returns them)."""
+        prev, self._inflight = self._inflight, None
+        return self._complete(prev) if prev is not None else []
+
+    def _can_run_ahead(self, prev: Launched) -> bool:
+        """Whether the next step can be planned before ``prev``'s tokens are read."""
+        running = self.scheduler.running
+        if self.cfg.disable_overlap_schedule or self.scheduler.waiting or not prev.plan.decode_only:
+            return False
+        if len(prev.plan.items) != len(running) or any(i.req not in running for i in prev.plan.items):
+            return False
+        if any(r.seq_len + 1 >= self.context_len for r in running):
+            return False
+        return self.prefix_cache.has_free_pages(len(running))
+
+    def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
+        feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
+        batch, sampling, copies, top, first_rows = self.builder.build(plan, feed_from=feed_from)
+        self._assign_penalty_slots(plan)
+        penalty = self.builder.penalties(plan, sampling.last_rows.shape[0], self.model.cfg.eos_token_ids)
+        prev_ids = None if prev is None else prev.ids
+        out, ids = self.runner.launch(batch, sampling, copies, top, prev_ids, penalty)
+        self.stats["steps"] += 1
+        for item in plan.items:  # the state after this step, as far as the host can know it
+            item.req.num_computed = item.end
+            if item.samples:
+                item.req.pending += 1
+        return Launched(plan, out, ids, first_rows)
+
+    def _assign_penalty_slots(self, plan: StepPlan) -> None:
+        """A penalty slot, with its counts written, for each request of the step that has a
+        penalty and no slot (``runtime/penalties.py``)."""
+        stepping = {item.req for item in plan.items}
+        for item in plan.items:
+            req = item.req
+            if req.sampling.penalised and req.penalty_slot is None:
+                assert not req.pending, "a request with tokens in flight already has its slot"
+                slot = self.penalty_slots.assign(req, stepping)
+                row = penalties.seed_row(req.input_ids, req.output_ids, self.model.cfg.vocab_size)
+                self.runner.write_penalty_row(slot, row)
+
+    def _complete(self, launched: Launched) -> list[Req]:
+        """Read a launched step's results and apply them."""
+        try:
+            out = self.runner.fetch(launched.out)
+            touched = self._postprocess(launched.plan, out, launched.first_rows)
+            if self.prefix_cache.host:
+                self.prefix_cache.backup_pending()  # write policy: device -> host (-> L3)
+        except Exception as e:
+            self._step_failed(e)
+        return touched
+
+    def _idle(self, timeout: float) -> None:
+        if self.scheduler.waiting_on_storage():
+            self._idle_steps = 0
+            self.scheduler.wait_for_storage(timeout)  # only requests waiting on L3: sleep until one lands
+            return
+        self._idle_steps += 1
+        if self._idle_steps >= STALL_STEPS and self.scheduler.has_work():
+            self._idle_steps = 0
+            raise EngineStalled(
+                f"no progress in {STALL_STEPS} steps: {len(self.scheduler.running)} running "
+                f"{[(r.rid, r.num_computed, len(r.fill_ids)) for r in self.scheduler.running][:8]}, "
+                f"{len(self.scheduler.waiting)} waiting; {self.adapter.describe_pools()}"
+            )
+
+    def _step_failed(self, cause: Exception) -> NoReturn:
+        """Fail the running requests, rebuild the device state, raise ``StepFailed``."""
+        message = f"engine step failed: {type(cause).__name__}: {cause}"
+        log.error(
+            "%s; failing %d running requests and rebuilding device state",
+            message,
+            len(self.scheduler.running),
+        )
+        failed = []
+        self._inflight = None
+        for req in self.scheduler.drop_all():  # nothing goes to the tree: pages are suspect
+            self._finish(req, {"type": "abort", "message": message})
+            failed.append(req.rid)
+        self.broken = cause
+        try:
+            self.recover()
+        except Exception:  # stays broken: the next step (or the server loop) tries again
+            log.exception("rebuilding device state failed")
+        raise StepFailed(failed, message) from cause
+
+    def recover(self) -> None:
+        """Rebuild device state after a failed step: L1 emptied, tree entries that pointed
+        at device pages dropped (host copies stay), fresh device arrays. Waiting requests
+        are kept; they start over from whatever L2/L3 still hold."""
+        if self.scheduler.running:
+            raise RuntimeError(f"recover() with {len(self.scheduler.running)} requests still running")
+        if any(r.num_computed or r.last_node is not None for r in self.scheduler.waiting):
+            raise RuntimeError("recover() while a waiting request holds cache state")
+        self.prefix_cache.drop_device()
+        self.runner.reset_cache()
+        self.penalty_slots.reset()
+        self.broken = None
+        log.info("device state rebuilt; serving again")
+
+    def _postprocess(self, plan: StepPlan, out, first_rows: list[int]) -> list[Req]:
+        touched = []
+        now = time.monotonic()
+        for s, item in enumerate(plan.items):
+            req = item.req
+            if req.status is not Status.RUNNING:
+                continue  # aborted, or finished a step earlier (an overlap step's extra token)
+            if item.wants_input_logprobs:
+                record_input_logprobs(req, item, out, first_rows[s])
+            finished = None
+            if item.samples:
+                req.pending -= 1
+                if len(req.output_ids) >= req.sampling.max_new_tokens:
+                    finished = {"type": "length", "length": req.sampling.max_new_tokens}
+                else:
+                    tok = append_token(req, out, s, now)
+                    self.stats["generated_tokens"] += 1
+                    finished = self._stop_reason(req, tok)
+                touched.append(req)
+            if finished:
+                req.num_computed, req.pending = item.end, 0  # a step after this one is void
+                self.scheduler.finish(req)
+                self._finish(req, finished)
+            else:
+                self.adapter.after_step(req, insert=item.num_tokens > 1 or item.start < req.input_len)
+        return touched
+
+    def _stop_reason(self, req: Req, tok: int) -> dict | None:
+        return stop_reason(
+            req,
+            tok,
+            eos_token_ids=self.model.cfg.eos_token_ids,
+            tokenizer=self.tokenizer,
+            context_len=self.context_len,
+        )
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.status = Status.FINISHED
+        self.penalty_slots.release(req)
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self.stats["requests_finished"] += 1
+        self.stats["prompt_tokens"] += req.input_len
+        self.stats["cached_tokens"] += req.cached_tokens
+        for tier, n in req.cached_details.items():
+            self.stats[f"cached_tokens_{tier}"] += n
+
+    # ---- results -------------------------------------------------------------------------------
+    def output(self, rid: str) -> dict:
+        return format_output(self.requests[rid], self.tokenizer)
+
+    def pop_output(self, rid: str, stream: OutputStream | None = None) -> dict | OutputDelta:
+        """A finished (or aborted) request's output, and forget the request. With the
+        ``stream`` that followed it: only the last delta, O(new tokens)."""
+        out = self.output(rid) if stream is None else stream.next(self.requests[rid])
+        del self.requests[rid]
+        return out
+
+    def text_so_far(self, rid: str) -> str | None:
+        return output_text(self.requests[rid], self.tokenizer)
+
+    # ---- maintenance -----------------------------------------------------------------------------
+    def flush_cache(self) -> FlushResult:
+        """Clear L1 and L2 after draining pending L3 writes (for at most
+        ``hicache_storage_timeout_s``); L3 is kept. Refused (``success`` False) while
+        requests are in flight. The result says what the L3 drain did."""
+        if self.scheduler.has_work():
+            return FlushResult(False, "requests are still in flight")
+        t0 = time.monotonic()
+        if self.prefix_cache.host:
+            # write_back keeps data only on the device until eviction: a flush writes it back.
+            everything = self.cfg.hicache_write_policy == "write_back"
+            self.prefix_cache.backup_pending(everything=everything)
+        drained = None
+        if self.storage is not None:  # in-flight prefetches are dropped, queued L3 writes drained
+            drained = self.storage.drain(self.scheduler.abandon_prefetches)
+        self.prefix_cache.flush()
+        # Idle and flushed: every page must be free. Cheap now, and a leak found here is
+        # reported by /flush_cache instead of surfacing later as a stall.
+        self.check_integrity()
+        for name, used in self.prefix_cache.pages_in_use().items():
+            if used:
+                raise AssertionError(f"{name}: {used} pages still in use after flush_cache")
+        return FlushResult.done(time.monotonic() - t0, drained)
+
+    def clear_storage(self) -> bool:
+        """Clear L3 (shared by every server on it). False when no L3 is configured."""
+        if self.storage is None:
+            return False
+        self.storage.clear()
+        return True
+
+    def heartbeat(self) -> None:
+        """Nothing to do on one process (``LeaderEngine.heartbeat`` keeps the others in touch)."""
+
+    def close(self) -> None:
+        """Stop L3 work: queued writes get up to ``hicache_storage_timeout_s``, then are dropped."""
+        if self.storage is not None:
+            self.scheduler.close()  # no prefetch outlives the storage tier
+            self.storage.close()
+            done = self.storage.client.stats()
+            log.info(
+                "L3 at close: %d page writes, %d page reads, %d write errors",
+                done["writes"],
+                done["reads"],
+                self.storage.counters["l3_write_errors"],
+            )
+
+    def metrics(self) -> Metrics:
+        """Counters and gauges for /metrics and /get_server_info (plain numbers)."""
+        out = self.stats.copy().counters({"num_retractions": self.scheduler.num_retractions})
+        out.gauges(
+            {"num_running_reqs": len(self.scheduler.running), "num_waiting_reqs": len(self.scheduler.waiting)}
+        )
+        out.add(self.prefix_cache.metrics())  # pool use and the cache's counters
+        if self.storage is not None:
+            out.add(self.scheduler.prefetch_metrics())
+            out.add(self.storage.stats())
+        return out
+
+    def check_integrity(self) -> None:
+        self.prefix_cache.check_integrity(self.adapter.held(self.scheduler.running))
+
+    def warmup(self) -> WarmupReport:
+        """Compile every program serving can run (see warmup.py), so no request waits for a
+        compile. Nothing runs: no cache page is read or written."""
+        return warmup(self.runner, self.builder, self.prefix_cache.transfer)

@@ -1,0 +1,102 @@
+"""Warm-up: compile every program serving can run, before the first request.
+
+Serving runs two families of programs, each over a bounded set of shapes:
+
+- the step (``runtime/runner.py``): one program per ``BatchBuilder.warmup_programs()`` entry
+  (decode and prefill buckets, per-token logits rows for input logprobs, with and without
+  top logprobs); Mamba state copies and penalty counts run inside it;
+- a penalty slot's row write (``runtime/penalties.py``), when a request with a penalty starts;
+- page transfers (``runtime/transfer.py``, with a host tier): a gather (device -> host: backups)
+  and a scatter (host -> device: L2 hits, and L3 hits, which land in the host pool first)
+  per page kind and chunk bucket.
+
+Nothing else touches the device while serving. Programs are lowered one at a time
+(tracing holds the GIL) and compiled on a thread pool (the backend compiler releases it);
+the jits' call paths then find them compiled. Nothing is executed, so warm-up reads and
+writes no cache page.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+import time
+
+import jax
+
+from hicache_jax import progress
+from hicache_jax.runtime import compiles
+from hicache_jax.runtime.batch_builder import BatchBuilder
+from hicache_jax.runtime.runner import ModelRunner
+from hicache_jax.runtime.transfer import PageTransfer
+from hicache_jax.scheduler.plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    programs: int  # programs warm-up asked for
+    compiled: int  # of them, compiled now (the rest were compiled before in this process)
+    seconds: float
+
+
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def warmup(
+    runner: ModelRunner,
+    builder: BatchBuilder,
+    transfer: PageTransfer | None = None,
+    *,
+    workers: int | None = None,
+) -> WarmupReport:
+    t0 = time.perf_counter()
+    before = compiles.total()
+    with (
+        concurrent.futures.ThreadPoolExecutor(workers or default_workers()) as pool,
+        progress.bar(desc="warm-up compiles", unit="program") as shown,
+    ):
+        futures = {}
+        for name, lowered in programs(runner, builder, transfer):
+            futures[pool.submit(lowered.compile)] = name
+            shown.total = len(futures)  # grows while programs are lowered; advances as they compile
+            shown.refresh()
+        for f in concurrent.futures.as_completed(futures):
+            shown.set_postfix_str(futures[f], refresh=False)
+            shown.update()
+            try:
+                f.result()
+            except Exception as e:
+                raise RuntimeError(f"warm-up: compiling {futures[f]} failed: {e}") from e
+    report = WarmupReport(
+        programs=len(futures), compiled=compiles.total() - before, seconds=time.perf_counter() - t0
+    )
+    log.info("warm-up: %d programs (%d compiled) in %.1fs", report.programs, report.compiled, report.seconds)
+    return report
+
+
+def programs(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer | None):
+    """(name, lowered program) for every program serving can run, lowered lazily."""
+    for name, lower in lowerings(runner, builder, transfer):
+        yield name, lower()
+
+
+def lowerings(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer | None):
+    """(name, a function that lowers it) for every program serving can run."""
+    for shape, top in builder.warmup_programs():
+        name = f"{'decode' if shape[3] else 'prefill'} step T={shape[0]} S={shape[1]} R={shape[2]} top={top}"
+        yield name, functools.partial(lower_step, runner, builder, shape, top)
+    yield "penalty row write", runner.lower_penalty_row
+    if transfer is not None:
+        yield from transfer.lowerings()
+
+
+def lower_step(runner: ModelRunner, builder: BatchBuilder, shape, top: int) -> jax.stages.Lowered:
+    """The step program for (T, S, R, decode_only) ``shape``, lowered on an empty batch."""
+    batch, sampling, copies, _, _ = builder.build(StepPlan(items=[]), shape)
+    return runner.lower_step(batch, sampling, copies, top)

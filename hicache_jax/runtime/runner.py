@@ -1,0 +1,255 @@
+"""The model runner: device cache arrays and one jitted function per step shape.
+
+A step is ``restore snapshots -> forward -> take snapshots -> sample -> count``, all inside
+one jit, so logits never leave the device, Mamba state copies need no extra dispatch, and
+the penalty counts (``penalties.py``) take each sampled token on the device.
+
+``launch`` only dispatches (JAX runs it asynchronously) and ``fetch`` reads the results,
+so the engine can schedule the next step while this one runs. A step may take input tokens
+that the previous step sampled and nobody has read yet (``ForwardBatch.feed_rows``): every
+step returns its sampled ids padded to ``max_seqs`` and takes the previous step's, on device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hicache_jax.models import sharding
+from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.models.cache import MambaState
+from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.multihost import distributed
+from hicache_jax.runtime import compiles, penalties
+from hicache_jax.runtime.penalties import PenaltyInputs
+from hicache_jax.runtime.sampler import SamplingInputs, SamplingOutputs, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCopies:
+    """Mamba state slot copies: ``before`` the forward (restore a snapshot into a working
+    slot) and ``after`` it (snapshot a working slot). -1 entries copy nothing."""
+
+    before_src: jax.Array  # [K] int32
+    before_dst: jax.Array
+    after_src: jax.Array
+    after_dst: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    StateCopies, data_fields=["before_src", "before_dst", "after_src", "after_dst"], meta_fields=[]
+)
+
+
+def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
+    """Copy recurrent state slot ``src[i]`` to ``dst[i]`` in every Mamba layer, for the
+    leading entries that are not -1 (the batch builder packs them first).
+
+    One slot at a time, in a loop that runs once per copy: a step reads and writes only the
+    slots it copies, in place. (A gather of all K entries then a scatter moved K whole slots
+    per layer twice a step, copies or not: 64 MiB a layer at 64 slots of Bamba-9B at tp 4.)
+    Within one call no copy reads a slot another writes (restores write working slots from
+    snapshots; snapshots copy working slots to fresh ones), so the order does not matter."""
+    mamba = [i for i, entry in enumerate(cache) if isinstance(entry, MambaState)]
+    if not mamba:
+        return cache
+    count = jnp.sum((src >= 0) & (dst >= 0))
+
+    def one(i, states):
+        def move(x):
+            row = jax.lax.dynamic_slice_in_dim(x, src[i], 1)
+            return jax.lax.dynamic_update_slice_in_dim(x, row, dst[i], 0)
+
+        return tuple(MambaState(conv=move(st.conv), ssm=move(st.ssm)) for st in states)
+
+    moved = jax.lax.fori_loop(0, count, one, tuple(cache[i] for i in mamba))
+    out = list(cache)
+    for i, st in zip(mamba, moved):
+        out[i] = st
+    return tuple(out)
+
+
+class _Structure:
+    """The model's graph and parameter tree as one static jit argument. Interned, so it
+    hashes by identity: hashing a Flax graphdef on every call costs milliseconds.
+
+    Under tensor parallelism it also holds where the step's outputs live: the cache as it
+    came in (``cache_shardings``), the sampled ids on every device (``replicated``)."""
+
+    _interned: dict = {}
+
+    def __init__(self, graphdef, treedef, cache_shardings, replicated):
+        self.graphdef, self.treedef = graphdef, treedef
+        self.cache_shardings, self.replicated = cache_shardings, replicated
+
+    @classmethod
+    def of(cls, graphdef, treedef, cache_shardings=None, replicated=None) -> _Structure:
+        key = (graphdef, treedef, cache_shardings, replicated)
+        return cls._interned.setdefault(key, cls(*key))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        num_pages: dict[str, int],
+        page_size: int,
+        num_state_slots: int,
+        max_seqs: int = 1,
+        abstract_on: jax.sharding.Mesh | None = None,
+    ):
+        """``abstract_on``: allocate nothing. The model's weights are ``ShapeDtypeStruct``s
+        (``hicache_jax/tpu/abstract.py``) and the cache and ids become ones too, placed on
+        the model's mesh or, without one, on this one-device mesh: the step can then be
+        lowered and compiled for devices this process cannot run (a TPU slice, from here)."""
+        self.model = model
+        self.cfg = model.cfg
+        self.page_size = page_size
+        self.has_mamba = "mamba" in self.cfg.layer_kinds
+        self.graphdef, self.params = nnx.split(model)
+        # Flat leaves: flattening an nnx.State on every call costs milliseconds per step.
+        self._leaves, treedef = jax.tree_util.tree_flatten(self.params)
+        self.mesh = model.mesh
+        self._structure = _Structure.of(
+            self.graphdef, treedef, model.cache_shardings(), sharding.replicated(self.mesh)
+        )
+        self._cache_shape = dict(num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots)
+        # Penalty counts (``penalties.py``): one row per slot, split by vocabulary as logits are.
+        self.num_penalty_slots = max_seqs
+        self._counts_sharding = sharding.vocab_rows(sharding.replicated(self.mesh), self.cfg.vocab_size)
+        if abstract_on is None:
+            self.cache = model.allocate_cache(**self._cache_shape)
+            self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), sharding.replicated(self.mesh))
+            self.counts = self._new_counts()
+        else:
+            self.cache = model.cache_shapes(placement=abstract_on, **self._cache_shape)
+            on = sharding.replicated(self.mesh or abstract_on)
+            self._no_ids = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=on)
+            vocab_on = self._counts_sharding or on
+            self.counts = jax.ShapeDtypeStruct((max_seqs, self.cfg.vocab_size), jnp.int32, sharding=vocab_on)
+        self._compiled_before = compiles.total(STEP_PROGRAM)
+        self._multiprocess = jax.process_count() > 1
+        self._launched = 0
+
+    def launch(
+        self,
+        batch: ForwardBatch,
+        sampling: SamplingInputs,
+        copies: StateCopies,
+        top_logprobs: int,
+        prev_ids: jax.Array | None = None,
+        penalty: PenaltyInputs | None = None,
+    ) -> tuple[SamplingOutputs, jax.Array]:
+        """Dispatch a step; returns its outputs and its sampled ids padded to ``max_seqs``
+        (the next step's ``prev_ids``), both still on the device."""
+        args = self._step_args(batch, sampling, copies, prev_ids, penalty)
+        if self._multiprocess:  # every process must launch this same step
+            self._launched += 1
+            plan = distributed.digest((args[2:5], args[6], top_logprobs))
+            distributed.check_same_plan(self._launched, plan)
+        self.cache, out, ids, self.counts = _step_jit(*args, **self._static(top_logprobs))
+        return out, ids
+
+    def lower_penalty_row(self) -> jax.stages.Lowered:
+        """The program ``write_penalty_row`` runs, lowered (for warm-up)."""
+        row = np.zeros(self.cfg.vocab_size, np.int32)
+        return penalties.lower_write_row(self.counts, row, self._counts_sharding)
+
+    def write_penalty_row(self, slot: int, row: np.ndarray) -> None:
+        """Set penalty slot ``slot``'s counts (``penalties.seed_row``), in device order after
+        the step in flight (which may still add to the slot's former holder)."""
+        self.counts = penalties.write_row(self.counts, slot, row, self._counts_sharding)
+
+    @staticmethod
+    def fetch(out: SamplingOutputs) -> SamplingOutputs:
+        """Wait for a launched step and bring its outputs to the host (outputs are
+        replicated, so on several processes each reads its own copy)."""
+        return jax.tree_util.tree_map(_to_host, out)
+
+    def step(
+        self,
+        batch: ForwardBatch,
+        sampling: SamplingInputs,
+        copies: StateCopies,
+        top_logprobs: int,
+        penalty: PenaltyInputs | None = None,
+    ) -> SamplingOutputs:
+        """Launch and wait."""
+        return self.fetch(self.launch(batch, sampling, copies, top_logprobs, penalty=penalty)[0])
+
+    def lower_step(
+        self, batch: ForwardBatch, sampling: SamplingInputs, copies: StateCopies, top_logprobs: int
+    ) -> jax.stages.Lowered:
+        """The program ``step`` runs for inputs of these shapes, lowered: warm-up compiles
+        it, and the jit's call path then finds it compiled."""
+        return _step_jit.lower(*self._step_args(batch, sampling, copies), **self._static(top_logprobs))
+
+    def _step_args(self, batch, sampling, copies, prev_ids=None, penalty=None) -> tuple:
+        if batch.feed_rows is None:
+            batch = dataclasses.replace(batch, feed_rows=np.full(batch.input_ids.shape, -1, np.int32))
+        prev_ids = self._no_ids if prev_ids is None else prev_ids
+        penalty = PenaltyInputs.neutral(sampling.last_rows.shape[0]) if penalty is None else penalty
+        return self._leaves, self.cache, batch, sampling, copies, prev_ids, penalty, self.counts
+
+    def _static(self, top_logprobs: int) -> dict:
+        return {"structure": self._structure, "top_logprobs": top_logprobs}
+
+    def reset_cache(self) -> None:
+        """Fresh device cache arrays and penalty counts (after a failed step consumed the
+        donated ones)."""
+        self.cache = self.model.allocate_cache(**self._cache_shape)
+        self.counts = self._new_counts()
+
+    def _new_counts(self) -> jax.Array:
+        zeros = jnp.zeros((self.num_penalty_slots, self.cfg.vocab_size), jnp.int32)
+        on = self._counts_sharding or sharding.replicated(self.mesh)
+        return zeros if on is None else jax.device_put(zeros, on)
+
+    def num_compiled(self) -> int:
+        """Step programs compiled since this runner was made (``benchmarks/decode.py`` checks
+        that its timed steps compile nothing). The jit is shared by every runner of the
+        process, so engines of the same model structure and shapes reuse each other's
+        programs, and a compile in another engine counts here too."""
+        return compiles.total(STEP_PROGRAM) - self._compiled_before
+
+    def kv_bytes_per_token(self) -> int:
+        b = 0
+        for entry in self.cache:
+            if not isinstance(entry, MambaState):  # shape arithmetic: indexing would compile
+                b += 2 * int(np.prod(entry.k.shape[2:])) * entry.k.dtype.itemsize
+        return b
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
+def _step(leaves, cache, batch, sampling, copies, prev_ids, penalty, counts, *, structure, top_logprobs):
+    fed = prev_ids[jnp.maximum(batch.feed_rows, 0)]
+    ids = jnp.where(batch.feed_rows >= 0, fed, batch.input_ids)
+    batch = dataclasses.replace(batch, input_ids=ids, feed_rows=None)
+    params = jax.tree_util.tree_unflatten(structure.treedef, leaves)
+    # Each stage hands the cache on where it lives: left free, XLA may split the replicated
+    # conv-state pool across the copy loop and all-gather it whole afterwards, every step.
+    cache = copy_states(cache, copies.before_src, copies.before_dst)
+    cache = sharding.constrain(cache, structure.cache_shardings)
+    cache, logits = nnx.merge(structure.graphdef, params)(cache, batch)
+    cache = sharding.constrain(cache, structure.cache_shardings)
+    cache = copy_states(cache, copies.after_src, copies.after_dst)
+    rows = sharding.vocab_rows(structure.replicated, logits.shape[-1])
+    out = sample(logits, sampling, top_logprobs, rows, structure.replicated, (penalty, counts))
+    counts = sharding.constrain(penalties.counted(counts, penalty, out.next_ids), rows)
+    n = min(out.next_ids.shape[0], prev_ids.shape[0])
+    ids = jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
+    cache = sharding.constrain(cache, structure.cache_shardings)
+    out = sharding.constrain(out, structure.replicated)
+    return cache, out, sharding.constrain(ids, structure.replicated), counts
+
+
+STEP_PROGRAM = "jit(_step)"  # the name compile events carry
+_step_jit = jax.jit(_step, static_argnames=("structure", "top_logprobs"), donate_argnums=(1, 7))

@@ -1,0 +1,120 @@
+"""No compile while serving: after ``Engine.warmup`` a varied stream (decode and prefill
+buckets, 1 to max_running_requests sequences, input and top logprobs, Mamba state copies,
+L2 loads and backups, L3 hits, penalties, a rebuild after a failed step) compiles nothing. Compiles
+are counted through JAX's public monitoring events (``hicache_jax.runtime.compiles``)."""
+
+import numpy as np
+
+from hicache_jax.config import EngineConfig
+from hicache_jax.engine.engine import Engine
+from hicache_jax.request import Req
+from hicache_jax.runtime import compiles
+from hicache_jax.runtime.batch_builder import BatchBuilder
+from hicache_jax.sampling_params import SamplingParams
+from hicache_jax.scheduler.plan import StepPlan, WorkItem
+
+P = 16
+
+
+def _plan(rng, max_running: int, max_prefill: int) -> StepPlan:
+    """A plan the scheduler could make: decodes, plus prefill chunks within the budget."""
+    items, budget = [], max_prefill
+    for _ in range(rng.randint(1, max_running + 1)):
+        n = int(rng.randint(1, 300))
+        lsl = int(rng.randint(-1, n))
+        req = Req(rid="r", input_ids=[3] * n, sampling=SamplingParams(), return_logprob=rng.rand() < 0.3)
+        req.logprob_start_len = lsl
+        if rng.rand() < 0.5 or budget == 0:  # decoding: one token past the prompt
+            req.output_ids = [3] * int(rng.randint(1, 5))
+            end = n + len(req.output_ids)
+            items.append(WorkItem(req, end - 1, end))
+        else:
+            start = int(rng.randint(0, n))
+            end = min(n, start + int(rng.randint(1, budget + 1)))
+            budget -= end - start
+            items.append(WorkItem(req, start, end))
+    return StepPlan(items)
+
+
+def test_warmup_shapes_cover_every_plan():
+    rng = np.random.RandomState(0)
+    for max_running, max_prefill in [(1, 16), (3, 16), (8, 64), (32, 512)]:
+        b = BatchBuilder(
+            page_size=P, groups=("full",), max_running=max_running, max_prefill=max_prefill, max_pages=8
+        )
+        warm = set(b.warmup_shapes())
+        assert len(warm) == len(b.warmup_shapes())
+        seen = set()
+        for _ in range(300):
+            plan = _plan(rng, max_running, max_prefill)
+            shape = b.shapes(plan) + (plan.decode_only,)
+            assert shape in warm, (max_running, max_prefill, shape)
+            seen.add(shape)
+        assert len(seen) > len(warm) // 2  # the plans are varied enough to mean something
+
+
+def _requests(rng, lengths, sampling=None, **extra):
+    for n in lengths:
+        yield dict(
+            input_ids=rng.randint(3, 500, n).tolist(),
+            sampling_params={
+                "max_new_tokens": int(rng.randint(1, 6)),
+                "temperature": 0.7,
+                "seed": n,
+                **(sampling or {}),
+            },
+            **extra,
+        )
+
+
+def _run(engine, reqs, batch_sizes: set) -> list[dict]:
+    rids = [engine.add_request(**r) for r in reqs]
+    while engine.has_unfinished():
+        engine.step()
+        batch_sizes.add(len(engine.scheduler.running))
+    return [engine.pop_output(r) for r in rids]
+
+
+def test_serving_after_warmup_compiles_nothing(tmp_path):
+    cfg = EngineConfig(
+        preset="tiny-mamba",  # Mamba + full attention: state copies, page and state transfers
+        page_size=8,  # chunks of one page: a single prefill bucket (T = 8 + 2), few programs
+        chunked_prefill_size=8,
+        max_running_requests=2,
+        max_total_tokens=16 * 8,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4.0,
+        hicache_storage_backend="tensorstore",
+        hicache_storage_spec=str(tmp_path / "l3"),
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_prefetch_threshold=0,
+        warmup=True,
+    )
+    engine = Engine(cfg)
+    rng = np.random.RandomState(0)
+    first = list(_requests(rng, [100, 5, 50, 27, 90, 13]))
+    sizes = set()
+    logprobs = dict(return_logprob=True, logprob_start_len=3, top_logprobs_num=4)
+    try:
+        with compiles.Watch() as watch:
+            outs = _run(engine, first, sizes)  # 1..2 running, long and short prompts, chunked
+            outs += _run(engine, _requests(rng, [40]), sizes)  # alone
+            penalised = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "min_new_tokens": 1}
+            outs += _run(engine, _requests(rng, [30, 60], penalised), sizes)  # penalty rows written
+            outs += _run(engine, _requests(rng, [70, 9], **logprobs), sizes)  # input and top logprobs
+            outs += _run(engine, _requests(rng, [45], return_logprob=True), sizes)  # output logprobs only
+            outs += _run(engine, _requests(rng, [100, 80, 70]), sizes)  # evicts `first` from the device
+            outs += _run(engine, first[:3], sizes)  # L2 hits: host -> device loads
+            host_hits = engine.stats["cached_tokens_host"]
+            assert engine.flush_cache().success  # drains L3 writes, empties L1 and L2
+            outs += _run(engine, first[3:], sizes)  # L3 hits: storage -> host -> device
+            engine.recover()  # what a failed step does: fresh device cache arrays
+            outs += _run(engine, [dict(first[0], **logprobs)], sizes)
+    finally:
+        engine.close()
+    assert not watch.new, f"compiled while serving: {dict(watch.new)}"
+    # The stream did reach every path it claims to.
+    assert host_hits > 0 and engine.stats["cached_tokens_storage"] > 0, engine.stats
+    assert engine.prefix_cache.counters["host_backups"] > 0
+    assert {1, 2} <= sizes, sizes
+    assert any(o["meta_info"].get("input_top_logprobs") for o in outs)
