@@ -22,9 +22,9 @@ What only process 0 can know travels with its calls as data: the L3 prefetch. Pr
 alone reads L3 for prefetches; before each ``step`` it decides what landed and which requests
 still wait (``Scheduler.prefetch_decisions``, from ``scheduler/l3_prefetch.py``: a clock and
 I/O, different on every host), and that decision, the landed pages included, is the recorded
-step's argument. So every process puts the same pages in its L2 and admits the same requests. L2 holds whole pages on every
-process (``runtime/transfer.py``), and each process writes its own share of them to L3
-(``StorageTier.writer``), so no page is written twice.
+step's argument. So every process puts the same pages in its L2 and admits the same requests.
+L2 holds whole pages on every process (``runtime/transfer.py``), and each process writes its
+own share of them to L3 (``StorageTier.writer``), so no page is written twice.
 
 While process 0 is idle, the others wait in the broadcast; the engine loop calls
 ``heartbeat`` while idle, so they hear from it (an empty call list) at least every
