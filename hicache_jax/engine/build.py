@@ -1,8 +1,9 @@
 """Building an engine's parts from its config: the model, the device pools, the host (L2)
-pools and the L3 tier."""
+pools, the L3 tier, and the cache side that joins them to the scheduler."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -22,6 +23,9 @@ from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.runtime.runner import ModelRunner
 from hicache_jax.runtime.transfer import PageTransfer
+from hicache_jax.scheduler.cache_adapter import CacheAdapter
+from hicache_jax.scheduler.l3_prefetch import Prefetcher
+from hicache_jax.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +185,45 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         prefix_cache,
         writer=(jax.process_index(), jax.process_count()),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSide:
+    """The tiers and the scheduler over them: what ``Engine`` asks about pages and L3."""
+
+    prefix_cache: PrefixCache
+    storage: object  # StorageTier | None
+    adapter: CacheAdapter
+    scheduler: Scheduler
+
+
+def make_cache_side(cfg: EngineConfig, model: CausalLM, runner: ModelRunner, pools, rules) -> CacheSide:
+    """L1 (``pools``), L2 when ``enable_hierarchical_cache``, L3 when a backend is set, the
+    radix tree over them, and the scheduler with the one L3 prefetch owner."""
+    import jax
+
+    host, transfer = None, None
+    if cfg.enable_hierarchical_cache:
+        transfer = PageTransfer(runner)
+        host = make_host_pools(cfg, pools, transfer)
+    prefix_cache = PrefixCache(
+        rules,
+        pools,
+        enabled=not cfg.disable_radix_cache,
+        host=host,
+        transfer=transfer,
+        write_policy=cfg.hicache_write_policy,
+    )
+    storage = None
+    if cfg.hicache_storage_backend:
+        storage = make_storage_tier(cfg, model, runner.params, prefix_cache)
+    adapter = CacheAdapter(prefix_cache)
+    prefetch = Prefetcher(
+        None if cfg.disable_radix_cache else storage,
+        prefix_cache,
+        policy=cfg.hicache_storage_prefetch_policy,
+        threshold=cfg.hicache_prefetch_threshold,
+        host_rate_limit=cfg.hicache_host_rate_limit,
+        reads=jax.process_index() == 0,  # the others get process 0's reads (multihost/replicated.py)
+    )
+    return CacheSide(prefix_cache, storage, adapter, Scheduler(cfg, adapter, prefetch))

@@ -22,25 +22,21 @@ import time
 import uuid
 from typing import NoReturn
 
-import jax
-
-from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine.build import (
     check_model_tp,
     context_length,
     load_model_and_tokenizer,
     make_builder,
+    make_cache_side,
     make_device_pools,
-    make_host_pools,
     make_runner,
-    make_storage_tier,
     prefix_rules,
 )
 from hicache_jax.engine.failures import EngineStalled, StepFailed
-from hicache_jax.engine.flush_result import FlushResult
+from hicache_jax.engine.flush_result import FlushResult, close_tiers, flush_tiers
 from hicache_jax.engine.outputs import OutputDelta, OutputStream, format_output, output_text
-from hicache_jax.engine.step_results import append_token, record_input_logprobs, stop_reason
+from hicache_jax.engine.step_results import ENGINE_COUNTERS, append_token, record_input_logprobs, stop_reason
 from hicache_jax.engine.validation import validate_cache_salt, validate_prompt, validate_rid
 from hicache_jax.engine.warmup import WarmupReport, warmup
 from hicache_jax.metric_kinds import Metrics
@@ -48,12 +44,10 @@ from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.request import Req, Status
 from hicache_jax.runtime import penalties
-from hicache_jax.runtime.transfer import PageTransfer
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
-from hicache_jax.scheduler.cache_adapter import CacheAdapter
-from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions, Prefetcher
+from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions
 from hicache_jax.scheduler.plan import StepPlan
-from hicache_jax.scheduler.scheduler import OutOfMemory, Scheduler
+from hicache_jax.scheduler.scheduler import OutOfMemory
 
 log = logging.getLogger(__name__)
 
@@ -85,31 +79,9 @@ class Engine:
         pools = make_device_pools(cfg, mc)
         self.rules = prefix_rules(cfg, mc)
         self.runner = make_runner(cfg, model, pools)
-        host, transfer = None, None
-        if cfg.enable_hierarchical_cache:
-            transfer = PageTransfer(self.runner)
-            host = make_host_pools(cfg, pools, transfer)
-        self.prefix_cache = PrefixCache(
-            self.rules,
-            pools,
-            enabled=not cfg.disable_radix_cache,
-            host=host,
-            transfer=transfer,
-            write_policy=cfg.hicache_write_policy,
-        )
-        self.storage = None
-        if cfg.hicache_storage_backend:
-            self.storage = make_storage_tier(cfg, model, self.runner.params, self.prefix_cache)
-        self.adapter = CacheAdapter(self.prefix_cache)
-        prefetch = Prefetcher(
-            None if cfg.disable_radix_cache else self.storage,
-            self.prefix_cache,
-            policy=cfg.hicache_storage_prefetch_policy,
-            threshold=cfg.hicache_prefetch_threshold,
-            host_rate_limit=cfg.hicache_host_rate_limit,
-            reads=jax.process_index() == 0,  # the others get process 0's reads (multihost/replicated.py)
-        )
-        self.scheduler = Scheduler(cfg, self.adapter, prefetch)
+        self.side = side = make_cache_side(cfg, model, self.runner, pools, self.rules)
+        self.prefix_cache, self.storage = side.prefix_cache, side.storage
+        self.adapter, self.scheduler = side.adapter, side.scheduler
         self.builder = make_builder(cfg, mc, self.context_len)
         self.penalty_slots = penalties.Slots(self.runner.num_penalty_slots)
         self.requests: dict[str, Req] = {}
@@ -118,18 +90,7 @@ class Engine:
         self._inflight: Launched | None = None
         self.broken: BaseException | None = None  # a failed step's cause, until recover()
         self._rng = random.Random(cfg.random_seed)
-        stats = {
-            "steps": 0,
-            "overlapped_steps": 0,  # planned before the previous step's tokens were read
-            "requests_finished": 0,
-            "prompt_tokens": 0,
-            "generated_tokens": 0,
-            "cached_tokens": 0,
-            "cached_tokens_device": 0,
-            "cached_tokens_host": 0,
-            "cached_tokens_storage": 0,
-        }
-        self.stats = Metrics().counters(stats)
+        self.stats = Metrics().counters(dict.fromkeys(ENGINE_COUNTERS, 0))
         if cfg.warmup:
             self.warmup()
 
@@ -265,7 +226,8 @@ class Engine:
     def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
         feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
         batch, sampling, copies, top, first_rows = self.builder.build(plan, feed_from=feed_from)
-        self._assign_penalty_slots(plan)
+        reqs = [item.req for item in plan.items]  # each with a penalty gets a slot (runtime/penalties.py)
+        self.penalty_slots.assign_all(reqs, self.runner.write_penalty_row, self.model.cfg.vocab_size)
         penalty = self.builder.penalties(plan, sampling.last_rows.shape[0], self.model.cfg.eos_token_ids)
         prev_ids = None if prev is None else prev.ids
         out, ids = self.runner.launch(batch, sampling, copies, top, prev_ids, penalty)
@@ -275,18 +237,6 @@ class Engine:
             if item.samples:
                 item.req.pending += 1
         return Launched(plan, out, ids, first_rows)
-
-    def _assign_penalty_slots(self, plan: StepPlan) -> None:
-        """A penalty slot, with its counts written, for each request of the step that has a
-        penalty and no slot (``runtime/penalties.py``)."""
-        stepping = {item.req for item in plan.items}
-        for item in plan.items:
-            req = item.req
-            if req.sampling.penalised and req.penalty_slot is None:
-                assert not req.pending, "a request with tokens in flight already has its slot"
-                slot = self.penalty_slots.assign(req, stepping)
-                row = penalties.seed_row(req.input_ids, req.output_ids, self.model.cfg.vocab_size)
-                self.runner.write_penalty_row(slot, row)
 
     def _complete(self, launched: Launched) -> list[Req]:
         """Read a launched step's results and apply them."""
@@ -410,27 +360,8 @@ class Engine:
 
     # ---- maintenance -----------------------------------------------------------------------------
     def flush_cache(self) -> FlushResult:
-        """Clear L1 and L2 after draining pending L3 writes (for at most
-        ``hicache_storage_timeout_s``); L3 is kept. Refused (``success`` False) while
-        requests are in flight. The result says what the L3 drain did."""
-        if self.scheduler.has_work():
-            return FlushResult(False, "requests are still in flight")
-        t0 = time.monotonic()
-        if self.prefix_cache.host:
-            # write_back keeps data only on the device until eviction: a flush writes it back.
-            everything = self.cfg.hicache_write_policy == "write_back"
-            self.prefix_cache.backup_pending(everything=everything)
-        drained = None
-        if self.storage is not None:  # in-flight prefetches are dropped, queued L3 writes drained
-            drained = self.storage.drain(self.scheduler.abandon_prefetches)
-        self.prefix_cache.flush()
-        # Idle and flushed: every page must be free. Cheap now, and a leak found here is
-        # reported by /flush_cache instead of surfacing later as a stall.
-        self.check_integrity()
-        for name, used in self.prefix_cache.pages_in_use().items():
-            if used:
-                raise AssertionError(f"{name}: {used} pages still in use after flush_cache")
-        return FlushResult.done(time.monotonic() - t0, drained)
+        """Clear L1 and L2, L3 kept (``engine/flush_result.py``); refused while requests run."""
+        return flush_tiers(self.side, self.cfg.hicache_write_policy == "write_back", self.check_integrity)
 
     def clear_storage(self) -> bool:
         """Clear L3 (shared by every server on it). False when no L3 is configured."""
@@ -444,16 +375,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop L3 work: queued writes get up to ``hicache_storage_timeout_s``, then are dropped."""
-        if self.storage is not None:
-            self.scheduler.close()  # no prefetch outlives the storage tier
-            self.storage.close()
-            done = self.storage.client.stats()
-            log.info(
-                "L3 at close: %d page writes, %d page reads, %d write errors",
-                done["writes"],
-                done["reads"],
-                self.storage.counters["l3_write_errors"],
-            )
+        close_tiers(self.side)
 
     def metrics(self) -> Metrics:
         """Counters and gauges for /metrics and /get_server_info (plain numbers)."""

@@ -6,6 +6,21 @@ from __future__ import annotations
 
 from hicache_jax.request import Req
 
+# The engine's counters (``Engine.stats``), all starting at 0. overlapped_steps: steps
+# planned before the previous step's tokens were read; cached_tokens_<tier>: prompt tokens a
+# finished request found in that tier.
+ENGINE_COUNTERS = (
+    "steps",
+    "overlapped_steps",
+    "requests_finished",
+    "prompt_tokens",
+    "generated_tokens",
+    "cached_tokens",
+    "cached_tokens_device",
+    "cached_tokens_host",
+    "cached_tokens_storage",
+)
+
 
 def append_token(req: Req, out, row: int, now: float) -> int:
     """Append the token sampled in ``row`` (with its logprob and top logprobs) to ``req``."""

@@ -154,6 +154,16 @@ class Slots:
         req.penalty_slot = free
         return free
 
+    def assign_all(self, reqs: list, write_row, vocab: int) -> None:
+        """A slot, its counts written by ``write_row(slot, row)``, for each request of a
+        step (``reqs``) that has a penalty and no slot."""
+        stepping = set(reqs)
+        for req in reqs:
+            if req.sampling.penalised and req.penalty_slot is None:
+                assert not req.pending, "a request with tokens in flight already has its slot"
+                slot = self.assign(req, stepping)
+                write_row(slot, seed_row(req.input_ids, req.output_ids, vocab))
+
     def release(self, req) -> None:
         if req.penalty_slot is not None:
             self.holders.pop(req.penalty_slot, None)
