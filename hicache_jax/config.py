@@ -1,5 +1,6 @@
 """Engine configuration: frozen dataclasses, validated on construction. The server's absl
-flags and ``LLM(**kwargs)`` both end up here, under the same names."""
+flags and ``LLM(**kwargs)`` both end up here, under the same names. Each field is a
+``setting``: its help (the flag's help and README's row), default and checks in one place."""
 
 from __future__ import annotations
 
@@ -22,62 +23,38 @@ def _unset_or(check):
     return lambda v, c: v is None or check(v, c)
 
 
-# One rule per entry: (field, ok(value, config), what it must be). ``{field}`` in the text
-# is filled from the config, so a message can name the bound it was checked against.
-FIELD_RULES = (
-    ("page_size", lambda v, c: _positive_pow2(v), "must be a power of two"),
-    ("chunked_prefill_size", lambda v, c: v >= c.page_size, "must be >= page_size ({page_size})"),
-    (
-        "chunked_prefill_size",
-        lambda v, c: v % c.page_size == 0,
-        "must be a multiple of page_size ({page_size})",
-    ),
-    ("max_running_requests", lambda v, c: v >= 1, "must be >= 1"),
-    ("max_total_tokens", lambda v, c: v >= c.page_size, "must hold at least one page"),
-    ("swa_full_tokens_ratio", lambda v, c: 0 < v <= 1.0, "must be in (0, 1]"),
-    (
-        "dtype",
-        lambda v, c: v in ("auto", "float32", "bfloat16", "float16"),
-        "must be auto, float32, bfloat16 or float16",
-    ),
-    ("attention_backend", lambda v, c: v in (None, "xla", "pallas"), "must be xla or pallas"),
-    ("ssd_backend", lambda v, c: v in (None, "xla", "pallas"), "must be xla or pallas"),
-    ("tp_size", lambda v, c: v >= 1, "must be >= 1"),
-    ("schedule_policy", lambda v, c: v in SCHEDULE_POLICIES, f"must be one of {SCHEDULE_POLICIES}"),
-    ("dist_num_processes", lambda v, c: v >= 1, "must be >= 1"),
-    (
-        "dist_process_id",
-        lambda v, c: 0 <= v < c.dist_num_processes,
-        "must be in [0, dist_num_processes={dist_num_processes})",
-    ),
-    (
-        "dist_coordinator",
-        lambda v, c: c.dist_num_processes == 1 or bool(v),
-        "must be set (host:port of process 0) when dist_num_processes > 1",
-    ),
-    ("hicache_ratio", lambda v, c: v > 0, "must be > 0"),
-    ("hicache_size_gb", lambda v, c: v >= 0, "must be >= 0"),
-    ("hicache_write_policy", lambda v, c: v in WRITE_POLICIES, f"must be one of {WRITE_POLICIES}"),
-    (
-        "hicache_storage_prefetch_policy",
-        lambda v, c: v in PREFETCH_POLICIES,
-        f"must be one of {PREFETCH_POLICIES}",
-    ),
-    ("hicache_storage_backend", lambda v, c: v in (None, "tensorstore"), "must be tensorstore (or unset)"),
-    ("hicache_prefetch_threshold", lambda v, c: v >= 0, "must be >= 0"),
-    ("hicache_host_rate_limit", lambda v, c: 0 < v <= 1, "must be in (0, 1]"),
-    ("hicache_storage_timeout_s", lambda v, c: v > 0, "must be > 0"),
-    ("hicache_storage_write_queue_mb", lambda v, c: v > 0, "must be > 0"),
-    ("hicache_storage_max_gb", lambda v, c: v >= 0, "must be >= 0"),
-    ("hicache_storage_min_free_gb", lambda v, c: v >= 0, "must be >= 0"),
-    ("hicache_storage_evict_ratio", lambda v, c: 0 < v <= 1, "must be in (0, 1]"),
-    ("max_queued_tokens", _unset_or(lambda v, c: v >= 1), "must be >= 1"),
-    (
-        "mamba_cache_slots",
-        _unset_or(lambda v, c: v >= 2 * c.max_running_requests),
-        "must be >= 2 x max_running_requests",
-    ),
-)
+def setting(default, help: str, *checks, shown_default: str | None = None, choices=None, show_value=True):
+    """A config field with everything said about it in one place: its ``help`` (the flag's
+    help and the README row, ``hicache_jax/flag_table.py``), its default, and its checks.
+
+    A check is ``(ok(value, config), "must be ...")``; ``{field}`` in the text is filled from
+    the config, so a message can name the bound it was checked against (checks run in field
+    order, so a check may rely on an earlier field having passed its own). ``shown_default``
+    is the default as ``--helpfull`` and the table show it where the real one is None or
+    derived; ``choices`` makes the flag an enum; ``show_value=False`` leaves the value out of
+    the refusal."""
+    meta = {
+        "help": help,
+        "checks": checks,
+        "shown_default": shown_default,
+        "choices": choices,
+        "show_value": show_value,
+    }
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_fields(config, error: type[Exception], prefix: str = "") -> None:
+    """Run every field's checks in field order; the first refusal raises ``error`` with
+    ``{prefix}{field}={value!r}: must be ...``."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        for ok, why in f.metadata.get("checks", ()):
+            if not ok(value, config):
+                why = why.format_map(vars(config))
+                if f.metadata["show_value"]:
+                    raise error(f"{prefix}{f.name}={value!r}: {why}")
+                raise error(f"{prefix}{f.name} {why}")
+
 
 # Settings that contradict each other: (contradiction(config), message).
 COMBINATION_RULES = (
@@ -95,55 +72,195 @@ COMBINATION_RULES = (
     ),
 )
 
+_BACKENDS = (lambda v, c: v in (None, "xla", "pallas"), "must be xla or pallas")
+_AT_LEAST_1 = (lambda v, c: v >= 1, "must be >= 1")
+_NOT_NEGATIVE = (lambda v, c: v >= 0, "must be >= 0")
+_POSITIVE = (lambda v, c: v > 0, "must be > 0")
+_SHARE = (lambda v, c: 0 < v <= 1, "must be in (0, 1]")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model_path: str | None = None  # a directory or a Hub id (org/name); None: the built-in preset
-    revision: str | None = None  # Hub branch, tag or commit of a model id (None: main)
-    preset: str = "tiny"
-    dtype: str = "auto"  # auto | float32 | bfloat16
-    page_size: int = 16
-    chunked_prefill_size: int = 512
-    max_running_requests: int = 32
-    max_total_tokens: int = 65536  # device KV capacity (full-attention pool), tokens
-    swa_full_tokens_ratio: float = 1.0  # sliding-window pool size relative to the full pool
-    mamba_cache_slots: int | None = None  # default: 4 x max_running_requests
-    max_queued_tokens: int | None = None  # prompt tokens waiting; default 16 x max_total_tokens
-    context_length: int | None = None  # default: the model's max_position_embeddings
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False  # read each step's results before scheduling the next
-    schedule_policy: str = "fcfs"  # fcfs | lpm: longest cached prefix first (scheduler/scheduler.py)
-    attention_backend: str | None = None  # xla | pallas; None: platform default
-    ssd_backend: str | None = None
-    kernel_interpret: bool = False  # Pallas interpret mode (CPU tests)
-    random_seed: int = 0
-    tp_size: int = 1  # tensor-parallel degree: a mesh of the first tp_size devices
+    model_path: str | None = setting(
+        None,
+        "HF or orbax (hicache_jax.convert) model directory, a llama.cpp .gguf file, or a Hugging Face "
+        "model id (org/name) fetched into the Hub cache (HF_HOME, HF_HUB_OFFLINE; README: Operating "
+        "the server); unset: the built-in --preset.",
+        shown_default="unset",
+    )
+    revision: str | None = setting(
+        None, "Hub branch, tag or commit of a --model_path model id.", shown_default="main"
+    )
+    preset: str = setting(
+        "tiny", "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, 100m."
+    )
+    dtype: str = setting(
+        "auto",
+        "Weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16.",
+        (
+            lambda v, c: v in ("auto", "float32", "bfloat16", "float16"),
+            "must be auto, float32, bfloat16 or float16",
+        ),
+    )
+    page_size: int = setting(
+        16,
+        "Tokens per KV page (a power of two); also the L3 page.",
+        (lambda v, c: _positive_pow2(v), "must be a power of two"),
+    )
+    chunked_prefill_size: int = setting(
+        512,
+        "Most prompt tokens prefilled per step (a multiple of --page_size).",
+        (lambda v, c: v >= c.page_size, "must be >= page_size ({page_size})"),
+        (lambda v, c: v % c.page_size == 0, "must be a multiple of page_size ({page_size})"),
+    )
+    max_running_requests: int = setting(32, "Most requests in the running batch.", _AT_LEAST_1)
+    max_total_tokens: int = setting(
+        65536,
+        "Device KV capacity in tokens (the full-attention page pool).",
+        (lambda v, c: v >= c.page_size, "must hold at least one page"),
+    )
+    swa_full_tokens_ratio: float = setting(
+        1.0, "Sliding-window page pool size relative to the full pool, in (0, 1].", _SHARE
+    )
+    mamba_cache_slots: int | None = setting(
+        None,
+        "Mamba state slots (working states + snapshots), at least 2 x --max_running_requests.",
+        (_unset_or(lambda v, c: v >= 2 * c.max_running_requests), "must be >= 2 x max_running_requests"),
+        shown_default="4 x --max_running_requests",
+    )
+    max_queued_tokens: int | None = setting(
+        None,
+        "Most prompt tokens waiting to run; beyond it a request gets 503 (retry later).",
+        (_unset_or(lambda v, c: v >= 1), "must be >= 1"),
+        shown_default="16 x --max_total_tokens",
+    )
+    context_length: int | None = setting(
+        None,
+        "Longest prompt + completion.",
+        shown_default="the model's max_position_embeddings",
+    )
+    disable_radix_cache: bool = setting(False, "Turn off prefix caching.")
+    disable_overlap_schedule: bool = setting(
+        False, "Read each step's results before scheduling the next (README: Performance)."
+    )
+    schedule_policy: str = setting(
+        "fcfs",
+        "Queue order: fcfs (arrival), or lpm (longest cached prefix first, L2 and L3 included; "
+        "a request waiting 64 steps goes first, and queues over 128 fall back to fcfs).",
+        (lambda v, c: v in SCHEDULE_POLICIES, f"must be one of {SCHEDULE_POLICIES}"),
+    )
+    attention_backend: str | None = setting(
+        None,
+        "Attention kernels: xla (the reference; the default off TPU) or pallas (the TPU default; "
+        "elsewhere only with --kernel_interpret).",
+        _BACKENDS,
+        shown_default="platform's",
+    )
+    ssd_backend: str | None = setting(
+        None,
+        "Mamba2 SSD kernel: xla or pallas, defaults as for --attention_backend.",
+        _BACKENDS,
+        shown_default="platform's",
+    )
+    kernel_interpret: bool = setting(False, "Run Pallas kernels in interpret mode (CPU testing).")
+    random_seed: int = setting(0, "Seed for preset weights and for requests without a sampling seed.")
+    tp_size: int = setting(
+        1,
+        "Tensor-parallel degree: a mesh of the first tp_size devices, of all hosts together with "
+        "--dist_num_processes > 1 (README: Tensor parallel).",
+        _AT_LEAST_1,
+    )
     # Several processes (hosts) on one mesh, joined by jax.distributed (hicache_jax/multihost/distributed.py).
-    dist_coordinator: str | None = None  # host:port of process 0
-    dist_num_processes: int = 1
-    dist_process_id: int = 0
-    warmup: bool = False  # compile every shape bucket at start-up
+    dist_coordinator: str | None = setting(
+        None,
+        "host:port of process 0 when several processes (hosts) share one mesh (jax.distributed).",
+        # <= 1: a bad dist_num_processes is refused by its own check, which comes next
+        (
+            lambda v, c: c.dist_num_processes <= 1 or bool(v),
+            "must be set (host:port of process 0) when dist_num_processes > 1",
+        ),
+        shown_default="unset",
+    )
+    dist_num_processes: int = setting(
+        1,
+        "Processes (hosts) sharing the mesh, each started with the same flags; 1: this process alone.",
+        _AT_LEAST_1,
+    )
+    dist_process_id: int = setting(
+        0,
+        "This process's index in [0, --dist_num_processes); process 0 serves HTTP.",
+        (
+            lambda v, c: 0 <= v < c.dist_num_processes,
+            "must be in [0, dist_num_processes={dist_num_processes})",
+        ),
+    )
+    warmup: bool = setting(
+        False,
+        "Compile every program serving can run before serving, so no request waits for a compile "
+        "(README: Warm-up).",
+    )
     # Hierarchical cache (L2 host memory, L3 storage).
-    enable_hierarchical_cache: bool = False
-    hicache_ratio: float = 2.0
-    hicache_size_gb: float = 0.0  # overrides hicache_ratio when > 0
-    hicache_write_policy: str = "write_through"
-    hicache_storage_backend: str | None = None  # None | "tensorstore"
-    hicache_storage_spec: str | None = None  # path, kvstore URL or JSON spec
-    hicache_storage_prefetch_policy: str = "timeout"
-    hicache_prefetch_threshold: int = 256  # tokens; shorter L3 hits are not fetched
-    hicache_host_rate_limit: float = 0.5  # max share of the host pool held by prefetches
-    hicache_storage_timeout_s: float = 5.0  # deadline of each L3 call, of flush's and close's L3 waits
-    hicache_storage_write_queue_mb: float = 256.0  # page bytes queued for L3; beyond, backups are skipped
-    hicache_storage_max_gb: float = 0.0  # L3 size cap (1e9 bytes); 0: unbounded
-    hicache_storage_min_free_gb: float = 0.0  # free-space floor of a file L3; 0: none
-    hicache_storage_evict_ratio: float = 0.9  # eviction goes down to this share of the limit
+    enable_hierarchical_cache: bool = setting(
+        False, "Copy device pages to host memory (L2) and, with a backend, storage (L3)."
+    )
+    hicache_ratio: float = setting(2.0, "Host pool size as a multiple of the device pool.", _POSITIVE)
+    hicache_size_gb: float = setting(
+        0.0, "Host pool size in GB (overrides --hicache_ratio when > 0).", _NOT_NEGATIVE
+    )
+    hicache_write_policy: str = setting(
+        "write_through",
+        f"When pages are copied to host: {', '.join(WRITE_POLICIES)}.",
+        (lambda v, c: v in WRITE_POLICIES, f"must be one of {WRITE_POLICIES}"),
+    )
+    hicache_storage_backend: str | None = setting(
+        None,
+        "L3 backend: tensorstore (unset: no L3).",
+        (lambda v, c: v in (None, "tensorstore"), "must be tensorstore (or unset)"),
+        shown_default="unset",
+    )
+    hicache_storage_spec: str | None = setting(
+        None,
+        "L3 location: a directory, a kvstore URL (gs://bucket/dir) or a JSON kvstore spec.",
+        shown_default="unset",
+    )
+    hicache_storage_prefetch_policy: str = setting(
+        "timeout",
+        f"When to stop waiting for L3: {', '.join(PREFETCH_POLICIES)}.",
+        (lambda v, c: v in PREFETCH_POLICIES, f"must be one of {PREFETCH_POLICIES}"),
+    )
+    hicache_prefetch_threshold: int = setting(
+        256, "Shortest L3 hit (tokens) worth a prefetch.", _NOT_NEGATIVE
+    )
+    hicache_host_rate_limit: float = setting(
+        0.5, "Largest share of the host pool that in-flight prefetches may hold.", _SHARE
+    )
+    hicache_storage_timeout_s: float = setting(
+        5.0,
+        "Deadline (s) of every L3 call; also the longest /flush_cache and shutdown wait for L3.",
+        _POSITIVE,
+    )
+    hicache_storage_write_queue_mb: float = setting(
+        256.0,
+        "Most page data (MB) queued for L3 writes; beyond it backups are skipped and counted.",
+        _POSITIVE,
+    )
+    hicache_storage_max_gb: float = setting(
+        0.0,
+        "L3 size cap (GB, 1e9 bytes) for all servers on the store, kept by LRU eviction; 0: none.",
+        _NOT_NEGATIVE,
+    )
+    hicache_storage_min_free_gb: float = setting(
+        0.0, "Evict L3 pages when the file store's disk has less free (GB); 0: none.", _NOT_NEGATIVE
+    )
+    hicache_storage_evict_ratio: float = setting(
+        0.9,
+        "Eviction goes down to this share of --hicache_storage_max_gb (and up to "
+        "--hicache_storage_min_free_gb / this ratio free).",
+        _SHARE,
+    )
 
     def __post_init__(self):
-        for name, ok, why in FIELD_RULES:
-            value = getattr(self, name)
-            if not ok(value, self):
-                raise ConfigError(f"{name}={value!r}: {why.format_map(vars(self))}")
+        check_fields(self, ConfigError)
         for contradiction, why in COMBINATION_RULES:
             if contradiction(self):
                 raise ConfigError(why)
@@ -158,3 +275,9 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+# Every field check as (field, ok, why), in the order they run; derived from the fields.
+FIELD_RULES = tuple(
+    (f.name, ok, why) for f in dataclasses.fields(EngineConfig) for ok, why in f.metadata["checks"]
+)

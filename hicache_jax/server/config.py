@@ -1,10 +1,13 @@
-"""Server-only settings (the engine's are ``EngineConfig``), validated on construction."""
+"""Server-only settings (the engine's are ``EngineConfig``), validated on construction. Each
+field is a ``setting``: its help, default and checks in one place, as in ``EngineConfig``."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import tempfile
+
+from hicache_jax.config import check_fields, setting
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
@@ -16,25 +19,48 @@ class ServerConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"  # loopback unless asked: a model server is not a public service by default
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None  # default: model_path, or the preset's name
-    log_level: str = "info"
-    platform: str = "auto"  # JAX platform; auto lets JAX pick (TPU > GPU > CPU)
-    profile_dir: str | None = None  # /start_profile writes under it only; None: <tmp>/hicache-jax-profile
+    host: str = setting(
+        "127.0.0.1",
+        "Interface to bind; 127.0.0.1 unless you mean to serve others (a model server is not a "
+        "public service by default).",
+        (lambda v, c: bool(v), "must not be empty"),
+        show_value=False,
+    )
+    port: int = setting(30000, "TCP port.", (lambda v, c: 0 <= v <= 65535, "must be in [0, 65535]"))
+    api_key: str | None = setting(
+        None,
+        "If set, every route but /health needs the header Authorization: Bearer KEY (401 otherwise).",
+        (
+            lambda v, c: v is None or bool(v.strip()),
+            "must not be empty (leave it out to disable authentication)",
+        ),
+        shown_default="unset",
+        show_value=False,  # a secret
+    )
+    served_model_name: str | None = setting(
+        None, "Model name in the OpenAI API.", shown_default="--model_path or --preset"
+    )
+    log_level: str = setting(
+        "info",
+        "Log level (absl's -v / --verbosity wins when given).",
+        (lambda v, c: v in LOG_LEVELS, f"must be one of {LOG_LEVELS}"),
+        choices=LOG_LEVELS,
+    )
+    platform: str = setting(
+        "auto",
+        "JAX platform (auto: TPU > GPU > CPU).",
+        (lambda v, c: v in PLATFORMS, f"must be one of {PLATFORMS}"),
+        choices=PLATFORMS,
+    )
+    profile_dir: str | None = setting(
+        None,
+        "Where POST /start_profile writes jax.profiler traces; a body's output_dir must be a "
+        "directory under it.",
+        shown_default="<tmp>/hicache-jax-profile",
+    )
 
     def profile_output_dir(self) -> str:
         return self.profile_dir or os.path.join(tempfile.gettempdir(), "hicache-jax-profile")
 
     def __post_init__(self):
-        if not self.host:
-            raise ServerConfigError("--host must not be empty")
-        if not 0 <= self.port <= 65535:
-            raise ServerConfigError(f"--port={self.port}: must be in [0, 65535]")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ServerConfigError("--api_key must not be empty (leave it out to disable authentication)")
-        if self.log_level not in LOG_LEVELS:
-            raise ServerConfigError(f"--log_level={self.log_level!r}: must be one of {LOG_LEVELS}")
-        if self.platform not in PLATFORMS:
-            raise ServerConfigError(f"--platform={self.platform!r}: must be one of {PLATFORMS}")
+        check_fields(self, ServerConfigError, prefix="--")
