@@ -41,6 +41,11 @@ class Req:
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Where the time to the first token went, in seconds, set once each (meta_info "timing"):
+    # l3_probe_s / l3_read_s (its L3 prefetch's existence checks and page reads),
+    # l3_landed_s (arrival to the read's results taken by the scheduler), admitted_s
+    # (arrival to admission), l2_load_s (host -> device copies at admission, host time).
+    timing: dict = dataclasses.field(default_factory=dict)
 
     # Cache state (owned by the scheduler's cache adapter).
     num_computed: int = 0  # tokens of fill_ids whose KV/state is in the cache

@@ -36,6 +36,8 @@ class Record:
     done: float | None = None
     cached: int = 0
     cached_tiers: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    server_timing: dict = dataclasses.field(default_factory=dict)  # meta_info "timing", seconds
+    server_ttft: float | None = None  # meta_info "ttft": arrival at the engine to first token
     error: str | None = None
 
     @property
@@ -167,6 +169,9 @@ class BenchClient:
             rec.cached = int(meta.get("cached_tokens") or 0)
             details = meta.get("cached_tokens_details") or {}
             rec.cached_tiers = {t: int(details.get(t) or 0) for t in TIERS}
+            rec.server_timing = dict(meta.get("timing") or {})
+            if meta.get("ttft") is not None:
+                rec.server_ttft = float(meta["ttft"])
 
     async def post(self, path: str) -> None:
         r = await self.http.post(path)

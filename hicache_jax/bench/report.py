@@ -57,6 +57,7 @@ def summarize(
         "output_tok_s": sum(len(r.output) for r in ok) / seconds if seconds else None,
         "ttft_ms": _quantiles_ms([r.ttft for r in ok]),
         "ttft_ms_sorted": sorted(round(1000 * r.ttft, 3) for r in ok),  # the CDF's points
+        "ttft_parts_ms": ttft_parts(ok),
         "tpot_ms": _quantiles_ms([t for r in ok if (t := r.tpot) is not None]),
         "cached_tokens": cached,
         "cached_tokens_per_tier": {t: sum(r.cached_tiers[t] for r in ok) for t in TIERS},
@@ -79,6 +80,30 @@ def summarize(
             for k in rounds
         ],
     }
+
+
+# Where a request's time to first token went, from the server's meta_info "timing" (medians
+# over the requests that have the part; the others never waited on it).
+TTFT_PARTS = ("l3_probe_s", "l3_read_s", "l3_landed_s", "l2_load_s", "admitted_s")
+
+
+def ttft_parts(records: list[Record]) -> dict:
+    """Median milliseconds of each part (``TTFT_PARTS``), of the server's TTFT, of what came
+    after admission (``after_admission``: the L2 -> L1 loads, the prefill steps and the first
+    token's read-back), and the client's TTFT beyond the server's (HTTP and tokenizing)."""
+    out = {}
+    for part in TTFT_PARTS:
+        vals = [r.server_timing[part] for r in records if part in r.server_timing]
+        out[part.removesuffix("_s")] = (1000 * float(np.median(vals)), len(vals)) if vals else (None, 0)
+    served = [r for r in records if r.server_ttft is not None]
+    if served:
+        out["server_ttft"] = (1000 * float(np.median([r.server_ttft for r in served])), len(served))
+        after = [
+            r.server_ttft - r.server_timing["admitted_s"] for r in served if "admitted_s" in r.server_timing
+        ]
+        out["after_admission"] = (1000 * float(np.median(after)), len(after)) if after else (None, 0)
+        out["client_extra"] = (1000 * float(np.median([r.ttft - r.server_ttft for r in served])), len(served))
+    return {k: {"p50_ms": v[0], "requests": v[1]} for k, v in out.items()}
 
 
 def _fmt(x, digits: int = 0, pct: bool = False) -> str:
@@ -121,6 +146,17 @@ def _restart_lines(results: dict) -> list[str]:
             cold, warm = phases["cold"]["ttft_ms"]["p50"], phases["warm"]["ttft_ms"]["p50"]
             how = "process restart" if phases["warm"].get("restart") == "process" else "flush"
             out.append(f"- {cfg['label']}: TTFT p50 after the {how}: {_fmt(_ratio(warm, cold), 2)}x cold")
+            for phase in ("cold", "warm"):
+                parts = phases[phase].get("ttft_parts_ms") or {}
+                shown = ", ".join(
+                    f"{k} {_fmt(v['p50_ms'], 1)} ms ({v['requests']})"
+                    for k, v in parts.items()
+                    if v["requests"]
+                )
+                out.append(f"  - {phase} TTFT parts (p50, requests): {shown or '-'}")
+            starts = cfg.get("startup_s") or []
+            if len(starts) > 1:
+                out.append(f"  - server start-up: first {starts[0]:.1f} s, restart {starts[-1]:.1f} s")
     return ["", *out] if out else []
 
 

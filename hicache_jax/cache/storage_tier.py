@@ -87,6 +87,8 @@ class L3Read:
     hashes: list = dataclasses.field(default_factory=list)
     pages_read: int = 0
     handle: PrefetchHandle | None = None
+    probe_s: float = 0.0  # the existence checks
+    read_s: float = 0.0  # the page reads
 
     def cancel(self) -> None:
         """Read no further batch (the owner dropped it)."""
@@ -259,7 +261,9 @@ class StorageTier:
         read.hashes = page_hashes(read.tokens[: n * P], P, ns)
         tree = dict(zip(("full", "swa", "mamba"), read.tree_flags))
         probe = [(k, j) for k in self.kinds for j in range(n) if not (j < len(tree[k]) and tree[k][j])]
+        t0 = time.monotonic()
         found = self.client.exists([page_path(ns, read.hashes[j], SUFFIX[k]) for k, j in probe])
+        read.probe_s = time.monotonic() - t0
         have = {kj: ok for kj, ok in zip(probe, found)}
         end = usable_prefix_end(
             self.rules, read.input_len, read.logprob_start_len, *self._flags(read, have, n)
@@ -273,7 +277,9 @@ class StorageTier:
         )
         if time.monotonic() > read.deadline:
             handle.cancel()  # dropped while probing: read nothing more
+        t0 = time.monotonic()
         pages = handle.result()
+        read.read_s = time.monotonic() - t0
         got = dict(zip(need, pages))  # the longest good run, in page order
         arrived = {kj: True for kj in got}
         end = usable_prefix_end(

@@ -47,6 +47,8 @@ def _meta(req: Req) -> dict:
     }
     if req.first_token_time is not None:
         meta["ttft"] = req.first_token_time - req.arrival
+    if req.timing:
+        meta["timing"] = {k: round(v, 6) for k, v in req.timing.items()}
     return meta
 
 

@@ -16,6 +16,8 @@ and pins (``swa_lock``) only the tree nodes inside its current window.
 
 from __future__ import annotations
 
+import time
+
 from hicache_jax.cache.prefix_cache import Match, PrefixCache
 from hicache_jax.cache.radix import path_to
 from hicache_jax.request import Req
@@ -46,11 +48,14 @@ class CacheAdapter:
         req.last_node = match.last
         req.num_computed = match.end
         self._relock_window(req, match.nodes)  # pin the window before loads allocate
-        if match.loads and not self.cache.load(match):
+        t0, loads = time.monotonic(), bool(match.loads)
+        if loads and not self.cache.load(match):
             if slot:
                 self.cache.pools["mamba"].free(slot)
             self.release(req)
             return False
+        if loads:
+            req.timing["l2_load_s"] = req.timing.get("l2_load_s", 0.0) + time.monotonic() - t0
         n = len(match.nodes)
         req.full_pages = [x.full for x in match.nodes]
         req.swa_pages = [x.swa for x in match.nodes]

@@ -125,6 +125,7 @@ class Prefetcher:
         self.host_rate_limit = host_rate_limit
         self.reads = reads and storage is not None
         self.tasks: dict[str, PrefetchTask] = {}
+        self._timings: dict[str, dict] = {}  # key -> a finished read's seconds, until admission
         self._reserved = 0  # host rows reserved by the tasks in self.tasks
         self._waiting: frozenset[str] = frozenset()
         counters = {
@@ -209,6 +210,8 @@ class Prefetcher:
                 continue
             self._drop(key, task)
             finished.append(task)
+            r = task.read
+            self._timings[key] = {"l3_probe_s": r.probe_s, "l3_read_s": r.read_s, "l3_landed_s": now}
             if task.read.status == "done":
                 self.counters["prefetch_completed"] += 1
             elif task.read.status == "below_threshold":
@@ -240,6 +243,15 @@ class Prefetcher:
         """Whether ``req`` may be admitted (as of the last ``apply``)."""
         return req.prefetch_key not in self._waiting
 
+    def forget(self, req: Req) -> None:
+        """``req`` is admitted or gone: its read's seconds go to ``req.timing`` (process 0's
+        reads; the landing time measured from its arrival)."""
+        t = self._timings.pop(req.prefetch_key, None)
+        if t is not None:
+            t["l3_landed_s"] = max(0.0, t["l3_landed_s"] - req.arrival)
+            for k, v in t.items():
+                req.timing.setdefault(k, v)
+
     def waiting(self) -> bool:
         """Whether a request is waiting on a read (then an idle step is not a stall)."""
         return bool(self._waiting)
@@ -265,6 +277,7 @@ class Prefetcher:
         abandoned = sum(t.reading for t in self.tasks.values())
         for key, task in list(self.tasks.items()):
             self._drop(key, task)
+        self._timings.clear()
         self.counters["prefetch_abandoned"] += abandoned
         return abandoned
 
@@ -272,6 +285,7 @@ class Prefetcher:
         """Stop prefetching: every task dropped, its reads cancelled."""
         for key, task in list(self.tasks.items()):
             self._drop(key, task)
+        self._timings.clear()
 
     def _drop(self, key: str, task: PrefetchTask) -> None:
         """Forget a task and release its reservation; a late result is never applied."""

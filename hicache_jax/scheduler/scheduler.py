@@ -48,6 +48,7 @@ retracted or ends: nothing waits on a request that is not advancing.
 from __future__ import annotations
 
 import collections
+import time
 
 import numpy as np
 
@@ -93,6 +94,7 @@ class Scheduler:
             if r.rid == rid:
                 self.waiting.remove(r)
                 self.queued_tokens -= r.input_len
+                self.prefetch.forget(r)
                 return r
         for r in self.running:
             if r.rid == rid:
@@ -199,6 +201,8 @@ class Scheduler:
                 break  # out of memory: FCFS, the rest wait behind it
             self.waiting.remove(req)
             self.queued_tokens -= req.input_len
+            self.prefetch.forget(req)
+            req.timing.setdefault("admitted_s", time.monotonic() - req.arrival)
             req.status = Status.RUNNING
             self.running.append(req)
             self._add(plan, req, end)
