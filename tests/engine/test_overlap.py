@@ -22,7 +22,7 @@ def run(engine: Engine, requests: list[dict], abort_at: int | None = None) -> li
         engine.check_integrity()
     outs = [engine.pop_output(r) for r in rids]
     for o in outs:
-        for key in ("id", "e2e_latency", "ttft"):
+        for key in ("id", "e2e_latency", "ttft", "timing"):  # measured durations
             o["meta_info"].pop(key, None)
     return outs
 
