@@ -44,7 +44,8 @@ class Req:
     # Where the time to the first token went, in seconds, set once each (meta_info "timing"):
     # l3_probe_s / l3_read_s (its L3 prefetch's existence checks and page reads),
     # l3_landed_s (arrival to the read's results taken by the scheduler), admitted_s
-    # (arrival to admission), l2_load_s (host -> device copies at admission, host time).
+    # (arrival to admission), l2_load_s (host -> device copies at admission, host time);
+    # over HTTP, loop_wait_s (the request queued for the engine thread, before its arrival).
     timing: dict = dataclasses.field(default_factory=dict)
 
     # Cache state (owned by the scheduler's cache adapter).

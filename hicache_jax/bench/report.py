@@ -84,13 +84,14 @@ def summarize(
 
 # Where a request's time to first token went, from the server's meta_info "timing" (medians
 # over the requests that have the part; the others never waited on it).
-TTFT_PARTS = ("l3_probe_s", "l3_read_s", "l3_landed_s", "l2_load_s", "admitted_s")
+TTFT_PARTS = ("loop_wait_s", "l3_probe_s", "l3_read_s", "l3_landed_s", "l2_load_s", "admitted_s")
 
 
 def ttft_parts(records: list[Record]) -> dict:
     """Median milliseconds of each part (``TTFT_PARTS``), of the server's TTFT, of what came
     after admission (``after_admission``: the L2 -> L1 loads, the prefill steps and the first
-    token's read-back), and the client's TTFT beyond the server's (HTTP and tokenizing)."""
+    token's read-back), and the client's TTFT beyond the engine's (``client_extra``: HTTP,
+    ``loop_wait`` included, and the first event's delivery)."""
     out = {}
     for part in TTFT_PARTS:
         vals = [r.server_timing[part] for r in records if part in r.server_timing]

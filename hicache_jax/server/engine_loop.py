@@ -263,6 +263,8 @@ class EngineLoop:
             return
         for sink, rid, kwargs in zip(msg.sinks, added, msg.requests):
             sink.rid = rid  # the engine's name for it (the same, unless the client sent none)
+            req = self.engine.requests[rid]  # how long the message waited for the engine thread
+            req.timing["loop_wait_s"] = max(0.0, req.arrival - msg.received)
             self._sinks[rid] = sink
             if kwargs.get("stream"):
                 self._streams[rid] = OutputStream(self.engine.requests[rid], self.engine.tokenizer)

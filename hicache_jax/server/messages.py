@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 from hicache_jax.engine.outputs import OutputDelta
@@ -93,6 +94,7 @@ class Generate:
     requests: list[dict]  # Engine.add_request keyword arguments, each with its rid
     sinks: list[Sink]
     reply: Reply
+    received: float = dataclasses.field(default_factory=time.monotonic)  # queued by the handler
 
 
 @dataclasses.dataclass

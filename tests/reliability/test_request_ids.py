@@ -136,6 +136,7 @@ class FakeReq:
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: dict | None = None
+    timing: dict = dataclasses.field(default_factory=dict)
 
 
 class CountingEngine(FakeEngine):
