@@ -46,6 +46,7 @@ def plot_workload(results: dict, workload: str, path: str) -> str:
 
     # Cached tokens per tier per round: one stacked bar per configuration in each round.
     width = 0.8 / max(1, len(rows))
+    top = 0
     for i, (_, ph) in enumerate(rows):
         for r in ph["per_round"]:
             pos = r["round"] + (i - (len(rows) - 1) / 2) * width
@@ -54,6 +55,9 @@ def plot_workload(results: dict, workload: str, path: str) -> str:
                 hatch = HATCHES[i % len(HATCHES)]
                 ax_tier.bar(pos, r[tier], width, bottom=bottom, color=color, hatch=hatch, edgecolor="white")
                 bottom += r[tier]
+            top = max(top, bottom)
+    # Zero-height bars on top of a stack pin the autoscale below the stack's top: set it.
+    ax_tier.set_ylim(0, 1.1 * top if top else 1)
     ticks = sorted({r["round"] for _, ph in rows for r in ph["per_round"]})
     ax_tier.set_xticks(ticks, [str(t) for t in ticks])
     ax_tier.set_xlabel("round")
