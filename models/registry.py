@@ -25,6 +25,7 @@ ARCHITECTURES = {
         Architecture("LlamaForCausalLM", hf_config.mistral, LLAMA_NAMES),
         Architecture("Gemma3ForCausalLM", hf_config.gemma3, GEMMA3_NAMES),
         Architecture("BambaForCausalLM", hf_config.bamba, BAMBA_NAMES),
+        Architecture("Qwen3ForCausalLM", hf_config.qwen3, LLAMA_NAMES),
     )
 }
 

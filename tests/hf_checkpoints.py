@@ -48,6 +48,15 @@ def _hf_config(family: str):
             query_pre_attn_scalar=24,
             final_logit_softcapping=30.0,
         )
+    if family == "qwen3":  # a full-attention layer, then a sliding one
+        return tf.Qwen3Config(
+            **common,
+            num_hidden_layers=2,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=20,
+            max_window_layers=1,
+        )
     if family == "bamba":
         return tf.BambaConfig(
             **common,
@@ -94,6 +103,7 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "llama": tf.LlamaForCausalLM,
         "gemma3": tf.Gemma3ForCausalLM,
         "bamba": tf.BambaForCausalLM,
+        "qwen3": tf.Qwen3ForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()

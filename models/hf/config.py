@@ -74,6 +74,25 @@ def mistral(hf: dict, where: str) -> ModelConfig:
     )
 
 
+def qwen3(hf: dict, where: str) -> ModelConfig:
+    """Qwen3ForCausalLM (dense): Llama's layout with an RMSNorm over each head's q and k;
+    sliding-window layers where ``layer_types`` puts them (``use_sliding_window``)."""
+    _check(hf, where, hidden_act="silu", attention_bias=False)
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention"] * n
+    kinds = tuple({"sliding_attention": "sliding", "full_attention": "attention"}[t] for t in types)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta, factor = _rope(rope, hf.get("rope_theta", 1e6), where)
+    return ModelConfig(
+        **_common(hf, "Qwen3ForCausalLM", kinds, where),
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        sliding_window=hf.get("sliding_window") if "sliding" in kinds else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=True,
+    )
+
+
 def gemma3(hf: dict, where: str) -> ModelConfig:
     """Gemma3ForCausalLM, text only: interleaved local (sliding) and global layers."""
     if "text_config" in hf:

@@ -19,7 +19,7 @@ from tests.hf_checkpoints import load_reference
 LENGTH = 70
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "llama"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "llama", "qwen3"])
 def test_logits_match_transformers(checkpoint_dir, family):
     path = checkpoint_dir(family)
     ids = np.random.RandomState(0).randint(0, 512, size=(2, LENGTH))
@@ -40,3 +40,5 @@ def test_model_config_reads_architecture_details(checkpoint_dir):
     assert bamba.rotary_dim == bamba.head_dim // 2
     mistral = load_hf(checkpoint_dir("mistral")).cfg
     assert mistral.layer_kinds == ("sliding", "sliding") and mistral.sliding_window == 20
+    qwen3 = load_hf(checkpoint_dir("qwen3")).cfg
+    assert qwen3.layer_kinds == ("attention", "sliding") and qwen3.sliding_window == 20 and qwen3.qk_norm
