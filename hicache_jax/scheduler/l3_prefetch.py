@@ -125,7 +125,9 @@ class Prefetcher:
         self.host_rate_limit = host_rate_limit
         self.reads = reads and storage is not None
         self.tasks: dict[str, PrefetchTask] = {}
-        self._timings: dict[str, dict] = {}  # key -> a finished read's seconds, until admission
+        # key -> a finished read's (probe seconds, read seconds, monotonic time taken), until
+        # its request is admitted or gone (``forget``).
+        self._timings: dict[str, tuple[float, float, float]] = {}
         self._reserved = 0  # host rows reserved by the tasks in self.tasks
         self._waiting: frozenset[str] = frozenset()
         counters = {
@@ -211,7 +213,8 @@ class Prefetcher:
             self._drop(key, task)
             finished.append(task)
             r = task.read
-            self._timings[key] = {"l3_probe_s": r.probe_s, "l3_read_s": r.read_s, "l3_landed_s": now}
+            if not task.given_up:  # its request waited for it, so admission (or abort) forgets it
+                self._timings[key] = (r.probe_s, r.read_s, now)
             if task.read.status == "done":
                 self.counters["prefetch_completed"] += 1
             elif task.read.status == "below_threshold":
@@ -248,9 +251,10 @@ class Prefetcher:
         reads; the landing time measured from its arrival)."""
         t = self._timings.pop(req.prefetch_key, None)
         if t is not None:
-            t["l3_landed_s"] = max(0.0, t["l3_landed_s"] - req.arrival)
-            for k, v in t.items():
-                req.timing.setdefault(k, v)
+            probe_s, read_s, taken = t
+            req.timing.setdefault("l3_probe_s", probe_s)
+            req.timing.setdefault("l3_read_s", read_s)
+            req.timing.setdefault("l3_landed_s", max(0.0, taken - req.arrival))
 
     def waiting(self) -> bool:
         """Whether a request is waiting on a read (then an idle step is not a stall)."""

@@ -66,6 +66,7 @@ def test_two_pass_under_each_prefetch_policy(tmp_path, monkeypatch, policy):
         second = run(llm, ids)
     assert second["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P
     assert_same_as_recompute(second, first)
+    assert not llm.engine.scheduler.prefetch._timings  # every request done: no read timing kept
 
 
 def _best_effort_second_pass(llm, ids, gate):
@@ -83,6 +84,8 @@ def _best_effort_second_pass(llm, ids, gate):
     while engine.has_unfinished():
         engine.step()
     assert engine.pop_output(rid)["meta_info"]["cached_tokens_details"]["storage"] == 0
+    # Its read landed after its admission: no TTFT timing is kept for it (nobody would take it).
+    assert not engine.scheduler.prefetch._timings
     assert llm.flush_cache().success
     # 2. Queued behind a running request (one slot): its reads land while it waits, and it
     #    starts from them.
