@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -84,7 +85,6 @@ def _ours(
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_qwen3_moe_block_matches_transformers(norm_topk_prob):
-    torch = pytest.importorskip("torch")
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -123,7 +123,6 @@ def test_qwen3_moe_block_matches_transformers(norm_topk_prob):
 
 
 def test_gpt_oss_mlp_matches_transformers():
-    torch = pytest.importorskip("torch")
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
