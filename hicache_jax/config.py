@@ -207,6 +207,17 @@ class EngineConfig:
     hicache_size_gb: float = setting(
         0.0, "Host pool size in GB (overrides --hicache_ratio when > 0).", _NOT_NEGATIVE
     )
+    hicache_layerwise_pages: int = setting(
+        -1,
+        "Pages per page group a step takes from host memory layer by layer, each layer's copy "
+        "overlapping the layers before it; the rest load before the step. 0: all before the "
+        "step; -1: chunked_prefill_size / page_size on TPU and GPU, 0 on CPU (no copy to hide).",
+        (lambda v, c: v >= -1, "must be >= -1"),
+        (
+            lambda v, c: v <= 0 or c.dist_num_processes == 1,
+            "must be 0 or -1 over several processes (each would need the same host arrays)",
+        ),
+    )
     hicache_write_policy: str = setting(
         "write_through",
         f"When pages are copied to host: {', '.join(WRITE_POLICIES)}.",

@@ -49,6 +49,9 @@ class ForwardBatch:
     # [T] int32 or None: -1 where ``input_ids`` holds the token, else the row of the previous
     # step's sampled ids to feed (the overlap schedule; the runner resolves it on device).
     feed_rows: jax.Array | None = None
+    # KV pages arriving from host memory in this step, written layer by layer just before
+    # each layer runs (``page_loads.py``); None: none (they were written before the step).
+    loads: object = None  # PageLoads | None
     # Static: every sequence contributes exactly one token (lets Mamba take the
     # one-step recurrence instead of the chunked scan).
     decode_only: bool = False
@@ -68,6 +71,7 @@ jax.tree_util.register_dataclass(
         "has_initial_state",
         "logits_indices",
         "feed_rows",
+        "loads",
     ],
     meta_fields=["decode_only"],
 )

@@ -19,6 +19,7 @@ from hicache_jax.models.layers.linear import Embed, Linear
 from hicache_jax.models.layers.mamba2 import Mamba2Mixer
 from hicache_jax.models.layers.mlp import GatedMLP
 from hicache_jax.models.layers.norms import RMSNorm
+from hicache_jax.models.page_loads import land
 from hicache_jax.models.sharding import (
     cache_shardings,
     check_tp,
@@ -96,7 +97,9 @@ class CausalLM(nnx.Module):
         if cfg.embed_scale != 1.0:
             x = x * jnp.asarray(cfg.embed_scale, self.dtype)
         new_cache = []
-        for layer, entry in zip(self.layers, cache, strict=True):
+        for i, (layer, entry) in enumerate(zip(self.layers, cache, strict=True)):
+            if batch.loads is not None and batch.loads.pages[i] is not None:
+                entry, x = land(entry, x, batch.loads, i, page_group(layer.kind))
             entry, x = layer(entry, x, batch)
             new_cache.append(entry)
         x = self.final_norm(x[batch.logits_indices])

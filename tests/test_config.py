@@ -24,6 +24,7 @@ BAD = {  # one value per field that its rule must refuse (the other fields at th
     "dist_process_id": 3,
     "hicache_ratio": 0.0,
     "hicache_size_gb": -1.0,
+    "hicache_layerwise_pages": -2,
     "hicache_write_policy": "write_sometimes",
     "hicache_storage_prefetch_policy": "eager",
     "hicache_storage_backend": "redis",
@@ -56,6 +57,13 @@ def test_messages_fill_in_the_bound_they_checked():
         EngineConfig(page_size=32, chunked_prefill_size=48)
     with pytest.raises(ConfigError, match=r"dist_coordinator=None: must be set"):
         EngineConfig(dist_num_processes=2, dist_process_id=1)
+
+
+def test_layerwise_loads_are_refused_over_several_processes():
+    many = dict(dist_num_processes=2, dist_process_id=0, dist_coordinator="127.0.0.1:1234")
+    EngineConfig(hicache_layerwise_pages=-1, **many)  # auto: none there
+    with pytest.raises(ConfigError, match=r"^hicache_layerwise_pages=4: must be 0 or -1 over several"):
+        EngineConfig(hicache_layerwise_pages=4, **many)
 
 
 def test_contradictions_are_refused():

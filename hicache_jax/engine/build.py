@@ -197,6 +197,19 @@ class CacheSide:
     scheduler: Scheduler
 
 
+def layerwise_pages(cfg: EngineConfig, platform: str | None = None) -> int:
+    """``--hicache_layerwise_pages`` resolved for ``platform`` (default: JAX's): ``-1`` is a
+    chunk's worth of pages where a host-to-device copy exists to hide (TPU, GPU), none on
+    CPU or over several processes."""
+    import jax
+
+    if cfg.hicache_layerwise_pages >= 0:
+        return cfg.hicache_layerwise_pages
+    if (platform or jax.default_backend()) == "cpu" or jax.process_count() > 1:
+        return 0
+    return cfg.chunked_prefill_size // cfg.page_size
+
+
 def make_cache_side(cfg: EngineConfig, model: CausalLM, runner: ModelRunner, pools, rules) -> CacheSide:
     """L1 (``pools``), L2 when ``enable_hierarchical_cache``, L3 when a backend is set, the
     radix tree over them, and the scheduler with the one L3 prefetch owner."""
@@ -204,7 +217,7 @@ def make_cache_side(cfg: EngineConfig, model: CausalLM, runner: ModelRunner, poo
 
     host, transfer = None, None
     if cfg.enable_hierarchical_cache:
-        transfer = PageTransfer(runner)
+        transfer = PageTransfer(runner, step_pages=layerwise_pages(cfg))
         host = make_host_pools(cfg, pools, transfer)
     prefix_cache = PrefixCache(
         rules,

@@ -197,6 +197,9 @@ class Engine:
                 self._inflight = self._launch(plan, prev)
             except Exception as e:
                 self._step_failed(e)
+        transfer = self.prefix_cache.transfer
+        if transfer is not None and transfer.pending():  # loaded, but no step took them
+            transfer.flush()
         if prev is not None:
             touched = self._complete(prev)
         elif plan is None and not touched:
@@ -226,6 +229,13 @@ class Engine:
     def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
         feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
         batch, sampling, copies, top, first_rows = self.builder.build(plan, feed_from=feed_from)
+        transfer = self.prefix_cache.transfer
+        if transfer is not None and transfer.pending():  # L2 pages for this step's prefills
+            if plan.decode_only:
+                transfer.flush()
+            else:
+                batch = dataclasses.replace(batch, loads=transfer.step_loads())
+                self.stats["host_loads_layerwise"] += transfer.layerwise_pages
         reqs = [item.req for item in plan.items]  # each with a penalty gets a slot (runtime/penalties.py)
         self.penalty_slots.assign_all(reqs, self.runner.write_penalty_row, self.model.cfg.vocab_size)
         penalty = self.builder.penalties(plan, sampling.last_rows.shape[0], self.model.cfg.eos_token_ids)
@@ -292,6 +302,8 @@ class Engine:
         if any(r.num_computed or r.last_node is not None for r in self.scheduler.waiting):
             raise RuntimeError("recover() while a waiting request holds cache state")
         self.prefix_cache.drop_device()
+        if self.prefix_cache.transfer is not None:
+            self.prefix_cache.transfer.discard()
         self.runner.reset_cache()
         self.penalty_slots.reset()
         self.broken = None

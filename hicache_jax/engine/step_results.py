@@ -19,6 +19,7 @@ ENGINE_COUNTERS = (
     "cached_tokens_device",
     "cached_tokens_host",
     "cached_tokens_storage",
+    "host_loads_layerwise",  # L2 pages a step wrote layer by layer (the rest: before it)
 )
 
 

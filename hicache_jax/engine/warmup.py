@@ -88,15 +88,24 @@ def programs(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer 
 
 def lowerings(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer | None):
     """(name, a function that lowers it) for every program serving can run."""
+    layerwise = transfer is not None and transfer.step_pages > 0
     for shape, top in builder.warmup_programs():
         name = f"{'decode' if shape[3] else 'prefill'} step T={shape[0]} S={shape[1]} R={shape[2]} top={top}"
         yield name, functools.partial(lower_step, runner, builder, shape, top)
+        if layerwise and not shape[3]:  # a prefill may take L2 pages layer by layer
+            loads = functools.partial(lower_step, runner, builder, shape, top, transfer)
+            yield f"{name} +{transfer.step_pages} pages layer by layer", loads
     yield "penalty row write", runner.lower_penalty_row
     if transfer is not None:
         yield from transfer.lowerings()
 
 
-def lower_step(runner: ModelRunner, builder: BatchBuilder, shape, top: int) -> jax.stages.Lowered:
-    """The step program for (T, S, R, decode_only) ``shape``, lowered on an empty batch."""
+def lower_step(
+    runner: ModelRunner, builder: BatchBuilder, shape, top: int, transfer: PageTransfer | None = None
+) -> jax.stages.Lowered:
+    """The step program for (T, S, R, decode_only) ``shape``, lowered on an empty batch;
+    with ``transfer``, the variant that takes its L2 pages layer by layer."""
     batch, sampling, copies, _, _ = builder.build(StepPlan(items=[]), shape)
+    if transfer is not None:
+        batch = dataclasses.replace(batch, loads=transfer.empty_step_loads())
     return runner.lower_step(batch, sampling, copies, top)

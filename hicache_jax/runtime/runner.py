@@ -123,8 +123,8 @@ class ModelRunner:
         self.num_penalty_slots = max_seqs
         self._counts_sharding = sharding.vocab_rows(sharding.replicated(self.mesh), self.cfg.vocab_size)
         if abstract_on is None:
-            self.cache = model.allocate_cache(**self._cache_shape)
-            self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), sharding.replicated(self.mesh))
+            self.cache = self._new_cache()
+            self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), self._placed())
             self.counts = self._new_counts()
         else:
             self.cache = model.cache_shapes(placement=abstract_on, **self._cache_shape)
@@ -202,13 +202,23 @@ class ModelRunner:
     def reset_cache(self) -> None:
         """Fresh device cache arrays and penalty counts (after a failed step consumed the
         donated ones)."""
-        self.cache = self.model.allocate_cache(**self._cache_shape)
+        self.cache = self._new_cache()
         self.counts = self._new_counts()
+
+    def _placed(self):
+        """Where the step's state lives: replicated on the mesh, or on the one device. Placed
+        explicitly even on one device: a step whose L2 pages wait in host memory
+        (``models/page_loads.py``) takes placed inputs and so returns placed outputs, and
+        programs compiled for unplaced ones would compile again."""
+        return sharding.replicated(self.mesh) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def _new_cache(self) -> tuple:
+        cache = self.model.allocate_cache(**self._cache_shape)
+        return cache if self.mesh is not None else jax.device_put(cache, self._placed())
 
     def _new_counts(self) -> jax.Array:
         zeros = jnp.zeros((self.num_penalty_slots, self.cfg.vocab_size), jnp.int32)
-        on = self._counts_sharding or sharding.replicated(self.mesh)
-        return zeros if on is None else jax.device_put(zeros, on)
+        return jax.device_put(zeros, self._counts_sharding or self._placed())
 
     def num_compiled(self) -> int:
         """Step programs compiled since this runner was made (``benchmarks/decode.py`` checks

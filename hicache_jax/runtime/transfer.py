@@ -24,6 +24,13 @@ One host serves every tp_size this stack runs on CPU and most single-host TPU sl
 there whole pages cost nothing beyond the copy itself. Over several processes a read
 gathers each page onto every device (``replicate``), so every process gets the whole page
 from its own devices, and a write gives every process the same whole pages.
+
+Layer by layer (``step_pages > 0``): a write of attention pages only queues them. The next
+step that runs a prefill takes up to ``step_pages`` pages of each page group as arrays in
+host memory (``step_loads``), and the step writes each layer's pages just before that
+layer runs, so the copies overlap the forward (``models/page_loads.py``). What the step
+cannot take, and whatever is queued when anything else touches the device cache (a read,
+``flush``), is written at once by the scatter program.
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.models import sharding
-from hicache_jax.models.cache import MambaState
+from hicache_jax.models.batch import PAGE_GROUPS
+from hicache_jax.models.cache import KVPages, MambaState
+from hicache_jax.models.page_loads import PageLoads
 
 MIN_PAGES = 8
 CHUNK_BYTES = 64 << 20  # most page data one program call moves (bounds its device buffer)
@@ -47,9 +56,12 @@ def _bucket(n: int) -> int:
 
 
 class PageTransfer:
-    def __init__(self, runner, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, runner, chunk_bytes: int = CHUNK_BYTES, step_pages: int = 0):
         self.runner = runner
         self.chunk_bytes = chunk_bytes
+        self.step_pages = step_pages  # pages per group a step takes layer by layer (0: none)
+        self._pending: dict[str, list[tuple[list[int], np.ndarray]]] = {}  # kind -> queued writes
+        self.layerwise_pages = 0  # pages the last ``step_loads`` took
         kinds = runner.cfg.layer_kinds
         self.shardings = runner.model.cache_shardings()
         mesh = runner.model.mesh
@@ -99,6 +111,7 @@ class PageTransfer:
         return out
 
     def read(self, kind: str, idx: list[int]) -> dict[str, np.ndarray]:
+        self.flush()
         m = self.max_pages(kind)
         parts = [self._read(kind, idx[i : i + m]) for i in range(0, max(1, len(idx)), m)]
         if len(parts) == 1:
@@ -106,9 +119,92 @@ class PageTransfer:
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def write(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
+        if self.step_pages and kind != "mamba" and idx:
+            self._pending.setdefault(kind, []).append((list(idx), data["kv"]))
+            return
+        self._write_now(kind, idx, data)
+
+    def _write_now(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
         m = self.max_pages(kind)
         for i in range(0, len(idx), m):
             self._write(kind, idx[i : i + m], {k: v[i : i + m] for k, v in data.items()})
+
+    # ---- layer by layer -----------------------------------------------------------------
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def flush(self) -> None:
+        """Write every queued page now (before anything else reads the device cache)."""
+        pending, self._pending = self._pending, {}
+        for kind, writes in pending.items():
+            for idx, kv in writes:
+                self._write_now(kind, idx, {"kv": kv})
+
+    def discard(self) -> None:
+        """Forget queued pages (the device cache they were for is gone)."""
+        self._pending = {}
+
+    def step_loads(self) -> PageLoads | None:
+        """Up to ``step_pages`` queued pages of each group, as the step's ``PageLoads``; the
+        rest are written now. None when nothing is queued."""
+        if not self._pending:
+            return None
+        taken: dict[str, tuple[list[int], np.ndarray]] = {}
+        for kind, writes in self._pending.items():
+            idx = [i for w, _ in writes for i in w]
+            kv = np.concatenate([d for _, d in writes]) if len(writes) > 1 else writes[0][1]
+            last = {i: n for n, i in enumerate(idx)}  # a page queued twice: its later data
+            if len(last) < len(idx):
+                keep = sorted(last.values())
+                idx, kv = [idx[n] for n in keep], kv[keep]
+            c = self.step_pages
+            taken[kind] = (idx[:c], kv[:c])
+            if len(idx) > c:
+                self._write_now(kind, idx[c:], {"kv": kv[c:]})
+        self._pending = {}
+        self.layerwise_pages = sum(len(i) for i, _ in taken.values())
+        return self._loads(taken)
+
+    def _loads(self, taken: dict[str, tuple[list[int], np.ndarray]], abstract: bool = False) -> PageLoads:
+        """``taken`` (kind -> page indices and their host rows) padded to ``step_pages``
+        and placed in host memory; ``abstract``: only their shapes."""
+        c = self.step_pages
+        idx, pages = {}, [None] * len(self.runner.cache)
+        for kind in PAGE_GROUPS:  # the host pools' kinds are the page groups' names
+            layers = self.layers[kind]
+            if not layers:
+                continue
+            got, kv = taken.get(kind, ([], None))
+            shape, dtype = self.layout(kind)["kv"]  # (layers, 2, page, kv_heads, D)
+            r = self._kv_repeat(kind)
+            per_layer = (c, shape[2], shape[3] * r, shape[4])
+            if abstract:
+                idx[kind] = jax.ShapeDtypeStruct((c,), np.int32)
+                for i in layers:
+                    a = jax.ShapeDtypeStruct(per_layer, dtype, sharding=self._host_sharding(i))
+                    pages[i] = KVPages(a, a)
+                continue
+            padded = np.full(c, np.iinfo(np.int32).max, np.int32)  # past the pool: dropped
+            padded[: len(got)] = got
+            idx[kind] = padded
+            full = np.zeros((c,) + shape, dtype)
+            if kv is not None:
+                full[: len(got)] = kv
+            for j, i in enumerate(layers):
+                on = self._host_sharding(i)
+                k, v = (np.repeat(full[:, j, t], r, axis=2) for t in (0, 1))
+                pages[i] = KVPages(jax.device_put(k, on), jax.device_put(v, on))
+        return PageLoads(idx=idx, pages=tuple(pages))
+
+    def _host_sharding(self, layer: int):
+        """Where layer ``layer``'s loaded pages wait: host memory, split as its cache is."""
+        return self.runner.cache[layer].k.sharding.with_memory_kind("pinned_host")
+
+    def empty_step_loads(self) -> PageLoads:
+        """``PageLoads`` with no page, for warm-up and TPU compiles to lower the steps that take
+        them (only shapes, when the runner's cache is only shapes)."""
+        shapes_only = isinstance(jax.tree_util.tree_leaves(self.runner.cache)[0], jax.ShapeDtypeStruct)
+        return self._loads({}, abstract=shapes_only)
 
     def _read(self, kind: str, idx: list[int]) -> dict[str, np.ndarray]:
         n = len(idx)

@@ -23,7 +23,13 @@ from jax.sharding import Mesh
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import warmup
-from hicache_jax.engine.build import context_length, make_builder, make_device_pools, make_runner
+from hicache_jax.engine.build import (
+    context_length,
+    layerwise_pages,
+    make_builder,
+    make_device_pools,
+    make_runner,
+)
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
@@ -68,7 +74,9 @@ class AbstractServer:
         pools = make_device_pools(cfg, model_cfg)
         runner = make_runner(cfg, model, pools, abstract_on=mesh)
         builder = make_builder(cfg, model_cfg, context_length(cfg, model_cfg))
-        transfer = PageTransfer(runner) if cfg.enable_hierarchical_cache else None
+        transfer = None
+        if cfg.enable_hierarchical_cache:
+            transfer = PageTransfer(runner, step_pages=layerwise_pages(cfg, "tpu"))
         return cls(cfg, target, mesh, model, runner, builder, transfer)
 
     def lowered(self, select: Select = None) -> Iterator[tuple[str, jax.stages.Lowered]]:

@@ -16,9 +16,14 @@ from tests.cache.l3_helpers import (
 PAGE_BYTES = 2 * 2 * P * 2 * 16 * 4  # tiny preset: 2 layers x (k, v) x 16 tokens x 2 heads x 16 x f32
 
 
-def test_l1_eviction_loads_back_from_l2(tmp_path):
+# Layer by layer: 0 loads every page before the step; 4 takes four pages of each group
+# into the step (the rest before it); 64 takes them all.
+@pytest.mark.parametrize("layerwise", [0, 4, 64])
+def test_l1_eviction_loads_back_from_l2(tmp_path, layerwise):
     # 20 device pages: a second 16-page prompt evicts most of the first from L1.
-    llm = hicache_llm(tmp_path / "l3", preset="tiny", max_total_tokens=20 * P)
+    llm = hicache_llm(
+        tmp_path / "l3", preset="tiny", max_total_tokens=20 * P, hicache_layerwise_pages=layerwise
+    )
     a, b = prompt(1), prompt(2)
     first = run(llm, a)
     run(llm, b)
@@ -26,7 +31,11 @@ def test_l1_eviction_loads_back_from_l2(tmp_path):
     meta = again["meta_info"]
     assert meta["cached_tokens"] == len(a) - P
     assert meta["cached_tokens_details"]["host"] > 0, meta
-    assert llm.engine.metrics()["host_loads"] > 0
+    loads = llm.engine.metrics()
+    assert loads["host_loads"] > 0
+    took, groups = loads["host_loads_layerwise"], 2  # the tiny preset: full and sliding pages
+    assert took == (loads["host_loads"] if layerwise >= 16 else took), loads  # 64: the step took all
+    assert (0 < took <= groups * layerwise) if layerwise else took == 0, loads
     assert_same_as_recompute(again, first)
     llm.engine.check_integrity()
 

@@ -1,7 +1,9 @@
 """L2 and L3 under tensor parallelism: pages are stored whole, so a server at any tp_size
 reads what another wrote. The two-pass test at tp 2, then the same L3 read at tp 1 and at
 tp 4 (KV heads replicated there), each against a recompute at its own size, which in
-turn gives the tokens and logprobs of tp 2."""
+turn gives the tokens and logprobs of tp 2. Those reads take four pages of each group into
+the step, layer by layer (``models/page_loads.py``), split over the devices as the cache
+is, KV heads repeated at tp 4."""
 
 from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm, prompt, run, two_pass
 
@@ -11,10 +13,11 @@ def test_pages_written_at_tp2_serve_tp1_and_tp4(tmp_path):
     first, second = two_pass(hicache_llm(tmp_path / "l3", tp_size=2), ids)
     assert second["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - 2 * P, second["meta_info"]
     for tp in (1, 4):
-        llm = hicache_llm(tmp_path / "l3", tp_size=tp)
+        llm = hicache_llm(tmp_path / "l3", tp_size=tp, hicache_layerwise_pages=4)
         hit = run(llm, ids)
         meta = hit["meta_info"]
         assert meta["cached_tokens_details"]["storage"] >= len(ids) - 2 * P, (tp, meta)
+        assert llm.engine.metrics()["host_loads_layerwise"] > 0
         # A new salt is another namespace: the same engine recomputes the prompt.
         fresh = run(llm, ids, cache_salt=f"recompute at tp {tp}")
         assert fresh["meta_info"]["cached_tokens"] == 0

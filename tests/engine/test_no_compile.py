@@ -84,6 +84,7 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
         max_total_tokens=16 * 8,
         enable_hierarchical_cache=True,
         hicache_ratio=4.0,
+        hicache_layerwise_pages=2,  # L2 loads: two pages of each in the step, the rest before it
         hicache_storage_backend="tensorstore",
         hicache_storage_spec=str(tmp_path / "l3"),
         hicache_storage_prefetch_policy="wait_complete",
@@ -116,5 +117,6 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
     # The stream did reach every path it claims to.
     assert host_hits > 0 and engine.stats["cached_tokens_storage"] > 0, engine.stats
     assert engine.prefix_cache.counters["host_backups"] > 0
+    assert 0 < engine.stats["host_loads_layerwise"] < engine.prefix_cache.counters["host_loads"]
     assert {1, 2} <= sizes, sizes
     assert any(o["meta_info"].get("input_top_logprobs") for o in outs)
