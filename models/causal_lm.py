@@ -18,6 +18,7 @@ from hicache_jax.models.layers.attention import Attention
 from hicache_jax.models.layers.linear import Embed, Linear
 from hicache_jax.models.layers.mamba2 import Mamba2Mixer
 from hicache_jax.models.layers.mlp import GatedMLP
+from hicache_jax.models.layers.moe import MoE
 from hicache_jax.models.layers.norms import RMSNorm
 from hicache_jax.models.page_loads import land
 from hicache_jax.models.sharding import (
@@ -34,7 +35,7 @@ from hicache_jax.models.sharding import (
 class DecoderLayer(nnx.Module):
     """``x += mixer(norm(x)); x += mlp(norm(x))``, with Gemma's extra output norms."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels):
+    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels, sparse: bool = False):
         def norm():
             return RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
 
@@ -46,9 +47,12 @@ class DecoderLayer(nnx.Module):
             self.mixer = Attention(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
         self.post_mixer_norm = norm() if cfg.sandwich_norms else None
         self.pre_mlp_norm = norm()
-        self.mlp = GatedMLP(
-            cfg.hidden_size, cfg.intermediate_size, activation=cfg.activation, dtype=dtype, rngs=rngs
-        )
+        if sparse:
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype=dtype, rngs=rngs, mesh=kernels.mesh)
+        else:
+            self.mlp = GatedMLP(
+                cfg.hidden_size, cfg.intermediate_size, activation=cfg.activation, dtype=dtype, rngs=rngs
+            )
         self.post_mlp_norm = norm() if cfg.sandwich_norms else None
 
     def __call__(self, entry, x: jax.Array, batch: ForwardBatch):
@@ -80,7 +84,10 @@ class CausalLM(nnx.Module):
         kernels.check_model(cfg, self.dtype)
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
-            [DecoderLayer(cfg, k, dtype=dtype, rngs=rngs, kernels=kernels) for k in cfg.layer_kinds]
+            [
+                DecoderLayer(cfg, k, dtype=dtype, rngs=rngs, kernels=kernels, sparse=i in cfg.sparse_layers)
+                for i, k in enumerate(cfg.layer_kinds)
+            ]
         )
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         self.lm_head = (

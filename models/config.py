@@ -53,6 +53,32 @@ class MambaConfig:
         return self.intermediate_size + 2 * self.num_groups * self.state_size
 
 
+ROUTERS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate: int  # per expert
+    router: str = "softmax_topk"  # ROUTERS
+    norm_topk_prob: bool = False  # softmax_topk: renormalise the chosen probabilities
+    router_bias: bool = False
+    expert_bias: bool = False  # gate_up and down biases per expert (gpt-oss)
+    activation: str = "silu"  # EXPERT_ACTIVATIONS
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self):
+        if self.router not in ROUTERS:
+            raise ValueError(f"router={self.router!r}: must be one of {ROUTERS}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}: must be one of {EXPERT_ACTIVATIONS}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k}: must be in [1, num_experts={self.num_experts}]")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -82,6 +108,10 @@ class ModelConfig:
     embed_scale: float = 1.0
     sandwich_norms: bool = False
     mamba: MambaConfig | None = None
+    # Mixture-of-experts MLPs (``layers/moe.py``) in the layers ``sparse_layers`` lists; the
+    # others keep the dense MLP of ``intermediate_size``.
+    moe: MoEConfig | None = None
+    sparse_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     max_position_embeddings: int = 131072
@@ -105,6 +135,12 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.sliding_window must be positive, got {self.sliding_window}")
         if "mamba" in self.layer_kinds and self.mamba is None:
             raise ValueError("ModelConfig has mamba layers but no MambaConfig")
+        if self.sparse_layers and self.moe is None:
+            raise ValueError("ModelConfig has sparse_layers but no MoEConfig")
+        if any(not 0 <= i < len(self.layer_kinds) for i in self.sparse_layers):
+            raise ValueError(
+                f"ModelConfig.sparse_layers {self.sparse_layers}: not all in [0, {len(self.layer_kinds)})"
+            )
         if self.rotary_dim % 2:
             raise ValueError(f"rotary dim {self.rotary_dim} must be even")
 
@@ -149,6 +185,9 @@ class ModelConfig:
         d = dict(d)
         if d.get("mamba") is not None:
             d["mamba"] = MambaConfig(**d["mamba"])
+        if d.get("moe") is not None:
+            d["moe"] = MoEConfig(**d["moe"])
+        d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
         d["layer_kinds"] = tuple(d["layer_kinds"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
@@ -157,8 +196,28 @@ class ModelConfig:
         """Parameter count (for presets and benchmarks)."""
         h, v = self.hidden_size, self.vocab_size
         n = v * h * (1 if self.tie_word_embeddings else 2) + h
-        for kind in self.layer_kinds:
-            n += 2 * h + (2 * h if self.sandwich_norms else 0) + 3 * h * self.intermediate_size
+        return n + self._layer_params(active=False)
+
+    def active_params(self) -> int:
+        """Parameters one token's forward reads (its ``top_k`` experts of each MoE layer)."""
+        h, v = self.hidden_size, self.vocab_size
+        n = v * h * (1 if self.tie_word_embeddings else 2) + h
+        return n + self._layer_params(active=True)
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """The MLP's parameters in layer ``layer`` (with ``active``, those one token uses)."""
+        h = self.hidden_size
+        if layer not in self.sparse_layers:
+            return 3 * h * self.intermediate_size
+        m = self.moe
+        experts = m.top_k if active else m.num_experts
+        per_expert = 3 * h * m.intermediate + ((2 * m.intermediate + h) if m.expert_bias else 0)
+        return h * m.num_experts + (m.num_experts if m.router_bias else 0) + experts * per_expert
+
+    def _layer_params(self, active: bool) -> int:
+        h, n = self.hidden_size, 0
+        for i, kind in enumerate(self.layer_kinds):
+            n += 2 * h + (2 * h if self.sandwich_norms else 0) + self.mlp_params(i, active)
             if kind == "mamba":
                 m = self.mamba
                 proj = m.intermediate_size + m.conv_dim + m.num_heads

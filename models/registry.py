@@ -26,6 +26,7 @@ ARCHITECTURES = {
         Architecture("Gemma3ForCausalLM", hf_config.gemma3, GEMMA3_NAMES),
         Architecture("BambaForCausalLM", hf_config.bamba, BAMBA_NAMES),
         Architecture("Qwen3ForCausalLM", hf_config.qwen3, LLAMA_NAMES),
+        Architecture("Qwen3MoeForCausalLM", hf_config.qwen3_moe, LLAMA_NAMES),
     )
 }
 

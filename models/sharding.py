@@ -62,6 +62,8 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     if cfg.attention_layers:
         split.append(("num_heads", cfg.num_heads))
         either.append(("num_kv_heads", cfg.num_kv_heads))
+    if cfg.moe is not None and cfg.sparse_layers:
+        split.append(("moe.num_experts", cfg.moe.num_experts))  # whole experts per device
     if cfg.mamba is not None and cfg.mamba_layers:
         split.append(("mamba.num_heads", cfg.mamba.num_heads))
         split.append(("hidden_size", cfg.hidden_size))  # in_proj's rows
@@ -98,6 +100,10 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
     column = P(None, AXIS) if leaf == "kernel" else P(AXIS)
     row = P(AXIS, None) if leaf == "kernel" else P()
     if part == "mlp":
+        if name in ("gate_up", "down", "gate_up_bias", "down_bias"):  # MoE: whole experts per device
+            return P(AXIS, *([None] * (len(shape) - 1)))
+        if name == "router":
+            return P()
         return row if name == "down_proj" else column
     if part != "mixer":
         return P()

@@ -57,6 +57,20 @@ def _hf_config(family: str):
             sliding_window=20,
             max_window_layers=1,
         )
+    if family == "qwen3_moe":  # MoE layers around a dense one; every layer sliding
+        return tf.Qwen3MoeConfig(
+            **common,
+            num_hidden_layers=3,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=20,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
     if family == "bamba":
         return tf.BambaConfig(
             **common,
@@ -104,6 +118,7 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "gemma3": tf.Gemma3ForCausalLM,
         "bamba": tf.BambaForCausalLM,
         "qwen3": tf.Qwen3ForCausalLM,
+        "qwen3_moe": tf.Qwen3MoeForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()

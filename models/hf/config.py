@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hicache_jax.models.config import MambaConfig, ModelConfig
+from hicache_jax.models.config import MambaConfig, ModelConfig, MoEConfig
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
 
@@ -90,6 +90,42 @@ def qwen3(hf: dict, where: str) -> ModelConfig:
         sliding_window=hf.get("sliding_window") if "sliding" in kinds else None,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=True,
+    )
+
+
+def qwen3_moe(hf: dict, where: str) -> ModelConfig:
+    """Qwen3MoeForCausalLM: Qwen3's attention; an MoE MLP in layer ``i`` unless ``i`` is in
+    ``mlp_only_layers``, every ``decoder_sparse_step``-th layer. With ``use_sliding_window``
+    every layer is sliding (the model has no per-layer window)."""
+    _check(hf, where, hidden_act="silu", attention_bias=False)
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    kinds = ("sliding" if window else "attention",) * n
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(n) if i not in dense_only and experts > 0 and (i + 1) % step == 0)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta, factor = _rope(rope, hf.get("rope_theta", 1e6), where)
+    moe = None
+    if sparse:
+        moe = MoEConfig(
+            num_experts=experts,
+            top_k=hf["num_experts_per_tok"],
+            intermediate=hf["moe_intermediate_size"],
+            router="softmax_topk",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        )
+    return ModelConfig(
+        **_common(hf, "Qwen3MoeForCausalLM", kinds, where),
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        sliding_window=window,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        moe=moe,
+        sparse_layers=sparse,
     )
 
 

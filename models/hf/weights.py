@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,61 @@ def _same(a):
     return a
 
 
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """An MoE weight that checkpoints keep per expert: ``parts(e)`` names expert ``e``'s
+    tensors and ``combine`` turns them into its slice of our ``[E, ...]`` array."""
+
+    num_experts: int
+    parts: Callable[[int], tuple[str, ...]]
+    combine: Callable
+
+    @property
+    def name(self) -> str:
+        return "|".join(self.parts(0)).replace(".0.", ".<e>.")  # for messages
+
+
+class ExpertStack:
+    """``Experts`` read lazily from a checkpoint: indexing reads only the experts it needs
+    (a device of an expert-parallel mesh, only its own)."""
+
+    def __init__(self, ckpt, experts: Experts):
+        self.ckpt, self.experts = ckpt, experts
+        first = self._one(0)
+        self.shape = (experts.num_experts,) + first.shape
+        self.dtype = first.dtype
+
+    def _one(self, e: int) -> np.ndarray:
+        raws = [self.ckpt.get(n) for n in self.experts.parts(e)]
+        out = np.asarray(self.experts.combine(*raws))
+        if e and out.shape != self.shape[1:]:
+            shapes = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(self.experts.parts(e), raws))
+            raise CheckpointError(f"expert {e} has {shapes}; expert 0's make {self.shape[1:]}")
+        return out
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        chosen = range(self.experts.num_experts)[index[0]]
+        return np.stack([self._one(e) for e in chosen])[(slice(None),) + index[1:]]
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+
+def _moe_tensor(pre: str, leaf: tuple, cfg: ModelConfig):
+    """Qwen3-MoE's expert layout: ``mlp.gate`` the router, ``mlp.experts.<e>.{gate,up,down}_proj``."""
+    E = cfg.moe.num_experts
+    if leaf[0] == "router":
+        return f"{pre}.mlp.gate.weight", _t
+    if leaf[0] == "gate_up":
+        parts = lambda e: (f"{pre}.mlp.experts.{e}.gate_proj.weight", f"{pre}.mlp.experts.{e}.up_proj.weight")  # noqa: E731
+        return Experts(E, parts, lambda g, u: np.concatenate([g.T, u.T], axis=-1)), _same
+    if leaf[0] == "down":
+        return Experts(E, lambda e: (f"{pre}.mlp.experts.{e}.down_proj.weight",), lambda d: d.T), _same
+    raise KeyError(leaf)
+
+
 def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple) -> tuple[str, callable]:
     """The HF tensor (and the transform to our layout) behind one parameter path."""
     p = tuple(str(x) for x in path)
@@ -70,6 +126,8 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple) -> tuple[str, calla
     if rest[0] in norm:
         return f"{pre}.{norm[rest[0]]}.weight", _same
     if rest[0] == "mlp":
+        if i in cfg.sparse_layers:
+            return _moe_tensor(pre, rest[1:], cfg)
         return f"{pre}.{names.mlp}.{rest[1]}.weight", _t
     assert rest[0] == "mixer", path
     if kind != "mamba":
@@ -97,8 +155,16 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
     def load(kp, leaf):
         path = tuple(_key(k) for k in kp)
         name, transform = hf_tensor(names, cfg, path)
-        where = ckpt.file_of(name)
-        raw = ckpt.get(name)
+        if isinstance(name, Experts):
+            where = ckpt.file_of(name.parts(0)[0])
+            try:
+                raw = ExpertStack(ckpt, name)
+            except ValueError as e:
+                raise CheckpointError(f"{where}: tensors {name.name}: {e}") from e
+            name = name.name
+        else:
+            where = ckpt.file_of(name)
+            raw = ckpt.get(name)
         if not (np.issubdtype(raw.dtype, np.floating) or raw.dtype == jnp.bfloat16):
             raise CheckpointError(f"{where}: tensor {name} has dtype {raw.dtype}, expected a float type")
         try:

@@ -22,38 +22,14 @@ contiguous rows by its weights, so the work is the active experts' rows only.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from hicache_jax.models.config import EXPERT_ACTIVATIONS, ROUTERS, MoEConfig  # noqa: F401 (re-exported)
 from hicache_jax.models.layers.linear import Linear
-
-ROUTERS = ("softmax_topk", "topk_softmax")
-EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    num_experts: int
-    top_k: int
-    intermediate: int  # per expert
-    router: str = "softmax_topk"  # ROUTERS
-    norm_topk_prob: bool = False  # softmax_topk: renormalise the chosen probabilities
-    router_bias: bool = False
-    expert_bias: bool = False  # gate_up and down biases per expert (gpt-oss)
-    activation: str = "silu"  # EXPERT_ACTIVATIONS
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-
-    def __post_init__(self):
-        if self.router not in ROUTERS:
-            raise ValueError(f"router={self.router!r}: must be one of {ROUTERS}")
-        if self.activation not in EXPERT_ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r}: must be one of {EXPERT_ACTIVATIONS}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k}: must be in [1, num_experts={self.num_experts}]")
+from hicache_jax.models.sharding import AXIS
 
 
 def route(logits: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
@@ -79,25 +55,60 @@ def expert_activation(gate_up: jax.Array, cfg: MoEConfig) -> jax.Array:
     return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
 
 
-def moe_ragged(x, weights, experts, gate_up, down, cfg: MoEConfig, gate_up_bias=None, down_bias=None):
-    """``x [T, H]`` through each token's experts, weighted and summed: ``[T, H]``."""
+def moe_ragged(
+    x, weights, experts, gate_up, down, cfg: MoEConfig, gate_up_bias=None, down_bias=None, groups=None
+):
+    """``x [T, H]`` through each token's experts, weighted and summed: ``[T, H]``.
+
+    ``groups``: how many experts ``gate_up`` / ``down`` hold (default all). An assignment to
+    expert ``groups`` is to none held here: it sorts last, past every group, and adds 0."""
     T, H = x.shape
     k = experts.shape[1]
+    G = cfg.num_experts if groups is None else groups
     flat = experts.reshape(-1)  # assignment a = t * k + j
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     rows = x[order // k]  # [T*k, H]
     sorted_experts = flat[order]
-    group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=G + 1)[:G].astype(jnp.int32)
+    held = sorted_experts < G
     h = jax.lax.ragged_dot(rows, gate_up, group_sizes)  # [T*k, 2I]
     if gate_up_bias is not None:
-        h = h + gate_up_bias[sorted_experts]
+        h = h + gate_up_bias[jnp.minimum(sorted_experts, G - 1)]
     h = expert_activation(h, cfg).astype(x.dtype)
     y = jax.lax.ragged_dot(h, down, group_sizes)  # [T*k, H]
     if down_bias is not None:
-        y = y + down_bias[sorted_experts]
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        y = y + down_bias[jnp.minimum(sorted_experts, G - 1)]
+    # Rows past the groups are left undefined by ragged_dot: zeroed, not merely weighed 0.
+    y = jnp.where(held[:, None], y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     out = jnp.zeros((T * k, H), jnp.float32).at[order].set(y)  # back in assignment order
     return out.reshape(T, k, H).sum(axis=1).astype(x.dtype)
+
+
+def moe_expert_parallel(x, weights, experts, gate_up, down, cfg: MoEConfig, mesh, *biases):
+    """``moe_ragged`` with the experts split over the mesh's tensor-parallel axis.
+
+    Each device holds ``E / tp`` whole experts and, as between all layers here, every
+    token (activations are replicated). It runs its own experts on the assignments routed
+    to them, and one all-reduce of ``[T, H]`` sums the devices' parts: what the dense MLP's
+    row-parallel projection moves, ``2 (tp - 1) / tp * H * b`` bytes per token and device
+    (ring), whatever ``top_k``. The other choice, an all-to-all sending each token to the
+    devices of its experts and back, moves ``2 * k * H * b`` per token (less the
+    assignments that stay local) and pays off only when tokens are split over the devices
+    first (data-parallel attention), which this stack does not do."""
+    tp = mesh.shape[AXIS]
+    local = cfg.num_experts // tp
+
+    def shard(x, weights, experts, gate_up, down, *biases):
+        first = jax.lax.axis_index(AXIS) * local
+        mine = (experts >= first) & (experts < first + local)
+        here = jnp.where(mine, experts - first, local)
+        out = moe_ragged(x, weights, here, gate_up, down, cfg, *biases, groups=local)
+        return jax.lax.psum(out, AXIS)
+
+    split = P(AXIS)
+    specs = (P(), P(), P(), split, split) + (split,) * len(biases)
+    run = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+    return run(x, weights, experts, gate_up, down, *biases)
 
 
 def moe_dense_reference(
@@ -117,10 +128,12 @@ def moe_dense_reference(
 
 
 class MoE(nnx.Module):
-    """Router + experts; ``__call__`` takes ``[..., H]`` and returns the same shape."""
+    """Router + experts; ``__call__`` takes ``[..., H]`` and returns the same shape. With a
+    ``mesh`` the experts are split over its tensor-parallel axis (``moe_expert_parallel``)."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs, mesh=None):
         self.cfg = cfg
+        self.mesh = mesh
         E, I = cfg.num_experts, cfg.intermediate
         self.router = Linear(hidden, E, bias=cfg.router_bias, dtype=dtype, rngs=rngs)
         normal = lambda shape, fan_in: (jax.random.normal(rngs.params(), shape) * fan_in**-0.5).astype(dtype)  # noqa: E731
@@ -131,7 +144,7 @@ class MoE(nnx.Module):
 
     def biases(self) -> tuple:
         if self.gate_up_bias is None:
-            return None, None
+            return ()
         return self.gate_up_bias[...], self.down_bias[...]
 
     @jax.named_scope("moe")
@@ -139,6 +152,11 @@ class MoE(nnx.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weights, experts = route(self.router(x2), self.cfg)
-        fn = moe_dense_reference if reference else moe_ragged
-        out = fn(x2, weights, experts, self.gate_up[...], self.down[...], self.cfg, *self.biases())
+        args = (x2, weights, experts, self.gate_up[...], self.down[...], self.cfg)
+        if reference:
+            out = moe_dense_reference(*args, *self.biases())
+        elif self.mesh is not None and self.mesh.shape[AXIS] > 1:
+            out = moe_expert_parallel(*args, self.mesh, *self.biases())
+        else:
+            out = moe_ragged(*args, *self.biases())
         return out.reshape(shape)

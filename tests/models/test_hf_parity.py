@@ -19,7 +19,7 @@ from tests.hf_checkpoints import load_reference
 LENGTH = 70
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe"])
 def test_logits_match_transformers(checkpoint_dir, family):
     path = checkpoint_dir(family)
     ids = np.random.RandomState(0).randint(0, 512, size=(2, LENGTH))
@@ -42,3 +42,6 @@ def test_model_config_reads_architecture_details(checkpoint_dir):
     assert mistral.layer_kinds == ("sliding", "sliding") and mistral.sliding_window == 20
     qwen3 = load_hf(checkpoint_dir("qwen3")).cfg
     assert qwen3.layer_kinds == ("attention", "sliding") and qwen3.sliding_window == 20 and qwen3.qk_norm
+    moe = load_hf(checkpoint_dir("qwen3_moe")).cfg
+    assert moe.layer_kinds == ("sliding",) * 3 and moe.sparse_layers == (0, 2)  # mlp_only_layers=[1]
+    assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.norm_topk_prob) == (8, 2, True)

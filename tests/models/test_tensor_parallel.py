@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from hicache_jax.models import CausalLM, KernelConfig, ModelConfig, load_hf
+from hicache_jax.models.config import MoEConfig
 from hicache_jax.models.presets import preset_config
 from hicache_jax.models.sharding import check_tp, make_mesh, shard_model
 from tests.models.steps import build_step, jit_forward, kv_groups, logits_of, sequence
@@ -83,6 +84,7 @@ SPLITS = {  # family -> its (backend, tp_size) runs split over the mesh
     "gemma3": [("xla", 2), ("pallas", 4)],
     "bamba": [("xla", 2), ("pallas", 4)],
     "llama": [("pallas", 2), ("xla", 4)],
+    "qwen3_moe": [("xla", 2), ("pallas", 4)],  # 8 experts: 4, then 2 on each device
 }
 
 
@@ -121,6 +123,15 @@ def test_undividable_sizes_are_refused():
         check_tp(ModelConfig("x", 64, 64, 128, ("attention",), num_heads=6, num_kv_heads=3, head_dim=8), 2)
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(16)
+    moe = preset_config("tiny")
+    moe = ModelConfig(
+        **{**moe.__dict__, "moe": MoEConfig(num_experts=6, top_k=2, intermediate=32), "sparse_layers": (0,)}
+    )
+    check_tp(moe, 2)
+    with pytest.raises(
+        ValueError, match=r"moe.num_experts=6 is not a multiple of 4"
+    ):  # and 8: fewer than devices
+        check_tp(moe, 4)
 
 
 def test_weights_load_into_their_shards(checkpoint_dir, tmp_path):
@@ -146,3 +157,17 @@ def test_weights_load_into_their_shards(checkpoint_dir, tmp_path):
             split += not leaf.sharding.is_fully_replicated
             np.testing.assert_array_equal(np.asarray(leaf), np.asarray(flat_want[kp]), err_msg=str(path_))
         assert split >= 7 * 2  # q, k, v, o, gate, up, down in both layers
+
+
+def test_experts_load_whole_onto_their_devices(checkpoint_dir):
+    """At tp 4 each device holds 2 of the 8 experts, whole, with a one-device load's values."""
+    path = checkpoint_dir("qwen3_moe")
+    whole, split = load_hf(path), load_hf(path, kernels=kernels("xla", 4))
+    for name in ("gate_up", "down"):
+        want = np.asarray(getattr(whole.layers[0].mlp, name)[...])
+        got = getattr(split.layers[0].mlp, name)[...]
+        shards = sorted(got.addressable_shards, key=lambda sh: sh.index[0].start or 0)
+        assert [sh.data.shape[0] for sh in shards] == [2] * 4, name
+        for sh in shards:
+            np.testing.assert_array_equal(np.asarray(sh.data), want[sh.index], err_msg=name)
+    assert split.layers[0].mlp.router.kernel[...].sharding.is_fully_replicated
