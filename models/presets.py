@@ -13,7 +13,7 @@ from flax import nnx
 
 import hicache_jax
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.models.config import MambaConfig, ModelConfig
+from hicache_jax.models.config import MambaConfig, ModelConfig, MoEConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.sharding import shard_model
 
@@ -55,6 +55,17 @@ PRESETS: dict[str, ModelConfig] = {
         ),
         **_TINY,
     ),
+    # Qwen3-MoE-style mixture of experts (per-head q/k norm) over both window kinds, with
+    # one dense layer among the MoE ones.
+    "tiny-moe": ModelConfig(
+        architecture="preset:tiny-moe",
+        layer_kinds=("sliding", "attention", "sliding", "attention"),
+        sliding_window=32,
+        qk_norm=True,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate=32, norm_topk_prob=True),
+        sparse_layers=(0, 2, 3),
+        **_TINY,
+    ),
     # ~100M parameters: 5 local : 1 global, for benchmarks.
     "100m": ModelConfig(
         architecture="preset:100m",
@@ -68,6 +79,26 @@ PRESETS: dict[str, ModelConfig] = {
         sliding_window=512,
         rope_theta_sliding=10000.0,
         rope_theta=1e6,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+        max_position_embeddings=32768,
+    ),
+    # ~100M parameters, 32M active per token: 16 experts, 2 per token, in every layer;
+    # 3 local : 1 global. For the MoE benchmarks (``benchmarks/decode.py``).
+    "100m-moe": ModelConfig(
+        architecture="preset:100m-moe",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        layer_kinds=(("sliding",) * 3 + ("attention",)) * 2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        sliding_window=512,
+        qk_norm=True,
+        rope_theta=1e6,
+        moe=MoEConfig(num_experts=16, top_k=2, intermediate=384, norm_topk_prob=True),
+        sparse_layers=tuple(range(8)),
         tie_word_embeddings=True,
         eos_token_ids=(2,),
         max_position_embeddings=32768,

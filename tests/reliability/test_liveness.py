@@ -25,7 +25,7 @@ def check(cfg: EngineConfig, trace: list[TraceReq], check_every: int = 0) -> Eng
     return engine
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba", "tiny-moe"])
 def test_reported_stall_finishes(preset):
     """The reproducer: a 24-page pool, chunks of 64, six running, a dozen prompts sharing
     three system prompts. Two prefills used to hold half the pool each and wait forever."""
@@ -59,8 +59,8 @@ def test_same_prompt_computed_twice_keeps_no_duplicate_pages(preset):
 
 
 POOL_TOKENS = 192  # every generated request fits alone (<= 188 tokens), two rarely do
-# (preset, page size, chunk, max running): few shapes, so few compiles, but every family,
-# both page sizes, chunks of 2 and 4 pages and a chunk of one page.
+# (preset, page size, chunk, max running): few shapes, so few compiles, but every family
+# (MoE included), both page sizes, chunks of 2 and 4 pages and a chunk of one page.
 CONFIGS = [
     ("tiny", 16, 64, 4),
     ("tiny", 8, 16, 2),
@@ -68,6 +68,7 @@ CONFIGS = [
     ("tiny-swa", 8, 8, 4),
     ("tiny-mamba", 16, 32, 4),
     ("tiny-mamba", 8, 16, 2),
+    ("tiny-moe", 16, 32, 4),
 ]
 
 
