@@ -125,5 +125,6 @@ def main() -> None:
         compiled = server.compile_step((rows, 32, rows, False), top_logprobs=20)
         print(f"{family:<13}{mc.num_layers:>7}{'logprobs':>11}{'':>61}{temps(compiled)}", flush=True)
 
+
 if __name__ == "__main__":
     main()
