@@ -33,34 +33,36 @@ from hicache_jax.models.sharding import (
 
 
 class DecoderLayer(nnx.Module):
-    """``x += mixer(norm(x)); x += mlp(norm(x))``, with Gemma's extra output norms."""
+    """``x += mixer(norm(x)); x += mlp(norm(x))``, with Gemma's extra output norms, or
+    (``pre_norms=False``, Olmo) only those: ``x += norm(mixer(x)); x += norm(mlp(x))``."""
 
     def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels, sparse: bool = False):
         def norm():
             return RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
 
         self.kind = kind
-        self.input_norm = norm()
+        post = cfg.sandwich_norms or not cfg.pre_norms
+        self.input_norm = norm() if cfg.pre_norms else None
         if kind == "mamba":
             self.mixer = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         else:
             self.mixer = Attention(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
-        self.post_mixer_norm = norm() if cfg.sandwich_norms else None
-        self.pre_mlp_norm = norm()
+        self.post_mixer_norm = norm() if post else None
+        self.pre_mlp_norm = norm() if cfg.pre_norms else None
         if sparse:
             self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype=dtype, rngs=rngs, mesh=kernels.mesh)
         else:
             self.mlp = GatedMLP(
                 cfg.hidden_size, cfg.intermediate_size, activation=cfg.activation, dtype=dtype, rngs=rngs
             )
-        self.post_mlp_norm = norm() if cfg.sandwich_norms else None
+        self.post_mlp_norm = norm() if post else None
 
     def __call__(self, entry, x: jax.Array, batch: ForwardBatch):
-        entry, h = self.mixer(entry, self.input_norm(x), batch)
+        entry, h = self.mixer(entry, x if self.input_norm is None else self.input_norm(x), batch)
         if self.post_mixer_norm is not None:
             h = self.post_mixer_norm(h)
         x = x + h
-        h = self.mlp(self.pre_mlp_norm(x))
+        h = self.mlp(x if self.pre_mlp_norm is None else self.pre_mlp_norm(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return entry, x + h

@@ -80,6 +80,18 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class YarnConfig:
+    """YaRN rope scaling (``layers/rope.py``), as checkpoints' ``rope_parameters`` give it."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
+    truncate: bool = True  # round the blend's channel range outwards
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -96,17 +108,22 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_theta_sliding: float | None = None  # Gemma3 local layers use their own base
     rope_linear_factor: float = 1.0  # "linear" rope scaling (positions / factor)
+    rope_yarn: YarnConfig | None = None  # YaRN scaling, for every layer or (below) full ones only
+    rope_yarn_sliding: bool = True
     partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
     query_pre_attn_scalar: float | None = None  # scale = this ** -0.5; default head_dim
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     qk_norm: bool = False
+    qk_norm_over: str = "head"  # RMSNorm q and k per head ("head") or over the whole projection ("all")
     # Gemma conventions: RMSNorm multiplies by (1 + w); embeddings scaled by sqrt(hidden);
     # a norm after attention and after the MLP as well as before.
     norm_offset: float = 0.0
     embed_scale: float = 1.0
     sandwich_norms: bool = False
+    # False: no norm before attention and the MLP, only after each (Olmo 2 and 3).
+    pre_norms: bool = True
     mamba: MambaConfig | None = None
     # Mixture-of-experts MLPs (``layers/moe.py``) in the layers ``sparse_layers`` lists; the
     # others keep the dense MLP of ``intermediate_size``.
@@ -135,6 +152,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.sliding_window must be positive, got {self.sliding_window}")
         if "mamba" in self.layer_kinds and self.mamba is None:
             raise ValueError("ModelConfig has mamba layers but no MambaConfig")
+        if self.qk_norm_over not in ("head", "all"):
+            raise ValueError(f"ModelConfig.qk_norm_over {self.qk_norm_over!r} not in ('head', 'all')")
         if self.sparse_layers and self.moe is None:
             raise ValueError("ModelConfig has sparse_layers but no MoEConfig")
         if any(not 0 <= i < len(self.layer_kinds) for i in self.sparse_layers):
@@ -166,6 +185,9 @@ class ModelConfig:
             return 1.0  # Gemma3 scales only its global layers
         return self.rope_linear_factor
 
+    def yarn(self, kind: str) -> YarnConfig | None:
+        return None if kind == "sliding" and not self.rope_yarn_sliding else self.rope_yarn
+
     def window(self, kind: str) -> int | None:
         return self.sliding_window if kind == "sliding" else None
 
@@ -185,6 +207,8 @@ class ModelConfig:
         d = dict(d)
         if d.get("mamba") is not None:
             d["mamba"] = MambaConfig(**d["mamba"])
+        if d.get("rope_yarn") is not None:
+            d["rope_yarn"] = YarnConfig(**d["rope_yarn"])
         if d.get("moe") is not None:
             d["moe"] = MoEConfig(**d["moe"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
@@ -217,7 +241,8 @@ class ModelConfig:
     def _layer_params(self, active: bool) -> int:
         h, n = self.hidden_size, 0
         for i, kind in enumerate(self.layer_kinds):
-            n += 2 * h + (2 * h if self.sandwich_norms else 0) + self.mlp_params(i, active)
+            norms = (2 if self.pre_norms else 0) + (2 if self.sandwich_norms or not self.pre_norms else 0)
+            n += norms * h + self.mlp_params(i, active)
             if kind == "mamba":
                 m = self.mamba
                 proj = m.intermediate_size + m.conv_dim + m.num_heads
@@ -225,5 +250,6 @@ class ModelConfig:
                 n += 3 * m.num_heads + (m.conv_dim if m.conv_bias else 0)
             else:
                 q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-                n += h * (q + 2 * kv) + q * h + (2 * self.head_dim if self.qk_norm else 0)
+                qk = (2 * self.head_dim if self.qk_norm_over == "head" else q + kv) if self.qk_norm else 0
+                n += h * (q + 2 * kv) + q * h + qk
         return n

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf import config as hf_config
 from hicache_jax.models.hf.safetensors_io import CheckpointError
-from hicache_jax.models.hf.weights import BAMBA_NAMES, GEMMA3_NAMES, LLAMA_NAMES, HFNames
+from hicache_jax.models.hf.weights import BAMBA_NAMES, GEMMA3_NAMES, LLAMA_NAMES, OLMO3_NAMES, HFNames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,7 @@ ARCHITECTURES = {
         Architecture("BambaForCausalLM", hf_config.bamba, BAMBA_NAMES),
         Architecture("Qwen3ForCausalLM", hf_config.qwen3, LLAMA_NAMES),
         Architecture("Qwen3MoeForCausalLM", hf_config.qwen3_moe, LLAMA_NAMES),
+        Architecture("Olmo3ForCausalLM", hf_config.olmo3, OLMO3_NAMES),
     )
 }
 

@@ -71,6 +71,26 @@ def _hf_config(family: str):
             decoder_sparse_step=1,
             mlp_only_layers=[1],
         )
+    if family == "olmo3":  # three sliding layers, then a full one with YaRN
+        return tf.Olmo3Config(
+            **common,
+            num_hidden_layers=4,
+            sliding_window=20,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 64,  # YaRN's blend within the test's 70 tokens
+                    "attention_factor": 1.2,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                },
+            },
+            eos_token_id=2,
+            pad_token_id=1,
+        )
     if family == "bamba":
         return tf.BambaConfig(
             **common,
@@ -119,6 +139,7 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "bamba": tf.BambaForCausalLM,
         "qwen3": tf.Qwen3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "olmo3": tf.Olmo3ForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hicache_jax.models.config import MambaConfig, ModelConfig, MoEConfig
+from hicache_jax.models.config import MambaConfig, ModelConfig, MoEConfig, YarnConfig
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
 
@@ -30,6 +30,61 @@ def _rope(params: dict | None, fallback_theta: float, where: str) -> tuple[float
         raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (default, linear)")
     factor = float(params.get("factor", 1.0)) if kind == "linear" else 1.0
     return float(params.get("rope_theta", fallback_theta)), factor
+
+
+def _yarn(params: dict, hf: dict, truncate: bool) -> YarnConfig:
+    """A ``rope_type: yarn`` entry (``factor`` defaults to max / original positions, as
+    transformers does)."""
+    original = int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    scale = params.get("attention_factor")
+    return YarnConfig(
+        factor=float(factor),
+        original_max_position=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        attention_factor=None if scale is None else float(scale),
+        truncate=bool(truncate),
+    )
+
+
+def _rope_by_type(hf: dict, where: str, default_theta: float) -> dict:
+    """Per layer type rope settings -> ModelConfig's rope fields. Accepts transformers'
+    ``rope_parameters`` keyed by layer type (``sliding_attention``, ``full_attention``) or one
+    entry (``rope_parameters`` / ``rope_scaling`` with ``rope_theta``) for every layer; for
+    per-type entries the YaRN range is rounded outwards (transformers reads ``truncate`` only
+    from the top level)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        truncate = True
+    else:
+        one = dict(params or hf.get("rope_scaling") or {})
+        one.setdefault("rope_theta", hf.get("rope_theta", default_theta))
+        full = sliding = one
+        truncate = one.get("truncate", True)
+    out = {}
+    for name, entry in (("full", full), ("sliding", sliding)):
+        kind = entry.get("rope_type", entry.get("type", "default"))
+        if kind not in ("default", "yarn"):
+            raise CheckpointError(
+                f"{where}: rope_type {kind!r} ({name} layers) is not supported (default, yarn)"
+            )
+        out[name] = (float(entry.get("rope_theta", hf.get("rope_theta", default_theta))), kind)
+    yarn_full = _yarn(full, hf, truncate) if out["full"][1] == "yarn" else None
+    yarn_sliding = _yarn(sliding, hf, truncate) if out["sliding"][1] == "yarn" else None
+    if yarn_full and yarn_sliding and yarn_full != yarn_sliding:
+        raise CheckpointError(
+            f"{where}: different YaRN settings for sliding and full layers are not supported"
+        )
+    if yarn_sliding and not yarn_full:
+        raise CheckpointError(f"{where}: YaRN on sliding layers only is not supported")
+    return dict(
+        rope_theta=out["full"][0],
+        rope_theta_sliding=out["sliding"][0],
+        rope_yarn=yarn_full,
+        rope_yarn_sliding=yarn_sliding is not None,
+    )
 
 
 def _common(hf: dict, arch: str, layer_kinds: tuple[str, ...], where: str) -> dict:
@@ -126,6 +181,27 @@ def qwen3_moe(hf: dict, where: str) -> ModelConfig:
         qk_norm=True,
         moe=moe,
         sparse_layers=sparse,
+    )
+
+
+def olmo3(hf: dict, where: str) -> ModelConfig:
+    """Olmo3ForCausalLM: sliding-window layers where ``layer_types`` puts them (three of
+    every four by default), q and k RMSNorm-ed over the whole projection, a norm after
+    attention and after the MLP and none before; YaRN on the full-attention layers."""
+    _check(hf, where, hidden_act="silu", attention_bias=False)
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)
+    ]
+    kinds = tuple({"sliding_attention": "sliding", "full_attention": "attention"}[t] for t in types)
+    return ModelConfig(
+        **_common(hf, "Olmo3ForCausalLM", kinds, where),
+        **_rope_by_type(hf, where, 500000.0),
+        sliding_window=hf.get("sliding_window") if "sliding" in kinds else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        qk_norm_over="all",
+        pre_norms=False,
     )
 
 

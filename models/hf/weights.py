@@ -19,7 +19,7 @@ class HFNames:
     """Where an architecture keeps the tensors whose names differ between families."""
 
     final_norm: str = "model.norm"
-    pre_mlp_norm: str = "post_attention_layernorm"
+    pre_mlp_norm: str | None = "post_attention_layernorm"
     post_mixer_norm: str | None = None
     post_mlp_norm: str | None = None
     mlp: str = "mlp"
@@ -30,6 +30,9 @@ GEMMA3_NAMES = HFNames(
     pre_mlp_norm="pre_feedforward_layernorm",
     post_mixer_norm="post_attention_layernorm",
     post_mlp_norm="post_feedforward_layernorm",
+)
+OLMO3_NAMES = HFNames(
+    pre_mlp_norm=None, post_mixer_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm"
 )
 BAMBA_NAMES = HFNames(final_norm="model.final_layernorm", pre_mlp_norm="pre_ff_layernorm", mlp="feed_forward")
 

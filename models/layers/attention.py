@@ -12,7 +12,7 @@ from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend, sharded
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import RMSNorm
-from hicache_jax.models.layers.rope import apply_rope
+from hicache_jax.models.layers.rope import apply_rope, rope_frequencies
 from hicache_jax.models.sharding import kv_heads_on_device, tp_size
 
 # Query rows per block in steps with prefill. Every block re-reads its keys, so long
@@ -30,9 +30,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
         self.group = page_group(kind)
         self.window = cfg.window(kind)
-        self.rope_base = cfg.rope_base(kind)
-        self.rope_factor = cfg.rope_factor(kind)
-        self.rotary_dim = cfg.rotary_dim
+        inv_freq, self.rope_scale = rope_frequencies(
+            cfg.rope_base(kind), cfg.rotary_dim, cfg.rope_factor(kind), cfg.yarn(kind)
+        )
+        self.inv_freq = tuple(inv_freq.tolist())  # static (an array attribute would be state)
         self.scale = cfg.attn_scale
         self.soft_cap = cfg.attn_logit_softcap
         self.kernels = kernels
@@ -42,21 +43,26 @@ class Attention(nnx.Module):
         self.k_proj = Linear(h, Hkv * D, bias=False, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(h, Hkv * D, bias=False, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(H * D, h, bias=False, dtype=dtype, rngs=rngs)
+        self.qk_norm_over = cfg.qk_norm_over
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(D, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
-            self.k_norm = RMSNorm(D, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+            whole = cfg.qk_norm_over == "all"  # over all heads' channels together (Olmo)
+            norm = lambda n: RMSNorm(n, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)  # noqa: E731
+            self.q_norm, self.k_norm = norm(H * D if whole else D), norm(Hkv * D if whole else D)
         else:
             self.q_norm = self.k_norm = None
 
     @jax.named_scope("attention")
     def __call__(self, kv: KVPages, x: jax.Array, batch: ForwardBatch) -> tuple[KVPages, jax.Array]:
         T = x.shape[0]
-        q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.qk_norm_over == "all":
             q, k = self.q_norm(q), self.k_norm(k)
-        rope = dict(base=self.rope_base, rotary_dim=self.rotary_dim, factor=self.rope_factor)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.qk_norm_over == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = dict(inv_freq=self.inv_freq, scale=self.rope_scale)
         q = apply_rope(q, batch.positions, **rope)
         k = apply_rope(k, batch.positions, **rope)
         if self.kv_repeat > 1:

@@ -19,7 +19,7 @@ from tests.hf_checkpoints import load_reference
 LENGTH = 70
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe", "olmo3"])
 def test_logits_match_transformers(checkpoint_dir, family):
     path = checkpoint_dir(family)
     ids = np.random.RandomState(0).randint(0, 512, size=(2, LENGTH))
@@ -45,3 +45,6 @@ def test_model_config_reads_architecture_details(checkpoint_dir):
     moe = load_hf(checkpoint_dir("qwen3_moe")).cfg
     assert moe.layer_kinds == ("sliding",) * 3 and moe.sparse_layers == (0, 2)  # mlp_only_layers=[1]
     assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.norm_topk_prob) == (8, 2, True)
+    olmo = load_hf(checkpoint_dir("olmo3")).cfg
+    assert olmo.layer_kinds == ("sliding",) * 3 + ("attention",) and not olmo.pre_norms
+    assert olmo.yarn("attention").factor == 8.0 and olmo.yarn("sliding") is None
