@@ -116,6 +116,8 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     qk_norm: bool = False
+    attention_bias: bool = False  # q, k, v and o projections with biases
+    attention_sinks: bool = False  # a learned logit per query head joins the softmax (gpt-oss)
     qk_norm_over: str = "head"  # RMSNorm q and k per head ("head") or over the whole projection ("all")
     # Gemma conventions: RMSNorm multiplies by (1 + w); embeddings scaled by sqrt(hidden);
     # a norm after attention and after the MLP as well as before.
@@ -251,5 +253,6 @@ class ModelConfig:
             else:
                 q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
                 qk = (2 * self.head_dim if self.qk_norm_over == "head" else q + kv) if self.qk_norm else 0
-                n += h * (q + 2 * kv) + q * h + qk
+                bias = (q + 2 * kv + h) if self.attention_bias else 0
+                n += h * (q + 2 * kv) + q * h + qk + bias + (self.num_heads if self.attention_sinks else 0)
         return n

@@ -99,6 +99,9 @@ class _Counted:
         self.bar.update()
         return out
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
     def __getattr__(self, attr):
         return getattr(self.ckpt, attr)
 

@@ -8,7 +8,14 @@ from collections.abc import Callable
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf import config as hf_config
 from hicache_jax.models.hf.safetensors_io import CheckpointError
-from hicache_jax.models.hf.weights import BAMBA_NAMES, GEMMA3_NAMES, LLAMA_NAMES, OLMO3_NAMES, HFNames
+from hicache_jax.models.hf.weights import (
+    BAMBA_NAMES,
+    GEMMA3_NAMES,
+    GPT_OSS_NAMES,
+    LLAMA_NAMES,
+    OLMO3_NAMES,
+    HFNames,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +35,7 @@ ARCHITECTURES = {
         Architecture("Qwen3ForCausalLM", hf_config.qwen3, LLAMA_NAMES),
         Architecture("Qwen3MoeForCausalLM", hf_config.qwen3_moe, LLAMA_NAMES),
         Architecture("Olmo3ForCausalLM", hf_config.olmo3, OLMO3_NAMES),
+        Architecture("GptOssForCausalLM", hf_config.gpt_oss, GPT_OSS_NAMES),
     )
 }
 

@@ -109,6 +109,8 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
         return P()
     if name == "q_proj":
         return column
+    if name == "sinks":  # one per query head, split as the heads are
+        return P(AXIS)
     if name in ("k_proj", "v_proj"):
         return column if cfg.num_kv_heads % tp == 0 else P()
     if name in ("o_proj", "in_proj", "out_proj"):

@@ -91,6 +91,26 @@ def _hf_config(family: str):
             eos_token_id=2,
             pad_token_id=1,
         )
+    if family == "gpt_oss":  # sliding and full layers alternating, YaRN active within 70 tokens
+        return tf.GptOssConfig(
+            **(common | {"intermediate_size": 32}),
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=20,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            eos_token_id=2,
+            pad_token_id=1,
+        )
     if family == "bamba":
         return tf.BambaConfig(
             **common,
@@ -140,6 +160,7 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "qwen3": tf.Qwen3ForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
         "olmo3": tf.Olmo3ForCausalLM,
+        "gpt_oss": tf.GptOssForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()

@@ -205,6 +205,42 @@ def olmo3(hf: dict, where: str) -> ModelConfig:
     )
 
 
+def gpt_oss(hf: dict, where: str) -> ModelConfig:
+    """GptOssForCausalLM: sliding-window and full-attention layers from ``layer_types``
+    (alternating in the published models), attention sinks, q/k/v/o biases, YaRN on every
+    layer; an MoE MLP in every layer (router with a bias, softmax over the top-k logits,
+    clamped SwiGLU experts with biases). MXFP4 expert weights are dequantized on load."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    kinds = tuple({"sliding_attention": "sliding", "full_attention": "attention"}[t] for t in types)
+    quant = hf.get("quantization_config")
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise CheckpointError(f"{where}: quantization {quant.get('quant_method')!r} is not supported (mxfp4)")
+    moe = MoEConfig(
+        num_experts=hf.get("num_local_experts", hf.get("num_experts")),
+        top_k=hf.get("num_experts_per_tok", hf.get("experts_per_token")),
+        intermediate=hf["intermediate_size"],
+        router="topk_softmax",
+        router_bias=True,
+        expert_bias=True,
+        activation="swiglu_clamped",
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+    )
+    common = _common(hf, "GptOssForCausalLM", kinds, where)
+    common["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-5))
+    return ModelConfig(
+        **common,
+        **_rope_by_type(hf, where, 150000.0),
+        sliding_window=hf.get("sliding_window") if "sliding" in kinds else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", True)),
+        attention_sinks=True,
+        moe=moe,
+        sparse_layers=tuple(range(n)),
+    )
+
+
 def gemma3(hf: dict, where: str) -> ModelConfig:
     """Gemma3ForCausalLM, text only: interleaved local (sliding) and global layers."""
     if "text_config" in hf:

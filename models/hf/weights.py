@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.hf import mxfp4
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 
 
@@ -23,9 +24,14 @@ class HFNames:
     post_mixer_norm: str | None = None
     post_mlp_norm: str | None = None
     mlp: str = "mlp"
+    # MoE layers: "per_expert" (Qwen3-MoE: ``mlp.gate`` and ``mlp.experts.<e>.*_proj``) or
+    # "fused" (gpt-oss: ``mlp.router`` and ``mlp.experts.{gate_up,down}_proj[_bias]``, gate
+    # and up interleaved; bf16 or MXFP4 ``_blocks`` / ``_scales``).
+    experts: str = "per_expert"
 
 
 LLAMA_NAMES = HFNames()
+GPT_OSS_NAMES = HFNames(experts="fused")
 GEMMA3_NAMES = HFNames(
     pre_mlp_norm="pre_feedforward_layernorm",
     post_mixer_norm="post_attention_layernorm",
@@ -53,16 +59,22 @@ def _same(a):
 
 @dataclasses.dataclass(frozen=True)
 class Experts:
-    """An MoE weight that checkpoints keep per expert: ``parts(e)`` names expert ``e``'s
-    tensors and ``combine`` turns them into its slice of our ``[E, ...]`` array."""
+    """An MoE weight read expert by expert: ``parts`` names the checkpoint tensors behind it
+    (``<e>`` stands for the expert's number, else each tensor holds every expert on its first
+    axis) and ``combine`` turns expert ``e``'s parts into its slice of our ``[E, ...]``."""
 
     num_experts: int
-    parts: Callable[[int], tuple[str, ...]]
+    parts: tuple[str, ...]
     combine: Callable
 
     @property
     def name(self) -> str:
-        return "|".join(self.parts(0)).replace(".0.", ".<e>.")  # for messages
+        return "|".join(self.parts)  # for messages
+
+    def read(self, ckpt, e: int) -> list:
+        if "<e>" in self.parts[0]:
+            return [ckpt.get(n.replace("<e>", str(e))) for n in self.parts]
+        return [ckpt.get(n)[e] for n in self.parts]
 
 
 class ExpertStack:
@@ -71,15 +83,25 @@ class ExpertStack:
 
     def __init__(self, ckpt, experts: Experts):
         self.ckpt, self.experts = ckpt, experts
+        self.shape = ()
+        if "<e>" not in experts.parts[0]:
+            for n in experts.parts:
+                if ckpt.get(n).shape[0] != experts.num_experts:
+                    raise CheckpointError(
+                        f"tensor {n} has shape {tuple(ckpt.get(n).shape)}: expected {experts.num_experts} experts first"
+                    )
         first = self._one(0)
         self.shape = (experts.num_experts,) + first.shape
         self.dtype = first.dtype
 
     def _one(self, e: int) -> np.ndarray:
-        raws = [self.ckpt.get(n) for n in self.experts.parts(e)]
-        out = np.asarray(self.experts.combine(*raws))
+        raws = self.experts.read(self.ckpt, e)
+        try:
+            out = np.asarray(self.experts.combine(*raws))
+        except ValueError as err:
+            raise CheckpointError(f"expert {e}: {err}") from err
         if e and out.shape != self.shape[1:]:
-            shapes = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(self.experts.parts(e), raws))
+            shapes = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(self.experts.parts, raws))
             raise CheckpointError(f"expert {e} has {shapes}; expert 0's make {self.shape[1:]}")
         return out
 
@@ -93,20 +115,37 @@ class ExpertStack:
         return out if dtype is None else out.astype(dtype)
 
 
-def _moe_tensor(pre: str, leaf: tuple, cfg: ModelConfig):
-    """Qwen3-MoE's expert layout: ``mlp.gate`` the router, ``mlp.experts.<e>.{gate,up,down}_proj``."""
+def _halves(a):  # gate and up interleaved on the last axis -> gate half, then up half
+    return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
+
+
+def _moe_tensor(names: HFNames, pre: str, leaf: tuple, cfg: ModelConfig, ckpt):
+    """An MoE layer's tensor: the router (a Linear) or an ``Experts``."""
     E = cfg.moe.num_experts
+    if names.experts == "per_expert":  # Qwen3-MoE
+        if leaf[0] == "router":
+            return f"{pre}.mlp.gate.weight", _t
+        e = f"{pre}.mlp.experts.<e>"
+        if leaf[0] == "gate_up":
+            parts = (f"{e}.gate_proj.weight", f"{e}.up_proj.weight")
+            return Experts(E, parts, lambda g, u: np.concatenate([g.T, u.T], axis=-1)), _same
+        if leaf[0] == "down":
+            return Experts(E, (f"{e}.down_proj.weight",), lambda d: d.T), _same
+        raise KeyError(leaf)
+    # gpt-oss: fused tensors, gate and up interleaved; the projections in bf16 or MXFP4.
     if leaf[0] == "router":
-        return f"{pre}.mlp.gate.weight", _t
-    if leaf[0] == "gate_up":
-        parts = lambda e: (f"{pre}.mlp.experts.{e}.gate_proj.weight", f"{pre}.mlp.experts.{e}.up_proj.weight")  # noqa: E731
-        return Experts(E, parts, lambda g, u: np.concatenate([g.T, u.T], axis=-1)), _same
-    if leaf[0] == "down":
-        return Experts(E, lambda e: (f"{pre}.mlp.experts.{e}.down_proj.weight",), lambda d: d.T), _same
-    raise KeyError(leaf)
+        return f"{pre}.mlp.router.{'weight' if leaf[1] == 'kernel' else 'bias'}", _t
+    name = {"gate_up": "gate_up_proj", "down": "down_proj", "gate_up_bias": "gate_up_proj_bias",
+            "down_bias": "down_proj_bias"}[leaf[0]]  # fmt: skip
+    full = f"{pre}.mlp.experts.{name}"
+    interleaved = leaf[0].startswith("gate_up")
+    if leaf[0].endswith("bias") or ckpt is None or full in ckpt or f"{full}_blocks" not in ckpt:
+        return Experts(E, (full,), _halves if interleaved else _same), _same
+    dequantized = (lambda b, s: _halves(mxfp4.dequantize_weight(b, s))) if interleaved else mxfp4.dequantize_weight
+    return Experts(E, (f"{full}_blocks", f"{full}_scales"), dequantized), _same
 
 
-def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple) -> tuple[str, callable]:
+def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple[str, callable]:
     """The HF tensor (and the transform to our layout) behind one parameter path."""
     p = tuple(str(x) for x in path)
     if p == ("embed", "embedding"):
@@ -130,12 +169,14 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple) -> tuple[str, calla
         return f"{pre}.{norm[rest[0]]}.weight", _same
     if rest[0] == "mlp":
         if i in cfg.sparse_layers:
-            return _moe_tensor(pre, rest[1:], cfg)
+            return _moe_tensor(names, pre, rest[1:], cfg, ckpt)
         return f"{pre}.{names.mlp}.{rest[1]}.weight", _t
     assert rest[0] == "mixer", path
     if kind != "mamba":
         if rest[1] in ("q_norm", "k_norm"):
             return f"{pre}.self_attn.{rest[1]}.weight", _same
+        if rest[1] == "sinks":
+            return f"{pre}.self_attn.sinks", _same
         return f"{pre}.self_attn.{rest[1]}.{'weight' if rest[2] == 'kernel' else 'bias'}", _t
     m = f"{pre}.mamba"
     if rest[1] in ("in_proj", "out_proj"):
@@ -157,9 +198,9 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
 
     def load(kp, leaf):
         path = tuple(_key(k) for k in kp)
-        name, transform = hf_tensor(names, cfg, path)
+        name, transform = hf_tensor(names, cfg, path, ckpt)
         if isinstance(name, Experts):
-            where = ckpt.file_of(name.parts(0)[0])
+            where = ckpt.file_of(name.parts[0].replace("<e>", "0"))
             try:
                 raw = ExpertStack(ckpt, name)
             except ValueError as e:

@@ -27,12 +27,14 @@ def _per_shard(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs) -> Callable
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def attention(fn: Callable, mesh: Mesh | None, **static) -> Callable:
-    """``fn(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, num_seqs)`` per shard."""
+def attention(fn: Callable, mesh: Mesh | None, sinks: bool = False, **static) -> Callable:
+    """``fn(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, num_seqs[, sinks])`` per
+    shard (``sinks``: the call passes each query head's sink logit, split as the heads are)."""
     fn = functools.partial(fn, **static)
     if mesh is None:
         return fn
-    return _per_shard(fn, mesh, (_HEADS, _PAGES, _PAGES, P(), P(), P(), P()), _HEADS)
+    specs = (_HEADS, _PAGES, _PAGES, P(), P(), P(), P()) + ((P(AXIS),) if sinks else ())
+    return _per_shard(fn, mesh, specs, _HEADS)
 
 
 def kv_write(fn: Callable, mesh: Mesh | None) -> Callable:

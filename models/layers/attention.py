@@ -39,10 +39,12 @@ class Attention(nnx.Module):
         self.kernels = kernels
         # Fewer KV heads than shards: each shard stores a copy of the head it reads.
         self.kv_repeat = kv_heads_on_device(cfg, tp_size(kernels.mesh)) // Hkv
-        self.q_proj = Linear(h, H * D, bias=False, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(h, Hkv * D, bias=False, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, Hkv * D, bias=False, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(H * D, h, bias=False, dtype=dtype, rngs=rngs)
+        bias = cfg.attention_bias
+        self.q_proj = Linear(h, H * D, bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, Hkv * D, bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, Hkv * D, bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(H * D, h, bias=bias, dtype=dtype, rngs=rngs)
+        self.sinks = nnx.Param(jnp.zeros((H,), dtype)) if cfg.attention_sinks else None
         self.qk_norm_over = cfg.qk_norm_over
         if cfg.qk_norm:
             whole = cfg.qk_norm_over == "all"  # over all heads' channels together (Olmo)
@@ -78,7 +80,9 @@ class Attention(nnx.Module):
             sliding_window=self.window,
             soft_cap=self.soft_cap,
             q_block=1 if batch.decode_only else PREFILL_Q_BLOCK[name],
+            sinks=self.sinks is not None,
         )
+        sinks = () if self.sinks is None else (self.sinks[...].astype(jnp.float32),)
         o = attend(
             q,
             k_pages,
@@ -87,5 +91,6 @@ class Attention(nnx.Module):
             batch.page_tables[self.group],
             batch.cu_q_lens,
             batch.num_seqs,
+            *sinks,
         )
         return KVPages(k_pages, v_pages), self.o_proj(o.reshape(T, -1))

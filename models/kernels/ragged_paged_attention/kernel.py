@@ -309,17 +309,24 @@ def _attention_kernel(
     group: int,
     num_kv_heads: int,
     table_in_smem: bool,
+    with_sinks: bool,
 ):
+    sink_ref = None
     if table_in_smem:
-        (table_ref, blk_seq_ref, blk_rows_ref, blk_pos_ref, q_ref, k_hbm, v_hbm, o_ref, *scratch) = refs
+        (table_ref, blk_seq_ref, blk_rows_ref, blk_pos_ref, q_ref, k_hbm, v_hbm, *rest) = refs
     else:
-        (blk_seq_ref, blk_rows_ref, blk_pos_ref, q_ref, k_hbm, v_hbm, table_hbm, o_ref, *scratch) = refs
+        (blk_seq_ref, blk_rows_ref, blk_pos_ref, q_ref, k_hbm, v_hbm, table_hbm, *rest) = refs
+    if with_sinks:
+        sink_ref, *rest = rest
+    o_ref, *scratch = rest
+    if not table_in_smem:
         *scratch, ids_ref, ids_sem = scratch
     # Scalar prefetch (SMEM): table_ref [S * max_pages] int32 (flattened; else table_hbm in
     # HBM, copied per block into ids_ref [L]), blk_seq_ref, blk_rows_ref (real rows; 0: idle)
     # and blk_pos_ref (KV position of the first row), each [NB] int32.
     # q_ref, o_ref: [1, Hkv, R, D] VMEM, R = q_block * G rows ordered (row, group).
     # k_hbm, v_hbm: [num_pages, page_size * U, W] ANY (``_page_rows``).
+    # sink_ref (with sinks): [Hkv, R, 1] f32 VMEM, each row's head's sink logit.
     # k_buf, v_buf: [2, kbp * page_size * U, W] VMEM double buffers; sems: [2] DMA, one per
     # slot; m_ref, l_ref: [Hkv, R, 1] f32 running max and denominator; acc_ref: [Hkv, R, D].
     k_buf, v_buf, sems, m_ref, l_ref, acc_ref = scratch
@@ -385,8 +392,12 @@ def _attention_kernel(
             lax.fori_loop(0, n, each, 0)
 
         for_needed_pages(0, 0, lambda c: c.start())
-        m_ref[...] = jnp.full_like(m_ref, NEG_INF)
-        l_ref[...] = jnp.zeros_like(l_ref)
+        if sink_ref is None:
+            m_ref[...] = jnp.full_like(m_ref, NEG_INF)
+            l_ref[...] = jnp.zeros_like(l_ref)
+        else:  # the sink joins the denominator as one more logit, with no value
+            m_ref[...] = sink_ref[...]
+            l_ref[...] = jnp.ones_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
         def kv_step(kv_blk, carry):
@@ -489,6 +500,7 @@ def ragged_paged_attention(
     page_tables: jax.Array,  # [S, max_pages] int32
     cu_q_lens: jax.Array,  # [S + 1] int32
     num_seqs: jax.Array,  # [] int32
+    sinks: jax.Array | None = None,  # [Hq] f32: a learned logit per head (gpt-oss), or None
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -533,6 +545,7 @@ def ragged_paged_attention(
         group=G,
         num_kv_heads=Hkv,
         table_in_smem=L is None,
+        with_sinks=sinks is not None,
     )
     block = pl.BlockSpec((1, Hkv, R, D), lambda b, *_: (b, 0, 0, 0))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
@@ -546,17 +559,23 @@ def ragged_paged_attention(
         pltpu.VMEM((Hkv, R, D), jnp.float32),
     ]
     prefetch, inputs = (seq, rows, pos0), [qb, vmem.in_hbm(k_rows, interpret), vmem.in_hbm(v_rows, interpret)]
+    in_specs = [block, any_space, any_space]
     if L is None:
         prefetch = (table, *prefetch)
     else:
         inputs.append(jnp.pad(table, (0, _round_up(table.shape[0], LANES) - table.shape[0])))
+        in_specs.append(any_space)
         scratch += [pltpu.SMEM((L,), jnp.int32), pltpu.SemaphoreType.DMA(())]
+    if sinks is not None:  # row r of a head's tile is query head (r % G) of that KV head
+        rows_sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, 1, G), (Hkv, Bq, G))
+        inputs.append(rows_sink.reshape(Hkv, R, 1))
+        in_specs.append(pl.BlockSpec((Hkv, R, 1), lambda b, *_: (0, 0, 0)))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(NB,),
-            in_specs=[block] + [any_space] * (len(inputs) - 1),
+            in_specs=in_specs,
             out_specs=block,
             scratch_shapes=scratch,
         ),

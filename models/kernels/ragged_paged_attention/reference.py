@@ -111,8 +111,11 @@ def _attend_blocks(
     kbp: int,
     sliding_window: int | None,
     soft_cap: float | None,
+    sinks=None,  # [Hkv, G] f32 or None
 ):
-    """Online softmax of a few query blocks, each over its own keys ``[lo, hi)``."""
+    """Online softmax of a few query blocks, each over its own keys ``[lo, hi)``. A sink
+    is one more logit per query head in the softmax's denominator, with no value: the
+    running max and denominator start from it (``exp(sink - sink) = 1``)."""
     nb, Hkv, Bq, G, D = qb.shape
     page_size = k_pages.shape[1]
     max_pages = tables.shape[1]
@@ -148,11 +151,12 @@ def _attend_blocks(
         acc = alpha[..., None] * acc + _weighted_values(p, v)
         return m_new, l, acc
 
-    init = (
-        jnp.full((nb, Hkv, Bq, G), NEG_INF, jnp.float32),
-        jnp.zeros((nb, Hkv, Bq, G), jnp.float32),
-        jnp.zeros((nb, Hkv, Bq, G, D), jnp.float32),
-    )
+    if sinks is None:
+        m0, l0 = jnp.full((nb, Hkv, Bq, G), NEG_INF, jnp.float32), jnp.zeros((nb, Hkv, Bq, G), jnp.float32)
+    else:
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, :], (nb, Hkv, Bq, G))
+        l0 = jnp.ones((nb, Hkv, Bq, G), jnp.float32)
+    init = (m0, l0, jnp.zeros((nb, Hkv, Bq, G, D), jnp.float32))
     _, l, acc = lax.fori_loop(0, jnp.max(n_steps), body, init)
     return acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # rows with no keys stay 0
 
@@ -168,6 +172,7 @@ def ragged_paged_attention(
     page_tables: jax.Array,  # [S, max_pages] int32
     cu_q_lens: jax.Array,  # [S + 1] int32
     num_seqs: jax.Array,  # [] int32
+    sinks: jax.Array | None = None,  # [Hq] f32: a learned logit per head (gpt-oss), or None
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -197,7 +202,8 @@ def ragged_paged_attention(
         q_rows = jnp.where(i < rows[:, None], start[:, None] + i, T)  # [nb, Bq]; T: none
         qb = q.at[q_rows].get(mode="fill", fill_value=0.0).reshape(nb, Bq, Hkv, G, D)
         qb = qb.transpose(0, 2, 1, 3, 4)  # [nb, Hkv, Bq, G, D]
-        kw = dict(kbp=kbp, sliding_window=sliding_window, soft_cap=soft_cap)
+        sink = None if sinks is None else sinks.reshape(Hkv, G)
+        kw = dict(kbp=kbp, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sink)
         o = _attend_blocks(qb, page_tables[seq], pos0, lo, hi, k_pages, v_pages, **kw)
         o = o.transpose(0, 2, 1, 3, 4).reshape(nb * Bq, Hq, D).astype(out.dtype)
         return out.at[q_rows.reshape(-1)].set(o, mode="drop")

@@ -45,11 +45,14 @@ class Config:
     kv_block_pages: int | None = None
     head_dim: int = HEAD_DIM
     num_kv_heads: int = NUM_KV_HEADS
+    sinks: bool = False  # a learned logit per query head in the denominator (gpt-oss)
 
     def __str__(self):
         parts = [f"ps{self.page_size}", f"w{self.window}", f"g{self.group}", self.dtype]
         if self.soft_cap:
             parts.append(f"cap{self.soft_cap}")
+        if self.sinks:
+            parts.append("sinks")
         if self.q_block != 8 or self.kv_block_pages:
             parts.append(f"qb{self.q_block}kb{self.kv_block_pages}")
         if (self.head_dim, self.num_kv_heads) != (HEAD_DIM, NUM_KV_HEADS):
@@ -63,9 +66,9 @@ CONFIGS = [
     Config(16, None, 1, "float32"),
     Config(16, 1, 4, "float32"),
     Config(16, 17, 1, "bfloat16"),
-    Config(16, 64, 4, "float32", q_block=4, kv_block_pages=3),
+    Config(16, 64, 4, "float32", q_block=4, kv_block_pages=3, sinks=True),
     Config(16, 100, 4, "bfloat16"),
-    Config(64, None, 4, "bfloat16"),
+    Config(64, None, 4, "bfloat16", sinks=True),
     Config(64, 1, 1, "float32"),
     Config(64, 17, 4, "float32", soft_cap=1.0),
     Config(64, 64, 1, "bfloat16"),
@@ -106,7 +109,9 @@ def make_case(cfg: Config, kind: str, seed: int = 0, spare_pages: int = 2) -> di
     q = np.full((NUM_TOKENS, Hq, D), np.nan, np.float32)
     n = cu_q_lens[len(seqs)]
     q[:n] = rng.standard_normal((n, Hq, D))
-    return dict(
+    # Sinks from far below the scores (no effect) to far above (the keys' weights vanish).
+    extra = {"sinks": (rng.standard_normal(Hq) * 3).astype(np.float32)} if cfg.sinks else {}
+    return extra | dict(
         q=q.astype(dtype),
         k_pages=k_pages.astype(dtype),
         v_pages=v_pages.astype(dtype),
@@ -149,8 +154,11 @@ def naive_attention(case: dict, cfg: Config) -> np.ndarray:
             scores = np.einsum("hd,khd->hk", q[cu[s] + row], kk) * cfg.head_dim**-0.5
             if cfg.soft_cap:
                 scores = cfg.soft_cap * np.tanh(scores / cfg.soft_cap)
-            w = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            out[cu[s] + row] = np.einsum("hk,khd->hd", w / w.sum(-1, keepdims=True), vv)
+            sink = np.asarray(case["sinks"], np.float64)[:, None] if cfg.sinks else -np.inf
+            top = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+            w = np.exp(scores - top)
+            denominator = w.sum(-1, keepdims=True) + np.exp(sink - top)  # the sink: no value
+            out[cu[s] + row] = np.einsum("hk,khd->hd", w / denominator, vv)
     return out
 
 
@@ -191,6 +199,7 @@ WIDE_CONFIGS = [
     Config(64, None, 1, "float32", head_dim=256, num_kv_heads=1, soft_cap=1.0),
     Config(16, None, 4, "bfloat16", head_dim=128, num_kv_heads=4),
     Config(16, 64, 1, "float32", head_dim=128, num_kv_heads=2, q_block=4, kv_block_pages=3),
+    Config(16, 100, 8, "bfloat16", head_dim=64, num_kv_heads=8, q_block=None, sinks=True),  # gpt-oss's heads
 ]
 
 
