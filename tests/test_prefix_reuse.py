@@ -30,7 +30,7 @@ def per_token_kl(lp, ref):
     return np.exp(r) - 1 - r  # KL estimate per sampled token
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "qwen3", "qwen3_moe", "olmo3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "qwen3", "qwen3_moe", "olmo3", "gpt_oss"])
 def test_multiturn_branches_match_recompute(checkpoint_dir, family):
     path = checkpoint_dir(family)
     kw = dict(

@@ -86,6 +86,7 @@ SPLITS = {  # family -> its (backend, tp_size) runs split over the mesh
     "llama": [("pallas", 2), ("xla", 4)],
     "qwen3_moe": [("xla", 2), ("pallas", 4)],  # 8 experts: 4, then 2 on each device
     "olmo3": [("pallas", 2), ("xla", 4)],  # q/k norms over projections split by head
+    "gpt_oss": [("xla", 2), ("pallas", 4)],  # sinks split with their heads, experts with biases
 }
 
 
