@@ -13,7 +13,7 @@ from flax import nnx
 
 import hicache_jax
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.models.config import MambaConfig, ModelConfig, MoEConfig
+from hicache_jax.models.config import MambaConfig, ModelConfig, MoEConfig, YarnConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.sharding import shard_model
 
@@ -64,6 +64,28 @@ PRESETS: dict[str, ModelConfig] = {
         qk_norm=True,
         moe=MoEConfig(num_experts=8, top_k=2, intermediate=32, norm_topk_prob=True),
         sparse_layers=(0, 2, 3),
+        **_TINY,
+    ),
+    # gpt-oss-style: alternating windows, attention sinks and biases, YaRN, and MoE in every
+    # layer (router bias, softmax over the top-k, clamped SwiGLU experts with biases).
+    "tiny-gpt-oss": ModelConfig(
+        architecture="preset:tiny-gpt-oss",
+        layer_kinds=("sliding", "attention", "sliding", "attention"),
+        sliding_window=32,
+        attention_bias=True,
+        attention_sinks=True,
+        rope_theta=150000.0,
+        rope_yarn=YarnConfig(factor=32.0, original_max_position=4096, truncate=False),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            intermediate=32,
+            router="topk_softmax",
+            router_bias=True,
+            expert_bias=True,
+            activation="swiglu_clamped",
+        ),
+        sparse_layers=(0, 1, 2, 3),
         **_TINY,
     ),
     # ~100M parameters: 5 local : 1 global, for benchmarks.

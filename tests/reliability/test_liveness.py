@@ -4,7 +4,7 @@ afterwards a flush leaves every page free."""
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hicache_jax.config import EngineConfig
@@ -25,7 +25,7 @@ def check(cfg: EngineConfig, trace: list[TraceReq], check_every: int = 0) -> Eng
     return engine
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba", "tiny-moe"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba", "tiny-moe", "tiny-gpt-oss"])
 def test_reported_stall_finishes(preset):
     """The reproducer: a 24-page pool, chunks of 64, six running, a dozen prompts sharing
     three system prompts. Two prefills used to hold half the pool each and wait forever."""
@@ -69,9 +69,24 @@ CONFIGS = [
     ("tiny-mamba", 16, 32, 4),
     ("tiny-mamba", 8, 16, 2),
     ("tiny-moe", 16, 32, 4),
+    ("tiny-gpt-oss", 8, 16, 2),
 ]
 
 
+def _shared_prefix_trace(seed: int, n: int = 5) -> list[TraceReq]:
+    """Requests branching off one prefix at different points, arriving over a few steps."""
+    rng = np.random.RandomState(seed)
+    base = rng.randint(3, 500, 120).tolist()
+    return [
+        TraceReq(tuple(base[: rng.randint(20, 120)] + rng.randint(3, 500, rng.randint(8, 60)).tolist()),
+                 int(rng.randint(2, 12)), [0.0, 0.9][i % 2], i, int(rng.randint(0, 4)))
+        for i in range(n)
+    ]  # fmt: skip
+
+
+# The families whose draws the derandomized search may not reach run as explicit examples.
+@example(trace=_shared_prefix_trace(11), config=("tiny-gpt-oss", 8, 16, 2), tiers="l3", policy="lpm")
+@example(trace=_shared_prefix_trace(12), config=("tiny-moe", 16, 32, 4), tiers="l2", policy="fcfs")
 @settings(
     max_examples=14,
     deadline=None,
