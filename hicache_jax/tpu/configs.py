@@ -88,14 +88,86 @@ HF_CONFIGS: dict[str, dict] = {
         "max_position_embeddings": 262144,
         "rms_norm_eps": 1e-5,
     },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "use_sliding_window": False,
+        "rms_norm_eps": 1e-6,
+    },
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "vocab_size": 201088,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "attention_bias": True,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        "rope_theta": 150000.0,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "swiglu_limit": 7.0,
+    },
+    "olmo-3-7b": {
+        "architectures": ["Olmo3ForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 100278,
+        "sliding_window": 4096,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "attention_factor": 1.2079441541679836,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "max_position_embeddings": 65536,
+        "rms_norm_eps": 1e-6,
+    },
 }
+HF_CONFIGS["olmo-3-7b"]["layer_types"] *= 8
 
 
 def real_config(name: str, num_layers: int | None = None) -> ModelConfig:
     cfg = config_from_hf(HF_CONFIGS[name], f"{name} config")
     if num_layers is None:
         return cfg
-    return dataclasses.replace(cfg, layer_kinds=cut_layers(cfg.layer_kinds, num_layers))
+    kinds = cut_layers(cfg.layer_kinds, num_layers)
+    sparse = tuple(i for i in cfg.sparse_layers if i < len(kinds))
+    return dataclasses.replace(cfg, layer_kinds=kinds, sparse_layers=sparse)
 
 
 def cut_layers(layer_kinds: tuple[str, ...], num_layers: int) -> tuple[str, ...]:

@@ -211,7 +211,8 @@ def gpt_oss(hf: dict, where: str) -> ModelConfig:
     layer; an MoE MLP in every layer (router with a bias, softmax over the top-k logits,
     clamped SwiGLU experts with biases). MXFP4 expert weights are dequantized on load."""
     n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    types = hf.get("layer_types") or alternating
     kinds = tuple({"sliding_attention": "sliding", "full_attention": "attention"}[t] for t in types)
     quant = hf.get("quantization_config")
     if quant and quant.get("quant_method") != "mxfp4":

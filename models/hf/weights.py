@@ -86,10 +86,10 @@ class ExpertStack:
         self.shape = ()
         if "<e>" not in experts.parts[0]:
             for n in experts.parts:
-                if ckpt.get(n).shape[0] != experts.num_experts:
-                    raise CheckpointError(
-                        f"tensor {n} has shape {tuple(ckpt.get(n).shape)}: expected {experts.num_experts} experts first"
-                    )
+                shape = tuple(ckpt.get(n).shape)
+                if shape[0] != experts.num_experts:
+                    want = experts.num_experts
+                    raise CheckpointError(f"tensor {n} has shape {shape}: expected {want} experts first")
         first = self._one(0)
         self.shape = (experts.num_experts,) + first.shape
         self.dtype = first.dtype
@@ -141,7 +141,9 @@ def _moe_tensor(names: HFNames, pre: str, leaf: tuple, cfg: ModelConfig, ckpt):
     interleaved = leaf[0].startswith("gate_up")
     if leaf[0].endswith("bias") or ckpt is None or full in ckpt or f"{full}_blocks" not in ckpt:
         return Experts(E, (full,), _halves if interleaved else _same), _same
-    dequantized = (lambda b, s: _halves(mxfp4.dequantize_weight(b, s))) if interleaved else mxfp4.dequantize_weight
+    dequantized = mxfp4.dequantize_weight
+    if interleaved:
+        dequantized = lambda b, s: _halves(mxfp4.dequantize_weight(b, s))  # noqa: E731
     return Experts(E, (f"{full}_blocks", f"{full}_scales"), dequantized), _same
 
 

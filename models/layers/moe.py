@@ -71,11 +71,14 @@ def moe_ragged(
     sorted_experts = flat[order]
     group_sizes = jnp.bincount(flat, length=G + 1)[:G].astype(jnp.int32)
     held = sorted_experts < G
-    h = jax.lax.ragged_dot(rows, gate_up, group_sizes)  # [T*k, 2I]
+    # Explicit: under jax_default_matmul_precision=highest (the tests') XLA's TPU ragged_dot
+    # would ask Mosaic for an f32 contraction of bf16 operands, which it refuses.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    h = jax.lax.ragged_dot(rows, gate_up, group_sizes, precision=precision)  # [T*k, 2I]
     if gate_up_bias is not None:
         h = h + gate_up_bias[jnp.minimum(sorted_experts, G - 1)]
     h = expert_activation(h, cfg).astype(x.dtype)
-    y = jax.lax.ragged_dot(h, down, group_sizes)  # [T*k, H]
+    y = jax.lax.ragged_dot(h, down, group_sizes, precision=precision)  # [T*k, H]
     if down_bias is not None:
         y = y + down_bias[jnp.minimum(sorted_experts, G - 1)]
     # Rows past the groups are left undefined by ragged_dot: zeroed, not merely weighed 0.

@@ -19,7 +19,10 @@ from tests.hf_checkpoints import load_reference
 LENGTH = 70
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe", "olmo3", "gpt_oss"])
+FAMILIES = ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe", "olmo3", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(checkpoint_dir, family):
     path = checkpoint_dir(family)
     ids = np.random.RandomState(0).randint(0, 512, size=(2, LENGTH))
