@@ -34,6 +34,12 @@ class Tokenizer:
         if os.path.isfile(cfg):
             with open(cfg) as f:
                 self.config = json.load(f)
+        # Checkpoints saved by transformers >= 4.43 (gpt-oss's among them) keep the chat
+        # template in its own file; as in transformers, it wins over tokenizer_config.json's.
+        template = os.path.join(os.path.dirname(file), "chat_template.jinja")
+        if os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                self.config = {**(self.config or {}), "chat_template": f.read()}
 
     @property
     def has_text(self) -> bool:

@@ -11,6 +11,7 @@ a documented fallback is used, tokenized with the tokenizer's usual special toke
 from __future__ import annotations
 
 import datetime
+import json
 
 from hicache_jax.sampling_params import InvalidRequest
 
@@ -25,6 +26,14 @@ def _token_text(tok) -> str:
     if isinstance(tok, dict):
         return tok.get("content", "")
     return tok or ""
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """Plain JSON, as templates expect. (jinja2's own ``tojson`` returns HTML-safe markup:
+    it escapes ``<`` and ``>``, and text joined to it afterwards is HTML-escaped too, so
+    ``x|tojson + "<|end|>"`` came out as ``...&lt;|end|&gt;``.)"""
+    options = dict(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(value, **options)
 
 
 def _raise(message: str):
@@ -42,7 +51,10 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default") or next(iter(named.values()), None)
         self.from_model = bool(source)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self._template = env.from_string(source or FALLBACK)
