@@ -9,8 +9,15 @@ runner alone. Two floors, both from yardsticks measured in the same run:
 
 - memory: the bytes a step must read (weights, plus each sequence's KV: the whole context
   for full-attention layers, the window for sliding ones, plus Mamba states read and
-  written) over the copy bandwidth (benchmarks/bandwidth.py);
-- compute: the step's FLOPs (benchmarks/floors.py) over the best float32 matmul rate.
+  written) over the copy bandwidth (benchmarks/bandwidth.py). Of a mixture-of-experts
+  layer only the experts the step's tokens route to count: ``E (1 - (1 - k/E)^B)`` of them
+  at batch B, as expected under uniform routing;
+- compute: the step's FLOPs (benchmarks/floors.py) over the best float32 matmul rate; for
+  MoE, the active parameters only (router and top_k experts per token).
+
+``--moe_split`` times one MoE layer of the preset at each batch alone: the whole grouped
+path (route, sort, two ragged matmuls, combine) against its two ragged matmuls on rows
+already sorted, so ``dispatch = whole - matmuls`` is the routing and data movement.
 
 ``engine ms`` is a step with the overlap schedule (the host plans step N+1 while the device
 runs step N), ``no-overlap`` the same engine reading each step before planning the next.
@@ -35,9 +42,20 @@ from hicache_jax.engine.engine import Engine
 from hicache_jax.models.cache import MambaState
 
 
+def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts ``tokens`` tokens route to, expected under uniform routing."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
 def step_bytes(engine: Engine, batch: int, context: int) -> int:
     cfg = engine.model.cfg
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(engine.runner.params))
+    if cfg.moe is not None:  # a step reads only the experts its tokens route to
+        m, itemsize = cfg.moe, engine.model.dtype.itemsize
+        first = cfg.sparse_layers[0]
+        per_expert = (cfg.mlp_params(first) - cfg.mlp_params(first, active=True)) / (m.num_experts - m.top_k)
+        untouched = m.num_experts - experts_touched(m.num_experts, m.top_k, batch)
+        weights -= int(len(cfg.sparse_layers) * untouched * per_expert * itemsize)
     kv = 0
     for kind, entry in zip(cfg.layer_kinds, engine.runner.cache):
         if isinstance(entry, MambaState):
@@ -123,6 +141,46 @@ def bench(
     }
 
 
+def moe_split(preset: str, batch: int, repeats: int = 50) -> dict:
+    """One MoE layer of ``preset`` on ``batch`` tokens: the whole grouped path, and its two
+    ragged matmuls alone on rows already sorted by expert (the same group sizes)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hicache_jax.models.layers.moe import MoE, expert_activation, route
+    from hicache_jax.models.presets import preset_config
+
+    cfg = preset_config(preset)
+    layer = MoE(cfg.hidden_size, cfg.moe, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (batch, cfg.hidden_size), jnp.float32)
+    whole = jax.jit(lambda x: layer(x))
+    weights, experts = route(layer.router(x), cfg.moe)
+    order = jnp.argsort(experts.reshape(-1), stable=True)
+    rows = x[order // cfg.moe.top_k]
+    sizes = jnp.bincount(experts.reshape(-1), length=cfg.moe.num_experts).astype(jnp.int32)
+    gate_up, down = layer.gate_up[...], layer.down[...]
+    hi = jax.lax.Precision.HIGHEST
+
+    def matmuls(rows):
+        h = expert_activation(jax.lax.ragged_dot(rows, gate_up, sizes, precision=hi), cfg.moe)
+        return jax.lax.ragged_dot(h, down, sizes, precision=hi)
+
+    matmuls = jax.jit(matmuls)
+
+    def best(f, a) -> float:
+        f(a).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(a).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    t_whole, t_matmuls = best(whole, x), best(matmuls, rows)
+    dispatch = t_whole - t_matmuls
+    return {"whole_ms": 1e3 * t_whole, "matmuls_ms": 1e3 * t_matmuls, "dispatch_ms": 1e3 * dispatch}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--presets", default="tiny,100m")
@@ -130,7 +188,18 @@ def main():
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--profile_dir", default="", help="capture a jax.profiler trace per row here")
+    p.add_argument("--moe_split", action="store_true", help="time an MoE layer's dispatch vs its matmuls")
     args = p.parse_args()
+    if args.moe_split:
+        for preset in args.presets.split(","):
+            for b in (int(x) for x in args.batches.split(",")):
+                r = moe_split(preset, b)
+                print(
+                    f"{preset} B={b}: MoE layer {r['whole_ms']:.3f} ms, "
+                    f"its ragged matmuls {r['matmuls_ms']:.3f} ms, dispatch {r['dispatch_ms']:.3f} ms "
+                    f"({r['dispatch_ms'] / r['matmuls_ms']:.2f}x the matmuls)"
+                )
+        return
     bw, rate = copy_bandwidth(), matmul_rate()
     print(
         f"device: {jax.devices()[0].device_kind}; copy bandwidth {bw / 1e9:.2f} GB/s (read + write); "

@@ -1,7 +1,8 @@
 """The compute yardstick: a step's FLOPs and the matmul rate measured in the same run.
 
 ``step_flops(cfg, seqs, logits_rows)`` counts the multiply-adds a step cannot avoid (2 FLOPs
-each): every projection and MLP matmul for each new token, attention scores and values over
+each): every projection and MLP matmul for each new token (for a mixture-of-experts layer,
+its router and the ``top_k`` experts each token uses), attention scores and values over
 the keys each query may see (its causal prefix, or the window for sliding layers), the Mamba
 projections and state update, and the LM head for the rows whose logits the step returns.
 Norms, RoPE, softmax and the sampler are not counted: they are elementwise, and the memory
@@ -43,10 +44,10 @@ def step_flops(cfg: ModelConfig, seqs: list[tuple[int, int]], logits_rows: int |
     h = cfg.hidden_size
     tokens = sum(q for q, _ in seqs)
     qkvo = 2 * h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    mlp = 3 * 2 * h * cfg.intermediate_size
     flops = 0.0
-    for kind in cfg.layer_kinds:
-        flops += tokens * mlp
+    for i, kind in enumerate(cfg.layer_kinds):
+        # Dense: gate, up and down. MoE: the router, and each token's top_k experts only.
+        flops += tokens * 2 * cfg.mlp_params(i, active=True)
         if kind == "mamba":
             m = cfg.mamba
             inner = m.intermediate_size
