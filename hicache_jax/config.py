@@ -92,7 +92,9 @@ class EngineConfig:
         None, "Hub branch, tag or commit of a --model_path model id.", shown_default="main"
     )
     preset: str = setting(
-        "tiny", "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, 100m."
+        "tiny",
+        "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, tiny-moe, "
+        "tiny-gpt-oss, 100m, 100m-moe."
     )
     dtype: str = setting(
         "auto",
