@@ -50,7 +50,8 @@ class DecoderLayer(nnx.Module):
         self.post_mixer_norm = norm() if post else None
         self.pre_mlp_norm = norm() if cfg.pre_norms else None
         if sparse:
-            self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype=dtype, rngs=rngs, mesh=kernels.mesh)
+            moe = dict(mesh=kernels.mesh, path=kernels.moe_path)
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype=dtype, rngs=rngs, **moe)
         else:
             self.mlp = GatedMLP(
                 cfg.hidden_size, cfg.intermediate_size, activation=cfg.activation, dtype=dtype, rngs=rngs

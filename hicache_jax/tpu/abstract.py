@@ -64,6 +64,7 @@ class AbstractServer:
             attention=cfg.attention_backend or "pallas",
             ssd=cfg.ssd_backend or "pallas",
             mesh=mesh if cfg.tp_size > 1 else None,  # as build.load_model_and_tokenizer does
+            moe="grouped",  # TPU's (the default here would be CPU's)
         )
         kernels.check_platform("tpu")
         dtype = dtype or resolve_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)

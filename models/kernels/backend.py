@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 
 BACKENDS = ("xla", "pallas")
+MOE_PATHS = ("grouped", "gathered")
 
 
 def default_backend() -> str:
@@ -32,12 +33,21 @@ class KernelConfig:
     ssd: str | None = None
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
     mesh: jax.sharding.Mesh | None = None
+    # Mixture-of-experts layers (``layers/moe.py``): "grouped" (jax.lax.ragged_dot, a grouped
+    # matmul on TPU and GPU) or "gathered" (CPU, where XLA lowers ragged_dot densely).
+    moe: str | None = None
 
     def __post_init__(self):
         for field in ("attention", "ssd"):
             value = getattr(self, field)
             if value is not None and value not in BACKENDS:
                 raise ValueError(f"KernelConfig.{field}={value!r}; choose one of {BACKENDS}")
+        if self.moe not in (None, *MOE_PATHS):
+            raise ValueError(f"KernelConfig.moe={self.moe!r}; choose one of {MOE_PATHS}")
+
+    @property
+    def moe_path(self) -> str:
+        return self.moe or ("gathered" if jax.default_backend() == "cpu" else "grouped")
 
     @property
     def attention_backend(self) -> str:

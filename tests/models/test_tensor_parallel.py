@@ -74,8 +74,10 @@ def assert_same(got, want, what):
 
 
 def kernels(backend, tp):
+    # MoE: the TPU's grouped path beside the Pallas kernels, CPU's gathered one beside xla.
+    moe = "grouped" if backend == "pallas" else "gathered"
     return KernelConfig(
-        attention=backend, ssd=backend, interpret=True, mesh=make_mesh(tp) if tp > 1 else None
+        attention=backend, ssd=backend, interpret=True, mesh=make_mesh(tp) if tp > 1 else None, moe=moe
     )
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_jax.models.layers.moe import MoE, MoEConfig, moe_dense_reference, moe_ragged, route
+from hicache_jax.models.layers.moe import MoE, MoEConfig, moe_dense_reference, moe_gathered, moe_ragged, route
 
 
 @st.composite
@@ -33,12 +33,13 @@ def cases(draw):
 
 
 _ragged = jax.jit(moe_ragged, static_argnames="cfg")
+_gathered = jax.jit(moe_gathered, static_argnames="cfg")
 _dense = jax.jit(moe_dense_reference, static_argnames="cfg")
 
 
 @settings(max_examples=15, deadline=None)
 @given(cases())
-def test_grouped_experts_equal_the_dense_definition(case):
+def test_grouped_and_gathered_experts_equal_the_dense_definition(case):
     cfg, T, skew, seed = case
     H = 16
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
@@ -56,9 +57,13 @@ def test_grouped_experts_equal_the_dense_definition(case):
     assert experts.shape == (T, cfg.top_k) and weights.shape == (T, cfg.top_k)
     if cfg.router == "topk_softmax" or cfg.norm_topk_prob:
         np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-5)
-    got = _ragged(x, weights, experts, gate_up, down, cfg=cfg, gate_up_bias=biases[0], down_bias=biases[1])
-    want = _dense(x, weights, experts, gate_up, down, cfg=cfg, gate_up_bias=biases[0], down_bias=biases[1])
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    args = (x, weights, experts, gate_up, down)
+    kw = dict(cfg=cfg, gate_up_bias=biases[0], down_bias=biases[1])
+    want = _dense(*args, **kw)
+    # The grouped path (ragged_dot) and CPU's gathered one: each assignment's expert
+    # gathered (T * top_k < experts) or every expert on every token (otherwise).
+    for path in (_ragged, _gathered):
+        np.testing.assert_allclose(np.asarray(path(*args, **kw)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_an_expert_count_that_cannot_route_is_refused():
