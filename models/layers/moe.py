@@ -116,14 +116,17 @@ def moe_gathered(
         y = jnp.where(held.reshape(-1)[:, None], y.astype(jnp.float32) * weights.reshape(-1)[:, None], 0.0)
         return y.reshape(T, k, H).sum(axis=1).astype(x.dtype)
     dense = jnp.zeros((T, G), jnp.float32).at[jnp.arange(T)[:, None], experts].add(weights, mode="drop")
-    h = jnp.einsum("th,ehf->tef", x, gate_up, precision=precision)
+    # Experts as the batch axis of both matmuls: the weights are read in their own layout
+    # (a "th,ehf" contraction made XLA:CPU relayout them: 3x slower at 8 tokens).
+    rows = jnp.broadcast_to(x[None], (G, T, H))
+    h = jnp.einsum("eth,ehf->etf", rows, gate_up, precision=precision)
     if gate_up_bias is not None:
-        h = h + gate_up_bias[None]
+        h = h + gate_up_bias[:, None]
     h = expert_activation(h, cfg).astype(x.dtype)
-    y = jnp.einsum("tei,eih->teh", h, down, precision=precision)
+    y = jnp.einsum("eti,eih->eth", h, down, precision=precision)
     if down_bias is not None:
-        y = y + down_bias[None]
-    return jnp.einsum("teh,te->th", y.astype(jnp.float32), dense, precision=precision).astype(x.dtype)
+        y = y + down_bias[:, None]
+    return jnp.einsum("eth,te->th", y.astype(jnp.float32), dense, precision=precision).astype(x.dtype)
 
 
 MOE_PATHS = {"grouped": moe_ragged, "gathered": moe_gathered}
