@@ -17,7 +17,7 @@ def run(engine, prompts, params, check_every_step=False):
     return [engine.pop_output(r) for r in rids]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-swa", "tiny-mamba", "tiny-moe"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa", "tiny-mamba"])  # MoE: test_liveness.py
 def test_pressure_gives_the_outputs_of_solo_runs(preset):
     rng = np.random.RandomState(0)
     shared = rng.randint(3, 500, 24).tolist()

@@ -37,7 +37,7 @@ _gathered = jax.jit(moe_gathered, static_argnames="cfg")
 _dense = jax.jit(moe_dense_reference, static_argnames="cfg")
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(cases())
 def test_grouped_and_gathered_experts_equal_the_dense_definition(case):
     cfg, T, skew, seed = case
@@ -71,6 +71,12 @@ def test_an_expert_count_that_cannot_route_is_refused():
         MoEConfig(num_experts=2, top_k=3, intermediate=4)
     with pytest.raises(ValueError, match="router='sigmoid'"):
         MoEConfig(num_experts=2, top_k=1, intermediate=4, router="sigmoid")
+
+
+def _call(layer, x, reference=False):
+    """The layer under one jit (op by op, each of its ops compiled alone: slower, and one
+    such compile once crashed XLA:CPU in a loaded worker)."""
+    return nnx.jit(lambda layer, x: layer(x, reference=reference))(layer, x)
 
 
 def _ours(
@@ -120,10 +126,10 @@ def test_qwen3_moe_block_matches_transformers(norm_topk_prob):
         block.experts.gate_up_proj.detach().numpy().transpose(0, 2, 1),  # [E, 2I, H] -> [E, H, 2I]
         block.experts.down_proj.detach().numpy().transpose(0, 2, 1),  # [E, H, I] -> [E, I, H]
     )
-    got = np.asarray(ours(jnp.asarray(x.numpy())))
+    got = np.asarray(_call(ours, jnp.asarray(x.numpy())))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
-        np.asarray(ours(jnp.asarray(x.numpy()), reference=True)), want, rtol=1e-5, atol=1e-5
+        np.asarray(_call(ours, jnp.asarray(x.numpy()), reference=True)), want, rtol=1e-5, atol=1e-5
     )
 
 
@@ -165,7 +171,7 @@ def test_gpt_oss_mlp_matches_transformers():
         mlp.experts.down_proj_bias.detach().numpy(),
     )
     xs = jnp.asarray(x.numpy())
-    got = np.asarray(ours(xs))
+    got = np.asarray(_call(ours, xs))
     # The clamps are active: some gate pre-activations exceed the limit.
     gate = np.einsum("th,ehf->tef", x.reshape(-1, H).numpy(), gu[..., ::2]) + gub[None, :, ::2]
     assert (gate > tc.swiglu_limit).any()
