@@ -38,3 +38,16 @@ def server_compile_cache(tmp_path_factory):
     path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "server-jax-cache"
     path.mkdir(exist_ok=True)
     os.environ[SERVER_JAX_CACHE] = str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test module, drop JAX's compiled programs and traces. A worker runs
+    hundreds of modules, each compiling its own models' steps; kept for the whole run, they
+    grew the workers until XLA:CPU aborted inside a later compile (seen twice, in
+    unrelated tests, late in a run)."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()

@@ -83,7 +83,7 @@ POOL_FLAGS = (
 )
 POOL_SIZES = (
     "--chat_pool_multiple=4 --chat_rounds=2 --chat_system_tokens=32 --chat_user_tokens=48 "
-    "--chat_output_tokens=2 --chat_arrival_rate=5 --chat_think_s=0.02 "
+    "--chat_output_tokens=2 --chat_arrival_rate=5 --chat_think_s=0.3 "
     "--qa_pool_multiple=8 --qa_doc_tokens=128 --qa_questions=1 --qa_zipf=1.2 "
     "--qa_question_tokens=8 --qa_output_tokens=2 --qa_rate=5"
 )
