@@ -197,8 +197,13 @@ class PageTransfer:
         return PageLoads(idx=idx, pages=tuple(pages))
 
     def _host_sharding(self, layer: int):
-        """Where layer ``layer``'s loaded pages wait: host memory, split as its cache is."""
-        return self.runner.cache[layer].k.sharding.with_memory_kind("pinned_host")
+        """Where layer ``layer``'s loaded pages wait: host memory (``pinned_host``, which a
+        TPU or GPU copies from by DMA), split as its cache is. On CPU, whose "device" memory
+        is host memory already, in device memory: the step's copy is then a no-op."""
+        sharding = self.runner.cache[layer].k.sharding
+        if next(iter(sharding.device_set)).platform == "cpu":
+            return sharding
+        return sharding.with_memory_kind("pinned_host")
 
     def empty_step_loads(self) -> PageLoads:
         """``PageLoads`` with no page, for warm-up and TPU compiles to lower the steps that take
