@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 
+from hicache_jax.kinds import PAGED, CacheKind
 from hicache_jax.sampling_params import SamplingParams
 
 PLACEHOLDER = (
@@ -17,6 +18,33 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class ReqCache:
+    """One request's hold on the cache (``scheduler/cache_adapter.py`` keeps it; the batch
+    builder reads it). Page ``j`` of each paged kind is borrowed from the radix tree or the
+    request's own (``own``: it frees it); a recurrent layer's working state lives in
+    ``state_slot``, and its snapshots wait in ``snapshots`` until the tree takes them."""
+
+    # Per paged cache kind (both, always; None where the model has no such pool or the
+    # page was freed), one entry per page of the sequence so far.
+    pages: dict = dataclasses.field(default_factory=lambda: {k: [] for k in PAGED})
+    own: dict = dataclasses.field(default_factory=lambda: {k: [] for k in PAGED})
+    state_slot: int | None = None  # working recurrent state (every recurrent layer)
+    restore_from: int | None = None  # snapshot slot to copy into state_slot before the next step
+    snapshots: dict = dataclasses.field(default_factory=dict)  # page count -> snapshot slot
+    last_node: object = None  # deepest radix node this request locks
+    swa_locked: list = dataclasses.field(default_factory=list)  # nodes whose SWA page it pins
+    num_inserted_pages: int = 0  # pages of fill_ids already in the tree
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages[CacheKind.FULL])
+
+    def owned(self, kind: CacheKind) -> list[int]:
+        """The indices of ``kind`` the request frees."""
+        return [p for p, o in zip(self.pages[kind], self.own[kind]) if o and p is not None]
 
 
 @dataclasses.dataclass(eq=False)  # a request is itself: compared (and removed from lists) by identity
@@ -48,21 +76,12 @@ class Req:
     # over HTTP, loop_wait_s (the request queued for the engine thread, before its arrival).
     timing: dict = dataclasses.field(default_factory=dict)
 
-    # Cache state (owned by the scheduler's cache adapter).
+    # What it holds in the cache: one object that only the scheduler's cache adapter changes.
+    cache: ReqCache = dataclasses.field(default_factory=lambda: ReqCache())
     num_computed: int = 0  # tokens of fill_ids whose KV/state is in the cache
     cached_tokens: int = 0
     cached_details: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
-    full_pages: list = dataclasses.field(default_factory=list)  # per page: index | None
-    swa_pages: list = dataclasses.field(default_factory=list)  # per page: index | None (freed)
-    own_full: list = dataclasses.field(default_factory=list)  # per page: the request frees it
-    own_swa: list = dataclasses.field(default_factory=list)
-    state_slot: int | None = None  # working Mamba state
     penalty_slot: int | None = None  # its row of the device's penalty counts (the engine's)
-    restore_from: int | None = None  # snapshot slot to copy into state_slot before the next step
-    snapshots: dict = dataclasses.field(default_factory=dict)  # page count -> snapshot slot
-    last_node: object = None  # deepest radix node this request locks
-    swa_locked: list = dataclasses.field(default_factory=list)  # nodes whose SWA page it pins
-    num_inserted_pages: int = 0  # pages of fill_ids already in the tree
     retractions: int = 0
     held_steps: int = 0  # steps it waited for a running request computing a shared prefix
     queued_steps: int = 0  # scheduling rounds it has waited (the lpm policy's age bound)

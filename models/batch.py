@@ -10,11 +10,11 @@ Sequence ``s`` owns tokens ``cu_q_lens[s] : cu_q_lens[s+1]`` and, after the step
 ``kv_lens[s]`` tokens in the cache (the new ones included), so its first new token sits at
 position ``kv_lens[s] - q_len[s]``.
 
-Attention KV lives in pages. Each page group (``"full"`` for full-attention layers,
-``"swa"`` for sliding-window layers) has its own page table, so the engine may release
+Attention KV lives in pages. Each page group (``CacheKind.FULL`` for full-attention layers,
+``CacheKind.SWA`` for sliding-window layers) has its own page table, so the engine may release
 sliding-window pages that fell out of the window while full-attention pages stay.
 ``slot_mappings[group][t]`` is where token ``t``'s K/V goes (``page * page_size + offset``;
--1 writes nothing). Mamba layers read and write per-sequence state slots.
+-1 writes nothing). Recurrent layers read and write per-sequence state slots.
 
 Arrays have static shapes (padded to buckets by the engine); padding sequences have
 ``q_len = kv_len = 0`` and slot -1, padding tokens lie past ``cu_q_lens[num_seqs]``.
@@ -26,12 +26,17 @@ import dataclasses
 
 import jax
 
-PAGE_GROUPS = ("full", "swa")
+from hicache_jax.kinds import PAGED, CacheKind, cache_kind
+
+PAGE_GROUPS = PAGED
 
 
-def page_group(kind: str) -> str:
-    """The page group a layer kind's KV lives in."""
-    return "swa" if kind == "sliding" else "full"
+def page_group(kind: str) -> CacheKind:
+    """The page group (``CacheKind.FULL`` or ``SWA``) an attention layer kind's KV lives in."""
+    group = cache_kind(kind)
+    if group not in PAGED:
+        raise ValueError(f"layer kind {kind!r} keeps no KV pages")
+    return group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +48,7 @@ class ForwardBatch:
     num_seqs: jax.Array  # [] int32
     page_tables: dict  # group -> [S, max_pages] int32
     slot_mappings: dict  # group -> [T] int32
-    state_slots: jax.Array  # [S] int32, Mamba state slot per sequence (-1: none)
+    state_slots: jax.Array  # [S] int32, recurrent state slot per sequence (-1: none)
     has_initial_state: jax.Array  # [S] bool: read the slot's state (else start from zero)
     logits_indices: jax.Array  # [R] int32: token rows whose logits the step returns
     # [T] int32 or None: -1 where ``input_ids`` holds the token, else the row of the previous

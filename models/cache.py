@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hicache_jax.kinds import RECURRENT
 from hicache_jax.models.batch import page_group
 from hicache_jax.models.config import ModelConfig
 
@@ -16,9 +17,20 @@ class KVPages(NamedTuple):
     v: jax.Array  # [num_pages, page_size, num_kv_heads, head_dim]
 
 
-class MambaState(NamedTuple):
+class RecurrentState(NamedTuple):
+    """A recurrent layer's state slots (every recurrent kind: ``state_shapes``)."""
+
     conv: jax.Array  # [num_slots, conv_kernel - 1, conv_dim]: last conv inputs
-    ssm: jax.Array  # [num_slots, num_heads, head_dim, state_size], float32
+    ssm: jax.Array  # [num_slots, ...]: the recurrence's state, float32
+
+
+MambaState = RecurrentState  # the name Mamba2 code and older callers use
+
+
+def state_shapes(cfg: ModelConfig, kind: str, dtype) -> RecurrentState:
+    """One slot's state for a recurrent layer kind, as a ``RecurrentState`` of ``(shape,
+    dtype)`` (``ModelConfig.state_shapes`` declares them; conv inputs in the cache dtype)."""
+    return RecurrentState(*((shape, jnp.dtype(d) if d else dtype) for shape, d in cfg.state_shapes(kind)))
 
 
 def allocate_cache(
@@ -31,7 +43,7 @@ def allocate_cache(
     fill: float = 0.0,
     kv_heads: int | None = None,
 ) -> tuple:
-    """One entry per layer: KVPages for attention layers, MambaState for Mamba layers.
+    """One entry per layer: KVPages for attention layers, RecurrentState for recurrent ones.
 
     ``num_pages`` is per page group (``"full"``, ``"swa"``) or one number for both.
     ``kv_heads`` (default the model's) is more under tensor parallelism with replicated
@@ -39,13 +51,10 @@ def allocate_cache(
     """
     entries = []
     for kind in cfg.layer_kinds:
-        if kind == "mamba":
-            m = cfg.mamba
+        if kind in RECURRENT:
+            spec = state_shapes(cfg, kind, dtype)
             entries.append(
-                MambaState(
-                    conv=jnp.full((num_state_slots, m.conv_kernel - 1, m.conv_dim), fill, dtype),
-                    ssm=jnp.full((num_state_slots, m.num_heads, m.head_dim, m.state_size), fill, jnp.float32),
-                )
+                RecurrentState(*(jnp.full((num_state_slots, *shape), fill, dt) for shape, dt in spec))
             )
         else:
             n = num_pages if isinstance(num_pages, int) else num_pages[page_group(kind)]

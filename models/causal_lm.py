@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hicache_jax.kinds import RECURRENT, LayerKind
 from hicache_jax.models.batch import ForwardBatch, page_group
 from hicache_jax.models.cache import allocate_cache
 from hicache_jax.models.config import ModelConfig
@@ -43,7 +44,7 @@ class DecoderLayer(nnx.Module):
         self.kind = kind
         post = cfg.sandwich_norms or not cfg.pre_norms
         self.input_norm = norm() if cfg.pre_norms else None
-        if kind == "mamba":
+        if kind == LayerKind.MAMBA:
             self.mixer = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         else:
             self.mixer = Attention(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
@@ -129,7 +130,7 @@ class CausalLM(nnx.Module):
         Bsz, T = input_ids.shape
         cache = self.allocate_cache(num_pages=Bsz, page_size=T, num_state_slots=Bsz)
         seqs = jnp.arange(Bsz, dtype=jnp.int32)
-        groups = {page_group(k) for k in self.cfg.layer_kinds if k != "mamba"}
+        groups = {page_group(k) for k in self.cfg.layer_kinds if k not in RECURRENT}
         slots = (seqs[:, None] * T + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
         batch = ForwardBatch(
             input_ids=input_ids.reshape(-1).astype(jnp.int32),

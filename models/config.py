@@ -1,11 +1,12 @@
 """Model configuration: one frozen dataclass that describes every supported architecture.
 
-A model is a stack of layers, each of one kind:
+A model is a stack of layers, each of one ``LayerKind`` (``hicache_jax/kinds.py``):
 
-- ``"attention"``: full causal attention over the whole prefix;
-- ``"sliding"``: causal attention over the last ``sliding_window`` tokens (the token itself
+- ``attention``: full causal attention over the whole prefix;
+- ``sliding``: causal attention over the last ``sliding_window`` tokens (the token itself
   included, so query position ``q`` sees keys ``q - sliding_window + 1 .. q``);
-- ``"mamba"``: a Mamba2 (SSD) mixer with a recurrent state.
+- ``mamba``: a Mamba2 (SSD) mixer with a recurrent state;
+- ``gdn``: a Gated DeltaNet linear-attention mixer with a recurrent state.
 
 Architecture-specific details (Gemma's norm offset, Bamba's partial rotary) are plain fields,
 so the layers read a single config and never branch on an architecture name.
@@ -16,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-LAYER_KINDS = ("attention", "sliding", "mamba")
+from hicache_jax.kinds import RECURRENT, LayerKind
+
+LAYER_KINDS = tuple(LayerKind)
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -51,6 +54,43 @@ class MambaConfig:
     def conv_dim(self) -> int:
         """Channels that go through the causal conv: x, B and C."""
         return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+
+@dataclasses.dataclass(frozen=True)
+class GdnConfig:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5 linear-attention layers): ``num_k_heads`` query
+    and key heads of ``head_k_dim``, ``num_v_heads`` value heads of ``head_v_dim`` (a
+    multiple: q and k are shared by ``num_v_heads // num_k_heads`` value heads), a causal
+    conv of ``conv_kernel`` taps over q, k and v."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    def __post_init__(self):
+        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GdnConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"GdnConfig.num_v_heads ({self.num_v_heads}) must be a multiple of "
+                f"num_k_heads ({self.num_k_heads})"
+            )
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels that go through the causal conv: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
 
 
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -97,7 +137,7 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    layer_kinds: tuple[str, ...]
+    layer_kinds: tuple[LayerKind, ...]  # plain strings are accepted and converted
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -127,6 +167,7 @@ class ModelConfig:
     # False: no norm before attention and the MLP, only after each (Olmo 2 and 3).
     pre_norms: bool = True
     mamba: MambaConfig | None = None
+    gdn: GdnConfig | None = None
     # Mixture-of-experts MLPs (``layers/moe.py``) in the layers ``sparse_layers`` lists; the
     # others keep the dense MLP of ``intermediate_size``.
     moe: MoEConfig | None = None
@@ -141,6 +182,7 @@ class ModelConfig:
         bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"ModelConfig.layer_kinds has unknown kinds {bad}; known: {LAYER_KINDS}")
+        object.__setattr__(self, "layer_kinds", tuple(LayerKind(k) for k in self.layer_kinds))
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"ModelConfig.activation {self.activation!r} not in {ACTIVATIONS}")
         if self.num_heads % self.num_kv_heads:
@@ -152,8 +194,10 @@ class ModelConfig:
             raise ValueError("ModelConfig has sliding layers but no sliding_window")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"ModelConfig.sliding_window must be positive, got {self.sliding_window}")
-        if "mamba" in self.layer_kinds and self.mamba is None:
+        if LayerKind.MAMBA in self.layer_kinds and self.mamba is None:
             raise ValueError("ModelConfig has mamba layers but no MambaConfig")
+        if LayerKind.GDN in self.layer_kinds and self.gdn is None:
+            raise ValueError("ModelConfig has gdn layers but no GdnConfig")
         if self.qk_norm_over not in ("head", "all"):
             raise ValueError(f"ModelConfig.qk_norm_over {self.qk_norm_over!r} not in ('head', 'all')")
         if self.sparse_layers and self.moe is None:
@@ -195,11 +239,45 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k != "mamba")
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k not in RECURRENT)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in RECURRENT)
 
     @property
     def mamba_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "mamba")
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == LayerKind.MAMBA)
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == LayerKind.GDN)
+
+    def state_shapes(self, kind: str) -> tuple[tuple[tuple[int, ...], str | None], ...]:
+        """The declaration of one state slot of a recurrent layer kind: ``(shape, dtype)`` of
+        each ``RecurrentState`` field (conv inputs, then the recurrence's state), the slot
+        axis left out; dtype None is the cache's dtype. Everything that allocates, copies,
+        stores or counts recurrent state reads it from here (``models/cache.py``); a new
+        recurrent kind adds its entry."""
+        if kind == LayerKind.MAMBA:
+            m = self.mamba
+            ssm = (m.num_heads, m.head_dim, m.state_size)
+            return ((m.conv_kernel - 1, m.conv_dim), None), (ssm, "float32")
+        if kind == LayerKind.GDN:
+            g = self.gdn
+            ssm = (g.num_v_heads, g.head_k_dim, g.head_v_dim)
+            return ((g.conv_kernel - 1, g.conv_dim), None), (ssm, "float32")
+        raise ValueError(f"layer kind {kind!r} has no recurrent state")
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one snapshot: every recurrent layer's state, conv inputs at
+        ``dtype_bytes`` per value."""
+        n = 0
+        for kind in self.layer_kinds:
+            if kind in RECURRENT:
+                for shape, dtype in self.state_shapes(kind):
+                    n += math.prod(shape) * (4 if dtype == "float32" else dtype_bytes)
+        return n
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -209,12 +287,14 @@ class ModelConfig:
         d = dict(d)
         if d.get("mamba") is not None:
             d["mamba"] = MambaConfig(**d["mamba"])
+        if d.get("gdn") is not None:
+            d["gdn"] = GdnConfig(**d["gdn"])
         if d.get("rope_yarn") is not None:
             d["rope_yarn"] = YarnConfig(**d["rope_yarn"])
         if d.get("moe") is not None:
             d["moe"] = MoEConfig(**d["moe"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
-        d["layer_kinds"] = tuple(d["layer_kinds"])
+        d["layer_kinds"] = tuple(LayerKind(k) for k in d["layer_kinds"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
 
@@ -250,6 +330,11 @@ class ModelConfig:
                 proj = m.intermediate_size + m.conv_dim + m.num_heads
                 n += h * proj + m.conv_dim * m.conv_kernel + m.intermediate_size * (h + 1)
                 n += 3 * m.num_heads + (m.conv_dim if m.conv_bias else 0)
+            elif kind == "gdn":
+                g = self.gdn
+                # in_proj (q, k, v, z, then b, a), conv (no bias), dt_bias, A_log, norm, out_proj
+                n += h * (g.conv_dim + g.value_dim + 2 * g.num_v_heads) + g.conv_dim * g.conv_kernel
+                n += 2 * g.num_v_heads + g.head_v_dim + g.value_dim * h
             else:
                 q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
                 qk = (2 * self.head_dim if self.qk_norm_over == "head" else q + kv) if self.qk_norm else 0

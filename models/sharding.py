@@ -36,7 +36,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hicache_jax.models.cache import KVPages, MambaState
+from hicache_jax.kinds import RECURRENT
+from hicache_jax.models.cache import KVPages, RecurrentState
 from hicache_jax.models.config import ModelConfig
 
 AXIS = "tp"
@@ -158,13 +159,13 @@ def _key(k):
 
 
 def cache_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple:
-    """One entry per layer, shaped like the cache: KV pages split by KV head, Mamba SSM
-    state by head, the conv state (a few rows per slot) replicated."""
+    """One entry per layer, shaped like the cache: KV pages split by KV head, a recurrent
+    layer's state by head, its conv state (a few rows per slot) replicated."""
     kv = NamedSharding(mesh, P(None, None, AXIS, None))
     out = []
     for kind in cfg.layer_kinds:
-        if kind == "mamba":
-            out.append(MambaState(conv=NamedSharding(mesh, P()), ssm=NamedSharding(mesh, P(None, AXIS))))
+        if kind in RECURRENT:
+            out.append(RecurrentState(conv=NamedSharding(mesh, P()), ssm=NamedSharding(mesh, P(None, AXIS))))
         else:
             out.append(KVPages(kv, kv))
     return tuple(out)

@@ -20,8 +20,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hicache_jax.kinds import L3_SUFFIX
+
 HASH_BYTES = 32  # SHA-256 digest size
-KINDS = ("kv", "swa", "mamba")  # full-attention KV, sliding-window KV, Mamba state snapshot
+KINDS = tuple(L3_SUFFIX.values())  # object suffixes: full-attention KV, sliding KV, state snapshot
 _U32_LIMIT = 2**32
 
 

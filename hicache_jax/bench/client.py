@@ -19,6 +19,7 @@ import httpx
 
 from hicache_jax.bench.theoretical import SeqRecord
 from hicache_jax.cache.prefix import PrefixRules
+from hicache_jax.kinds import RECURRENT
 
 TIERS = ("device", "host", "storage")
 
@@ -79,14 +80,14 @@ def fetch_info(url: str, *, page_size: int = 16, vocab_size: int = 32000) -> Ser
     kinds = model.get("layer_kinds")
     vocab = int(model.get("vocab_size", vocab_size))
     if "page_size" not in model or kinds is None or not eng:
-        rules = PrefixRules(page_size=page_size, has_full=True, sliding_window=None, has_mamba=False)
+        rules = PrefixRules(page_size=page_size, has_full=True, sliding_window=None, has_state=False)
         return ServerInfo(rules, 1 << 30, vocab, None, False)
     P = int(model["page_size"])
     rules = PrefixRules(
         page_size=P,
         has_full="attention" in kinds,
         sliding_window=model.get("sliding_window") if "sliding" in kinds else None,
-        has_mamba="mamba" in kinds,
+        has_state=any(k in RECURRENT for k in kinds),
     )
     # With L2 every device page is copied to the host: L1 + L2 hold the larger pool.
     capacity: int | None = eng["max_total_tokens"] // P

@@ -87,14 +87,14 @@ def _other(providers: tuple[int, ...], rid: int) -> bool:
 
 
 class _Node:
-    __slots__ = ("children", "parent", "key", "seen", "swa", "mamba")
+    __slots__ = ("children", "parent", "key", "seen", "swa", "state")
 
     def __init__(self, parent: _Node | None, key: tuple[int, ...] | None):
         self.children: dict[tuple[int, ...], _Node] = {}
         self.parent, self.key = parent, key
         self.seen: tuple[int, ...] = ()
         self.swa: tuple[int, ...] = ()
-        self.mamba: tuple[int, ...] = ()
+        self.state: tuple[int, ...] = ()
 
 
 class BlockTrie:
@@ -113,7 +113,7 @@ class BlockTrie:
     def insert(self, rec: SeqRecord, rid: int) -> None:
         seq = rec.prompt + rec.output
         n, total = len(rec.prompt), len(seq)
-        snaps = snapshot_pages(self.rules, n, total, self.chunk) if self.rules.has_mamba else set()
+        snaps = snapshot_pages(self.rules, n, total, self.chunk) if self.rules.has_state else set()
         node, path = self.root, []
         for j in range(total // self.rules.page_size):
             key = self._key(seq, j)
@@ -124,7 +124,7 @@ class BlockTrie:
             if self.rules.sliding_window and swa_kept(self.rules, n, total, j):
                 child.swa = _add(child.swa, rid)
             if j in snaps:
-                child.mamba = _add(child.mamba, rid)
+                child.state = _add(child.state, rid)
             node = child
             path.append(child)
         self._touch(path)
@@ -142,8 +142,8 @@ class BlockTrie:
             path.append(child)
         full = [True] * len(path)
         swa = [_other(c.swa, rid) for c in path]
-        mamba = [_other(c.mamba, rid) for c in path]
-        end = usable_prefix_end(self.rules, n, -1, full, swa, mamba)
+        state = [_other(c.state, rid) for c in path]
+        end = usable_prefix_end(self.rules, n, -1, full, swa, state)
         if touch:
             self._touch(path[: end // self.rules.page_size])
         return end

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from hicache_jax.cache.lru import LruQueue
 from hicache_jax.cache.radix import Node
+from hicache_jax.kinds import CacheKind
 
 if TYPE_CHECKING:
     from hicache_jax.cache.prefix_cache import PrefixCache
@@ -80,7 +81,7 @@ class Eviction:
                 break
             if cache.write_policy == "write_back" and getattr(node, "host_" + kind) is None:
                 cache.backups.backup([node])
-            if kind == "full" and node.host_full is None:
+            if kind == CacheKind.FULL and node.host_full is None:
                 cache.remove_subtree(node)
             else:
                 cache.pools[kind].free([getattr(node, kind)])
@@ -100,7 +101,7 @@ class Eviction:
             node = self.host_victim(kind)
             if node is None:
                 break
-            if kind == "full" and node.full is None:
+            if kind == CacheKind.FULL and node.full is None:
                 cache.remove_leaf(node)  # an unlocked leaf
             else:
                 pool.free([getattr(node, "host_" + kind)])
@@ -118,12 +119,12 @@ class Eviction:
         device page hangs below it (a maintained count here; a scan in the tests)."""
         if getattr(node, kind) is None:
             return False
-        if kind == "swa":
+        if kind == CacheKind.SWA:
             return node.swa_lock == 0
         if node.lock_ref:
             return False
-        if kind == "full" and node.host_full is None and node.children:
-            if self.cache.write_policy == "write_back" and "full" in self.cache.host:
+        if kind == CacheKind.FULL and node.host_full is None and node.children:
+            if self.cache.write_policy == "write_back" and CacheKind.FULL in self.cache.host:
                 return True  # backed up on eviction, then only its device page goes
             return not device_below(node)  # goes with its host-only subtree
         return True
@@ -138,7 +139,7 @@ class Eviction:
         """The only copy: a full page goes only as an unlocked leaf."""
         if getattr(node, "host_" + kind) is None or getattr(node, kind) is not None:
             return False
-        return kind != "full" or not (node.children or node.lock_ref)
+        return kind != CacheKind.FULL or not (node.children or node.lock_ref)
 
     # ---- the victims -----------------------------------------------------------------------
     def victim(self, kind: str) -> Node | None:
@@ -175,7 +176,7 @@ class Eviction:
             node.dev_kids += delta
             if node.full is not None:
                 if not node.dev_kids:  # nothing on the device below it any more
-                    self._device["full"].offer(node)
+                    self._device[CacheKind.FULL].offer(node)
                 return
             if node.dev_kids != (delta > 0):  # not 0 -> 1 or 1 -> 0: its state stays
                 return

@@ -4,9 +4,11 @@ One row per page (or snapshot) holds every layer's data for it, so a page is one
 contiguous block: copied to and from the device in one transfer, written to L3 as one
 value::
 
-    full / swa:  kv    [num_pages, layers, 2 (k, v), page_size, kv_heads, head_dim]
-    mamba:       conv  [num_slots, layers, conv_kernel - 1, conv_dim]
-                 ssm   [num_slots, layers, heads, head_dim, state_size]
+    full / swa:  kv          [num_pages, layers, 2 (k, v), page_size, kv_heads, head_dim]
+    state:       <kind>.conv [num_slots, layers of that kind, conv_kernel - 1, conv_dim]
+                 <kind>.ssm  [num_slots, layers of that kind, *that kind's state shape]
+                 for each recurrent layer kind the model has ("mamba", "gdn"; shapes from
+                 ``ModelConfig.state_shapes``)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ forward pass reads is there::
     tokens      0 ......................... e-1 | e (first recomputed token)
     full attn   every page before e
     sliding     pages holding e-W+1 .. e-1      (older pages may be gone)
-    mamba       a state snapshot taken exactly at e
+    state       a state snapshot taken exactly at e
 
 and it must leave work to do: ``e <= input_len - 1`` (the last prompt token is always
 computed, it yields the first output's logits) and ``e <= logprob_start_len`` when input
@@ -29,7 +29,7 @@ class PrefixRules:
     page_size: int
     has_full: bool  # any full-attention layer
     sliding_window: int | None  # set when any layer is sliding
-    has_mamba: bool
+    has_state: bool
 
     def __post_init__(self):
         if self.page_size <= 0:
@@ -57,12 +57,12 @@ def usable_prefix_end(
     logprob_start_len: int,
     full: Sequence[bool],
     swa: Sequence[bool],
-    mamba: Sequence[bool],
+    state: Sequence[bool],
 ) -> int:
     """The longest valid prefix end, in tokens.
 
     ``full[j]``, ``swa[j]``: page ``j``'s full-attention / sliding KV is available;
-    ``mamba[j]``: a state snapshot exists at the end of page ``j`` (token ``(j+1)P``).
+    ``state[j]``: a state snapshot exists at the end of page ``j`` (token ``(j+1)P``).
     The sequences may be shorter than the prompt (only the pages some tier holds)."""
     P = rules.page_size
     n = rules.max_end(input_len, logprob_start_len) // P
@@ -72,10 +72,10 @@ def usable_prefix_end(
         while k < n and full[k]:
             k += 1
         n = k
-    if rules.has_mamba:
-        n = min(n, len(mamba))
+    if rules.has_state:
+        n = min(n, len(state))
     for k in range(n, 0, -1):
-        if rules.has_mamba and not mamba[k - 1]:
+        if rules.has_state and not state[k - 1]:
             continue
         if rules.sliding_window and not all(swa[j] for j in rules.swa_pages_needed(k * P)):
             continue

@@ -28,9 +28,11 @@ from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.radix import Node, RadixTree
 from hicache_jax.cache.write_policy import Backups
+from hicache_jax.kinds import ALL as ALL_KINDS
+from hicache_jax.kinds import CacheKind
 from hicache_jax.metric_kinds import Metrics
 
-KINDS = ("full", "swa", "mamba")
+KINDS = ALL_KINDS
 
 
 @dataclasses.dataclass
@@ -107,12 +109,12 @@ class PrefixCache:
         nodes = path[: end // P]
         RadixTree.touch(nodes)
         match = Match(nodes, end)
-        window = set(self.rules.swa_pages_needed(end)) if "swa" in self.pools else set()
+        window = set(self.rules.swa_pages_needed(end)) if CacheKind.SWA in self.pools else set()
         page_tier = []
         for j, node in enumerate(nodes):
-            need = [k for k in ("full",) if k in self.pools]
-            need += ["swa"] if j in window else []
-            need += ["mamba"] if "mamba" in self.pools and j == len(nodes) - 1 else []
+            need = [k for k in (CacheKind.FULL,) if k in self.pools]
+            need += [CacheKind.SWA] if j in window else []
+            need += [CacheKind.STATE] if CacheKind.STATE in self.pools and j == len(nodes) - 1 else []
             missing = [k for k in need if getattr(node, k) is None]
             match.loads += [(k, node) for k in missing]
             tier = (
@@ -188,7 +190,7 @@ class PrefixCache:
         """Set a device index (None: gone)."""
         was = getattr(node, kind) is not None
         setattr(node, kind, idx)
-        if kind == "full" and was != (idx is not None) and not node.dev_kids:
+        if kind == CacheKind.FULL and was != (idx is not None) and not node.dev_kids:
             self.eviction.device_page_changed(node.parent, 1 if idx is not None else -1)
         self.eviction.offer(node)
 
@@ -350,7 +352,7 @@ class PrefixCache:
                 raise RuntimeError(f"swa-unlocking {n} below zero")
             n.swa_lock -= 1
             if not n.swa_lock and n.swa is not None:
-                self.eviction.offer_device("swa", n)
+                self.eviction.offer_device(CacheKind.SWA, n)
 
     # ---- maintenance ------------------------------------------------------------------------
     def flush(self) -> None:
@@ -392,15 +394,15 @@ class PrefixCache:
     def sequence_capacity(self) -> int:
         """The most tokens one sequence can hold on the device (a longer prompt could never
         run): the smallest page pool; sliding-only models hold a window, not the sequence."""
-        capacity = min(p.size for k, p in self.pools.items() if k != "mamba") * self.rules.page_size
-        if "full" not in self.pools and "mamba" not in self.pools:
+        capacity = min(p.size for k, p in self.pools.items() if k != CacheKind.STATE) * self.rules.page_size
+        if CacheKind.FULL not in self.pools and CacheKind.STATE not in self.pools:
             capacity = 1 << 62
         return capacity
 
     def has_free_pages(self, n: int) -> bool:
         """Whether every page pool (not the Mamba slots) has ``n`` free pages: ``n`` running
         sequences can each take one more page without evicting anything."""
-        return all(p.num_free >= n for k, p in self.pools.items() if k != "mamba")
+        return all(p.num_free >= n for k, p in self.pools.items() if k != CacheKind.STATE)
 
     def metrics(self) -> Metrics:
         """Pool use (gauges) and the cache's counters."""

@@ -39,10 +39,10 @@ class Node:
         "children",
         "full",
         "swa",
-        "mamba",
+        "state",
         "host_full",
         "host_swa",
-        "host_mamba",
+        "host_state",
         "lock_ref",
         "swa_lock",
         "last_access",
@@ -62,10 +62,10 @@ class Node:
         self.children: dict[tuple[int, ...], Node] = {}
         self.full: int | None = None
         self.swa: int | None = None
-        self.mamba: int | None = None
+        self.state: int | None = None
         self.host_full: int | None = None
         self.host_swa: int | None = None
-        self.host_mamba: int | None = None
+        self.host_state: int | None = None
         self.hit_count = 0
         self.hash: bytes | None = None  # chained page hash (L3 key), computed on demand
         self.from_storage = False  # its host data came from L3 and was not used yet
@@ -86,11 +86,11 @@ class Node:
 
     @property
     def device_empty(self) -> bool:
-        return self.full is None and self.swa is None and self.mamba is None
+        return self.full is None and self.swa is None and self.state is None
 
     @property
     def host_empty(self) -> bool:
-        return self.host_full is None and self.host_swa is None and self.host_mamba is None
+        return self.host_full is None and self.host_swa is None and self.host_state is None
 
     def tree_remove(self) -> None:
         """Unlink an unlocked leaf from its parent."""
@@ -104,9 +104,9 @@ class Node:
         return getattr(self, kind) is not None or getattr(self, "host_" + kind) is not None
 
     def __repr__(self) -> str:
-        host = f", host=({self.host_full}, {self.host_swa}, {self.host_mamba})" if not self.host_empty else ""
+        host = f", host=({self.host_full}, {self.host_swa}, {self.host_state})" if not self.host_empty else ""
         return (
-            f"Node(depth={self.depth}, full={self.full}, swa={self.swa}, mamba={self.mamba}{host}, "
+            f"Node(depth={self.depth}, full={self.full}, swa={self.swa}, state={self.state}{host}, "
             f"lock={self.lock_ref}, swa_lock={self.swa_lock})"
         )
 

@@ -48,6 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.radix import Node
+from hicache_jax.kinds import ALL as ALL_KINDS
+from hicache_jax.kinds import L3_SUFFIX, CacheKind
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.guard import L3Unavailable
@@ -57,7 +59,7 @@ from hicache_jax.storage.read_handle import PrefetchHandle
 
 log = logging.getLogger(__name__)
 
-SUFFIX = {"full": "kv", "swa": "swa", "mamba": "mamba"}
+SUFFIX = L3_SUFFIX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +125,7 @@ class StorageTier:
         self.namespace = namespace
         self.cache = cache
         self.rules: PrefixRules = cache.rules
-        self.kinds = [k for k in ("full", "swa", "mamba") if k in cache.host]
+        self.kinds = [k for k in ALL_KINDS if k in cache.host]
         self.writer = writer  # (this process, processes): which pages this process writes
         self.timeout_s = client.cfg.timeout_s
         self._progress = threading.Event()  # set whenever a read finishes
@@ -219,14 +221,13 @@ class StorageTier:
         most one window of sliding-window pages and one Mamba snapshot."""
         k = look.max_end // self.rules.page_size
         lacks = {
-            kind: sum(not (j < len(f) and f[j]) for j in range(k))
-            for kind, f in zip(("full", "swa", "mamba"), look.flags)
+            kind: sum(not (j < len(f) and f[j]) for j in range(k)) for kind, f in zip(ALL_KINDS, look.flags)
         }
-        rows = lacks["full"] if "full" in self.kinds else 0
-        if "swa" in self.kinds:
-            rows += min(lacks["swa"], len(self.rules.swa_pages_needed(k * self.rules.page_size)))
-        if "mamba" in self.kinds:
-            rows += min(lacks["mamba"], 1)
+        rows = lacks[CacheKind.FULL] if CacheKind.FULL in self.kinds else 0
+        if CacheKind.SWA in self.kinds:
+            rows += min(lacks[CacheKind.SWA], len(self.rules.swa_pages_needed(k * self.rules.page_size)))
+        if CacheKind.STATE in self.kinds:
+            rows += min(lacks[CacheKind.STATE], 1)
         return rows, sum(lacks[kind] for kind in self.kinds)
 
     def _run(self, read: L3Read) -> None:
@@ -248,10 +249,9 @@ class StorageTier:
         self._progress.clear()
 
     def _flags(self, read: L3Read, have: dict[tuple[str, int], bool], n: int):
-        tf = dict(zip(("full", "swa", "mamba"), read.tree_flags))
+        tf = dict(zip(ALL_KINDS, read.tree_flags))
         return [
-            [(j < len(tf[k]) and tf[k][j]) or have.get((k, j), False) for j in range(n)]
-            for k in ("full", "swa", "mamba")
+            [(j < len(tf[k]) and tf[k][j]) or have.get((k, j), False) for j in range(n)] for k in ALL_KINDS
         ]
 
     def _plan_and_read(self, read: L3Read) -> None:
@@ -259,7 +259,7 @@ class StorageTier:
         n = len(read.tokens) // P
         ns = self.ns(read.salt)
         read.hashes = page_hashes(read.tokens[: n * P], P, ns)
-        tree = dict(zip(("full", "swa", "mamba"), read.tree_flags))
+        tree = dict(zip(ALL_KINDS, read.tree_flags))
         probe = [(k, j) for k in self.kinds for j in range(n) if not (j < len(tree[k]) and tree[k][j])]
         t0 = time.monotonic()
         found = self.client.exists([page_path(ns, read.hashes[j], SUFFIX[k]) for k, j in probe])
@@ -294,18 +294,18 @@ class StorageTier:
 
     def _needed(self, read: L3Read, end: int) -> list[tuple[str, int]]:
         """(kind, page) reads the end needs that the tree lacks, in page order."""
-        tree = dict(zip(("full", "swa", "mamba"), read.tree_flags))
+        tree = dict(zip(ALL_KINDS, read.tree_flags))
         lacks = lambda k, j: not (j < len(tree[k]) and tree[k][j])  # noqa: E731
         k_pages = end // self.rules.page_size
         need = []
         window = set(self.rules.swa_pages_needed(end))
         for j in range(k_pages):
-            if "full" in self.kinds and lacks("full", j):
-                need.append(("full", j))
-            if "swa" in self.kinds and j in window and lacks("swa", j):
-                need.append(("swa", j))
-        if "mamba" in self.kinds and k_pages and lacks("mamba", k_pages - 1):
-            need.append(("mamba", k_pages - 1))
+            if CacheKind.FULL in self.kinds and lacks(CacheKind.FULL, j):
+                need.append((CacheKind.FULL, j))
+            if CacheKind.SWA in self.kinds and j in window and lacks(CacheKind.SWA, j):
+                need.append((CacheKind.SWA, j))
+        if CacheKind.STATE in self.kinds and k_pages and lacks(CacheKind.STATE, k_pages - 1):
+            need.append((CacheKind.STATE, k_pages - 1))
         return need
 
     # ---- maintenance ---------------------------------------------------------------------------

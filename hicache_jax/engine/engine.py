@@ -299,7 +299,7 @@ class Engine:
         are kept; they start over from whatever L2/L3 still hold."""
         if self.scheduler.running:
             raise RuntimeError(f"recover() with {len(self.scheduler.running)} requests still running")
-        if any(r.num_computed or r.last_node is not None for r in self.scheduler.waiting):
+        if any(r.num_computed or r.cache.last_node is not None for r in self.scheduler.waiting):
             raise RuntimeError("recover() while a waiting request holds cache state")
         self.prefix_cache.drop_device()
         if self.prefix_cache.transfer is not None:

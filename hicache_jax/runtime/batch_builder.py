@@ -108,7 +108,7 @@ class BatchBuilder:
                 feed[t + n - 1] = feed_from[r]
             p = np.arange(item.start, item.end)
             pos[t : t + n] = p
-            for g, pages in (("full", r.full_pages), ("swa", r.swa_pages)):
+            for g, pages in r.cache.pages.items():
                 if g in tables:
                     row = np.array([-1 if x is None else x for x in pages], np.int64)
                     tables[g][s, : len(row)] = np.maximum(row, 0)
@@ -117,7 +117,7 @@ class BatchBuilder:
                         raise RuntimeError(f"request {r.rid}: no {g} page for positions being written")
                     slots[g][t : t + n] = slot_page * P + p % P
             kv[s] = item.end
-            state_slots[s] = -1 if r.state_slot is None else r.state_slot
+            state_slots[s] = -1 if r.cache.state_slot is None else r.cache.state_slot
             has_init[s] = item.has_initial_state
             sp = r.sampling
             s_inputs["temperature"][s] = sp.temperature

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hicache_jax.kinds import CacheKind, cache_kinds
 from hicache_jax.models import sharding
 from hicache_jax.models.batch import ForwardBatch
-from hicache_jax.models.cache import MambaState
+from hicache_jax.models.cache import RecurrentState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.multihost import distributed
 from hicache_jax.runtime import compiles, penalties
@@ -54,8 +55,8 @@ def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
     per layer twice a step, copies or not: 64 MiB a layer at 64 slots of Bamba-9B at tp 4.)
     Within one call no copy reads a slot another writes (restores write working slots from
     snapshots; snapshots copy working slots to fresh ones), so the order does not matter."""
-    mamba = [i for i, entry in enumerate(cache) if isinstance(entry, MambaState)]
-    if not mamba:
+    recurrent = [i for i, entry in enumerate(cache) if isinstance(entry, RecurrentState)]
+    if not recurrent:
         return cache
     count = jnp.sum((src >= 0) & (dst >= 0))
 
@@ -64,11 +65,11 @@ def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
             row = jax.lax.dynamic_slice_in_dim(x, src[i], 1)
             return jax.lax.dynamic_update_slice_in_dim(x, row, dst[i], 0)
 
-        return tuple(MambaState(conv=move(st.conv), ssm=move(st.ssm)) for st in states)
+        return tuple(RecurrentState(*(move(a) for a in st)) for st in states)
 
-    moved = jax.lax.fori_loop(0, count, one, tuple(cache[i] for i in mamba))
+    moved = jax.lax.fori_loop(0, count, one, tuple(cache[i] for i in recurrent))
     out = list(cache)
-    for i, st in zip(mamba, moved):
+    for i, st in zip(recurrent, moved):
         out[i] = st
     return tuple(out)
 
@@ -110,7 +111,7 @@ class ModelRunner:
         self.model = model
         self.cfg = model.cfg
         self.page_size = page_size
-        self.has_mamba = "mamba" in self.cfg.layer_kinds
+        self.has_state = CacheKind.STATE in cache_kinds(self.cfg.layer_kinds)
         self.graphdef, self.params = nnx.split(model)
         # Flat leaves: flattening an nnx.State on every call costs milliseconds per step.
         self._leaves, treedef = jax.tree_util.tree_flatten(self.params)
@@ -230,7 +231,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         b = 0
         for entry in self.cache:
-            if not isinstance(entry, MambaState):  # shape arithmetic: indexing would compile
+            if not isinstance(entry, RecurrentState):  # shape arithmetic: indexing would compile
                 b += 2 * int(np.prod(entry.k.shape[2:])) * entry.k.dtype.itemsize
         return b
 

@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hicache_jax.kinds import PAGED, RECURRENT, CacheKind, cache_kind
 from hicache_jax.models import sharding
-from hicache_jax.models.batch import PAGE_GROUPS
-from hicache_jax.models.cache import KVPages, MambaState
+from hicache_jax.models.cache import KVPages, RecurrentState
 from hicache_jax.models.page_loads import PageLoads
 
 MIN_PAGES = 8
@@ -67,11 +67,11 @@ class PageTransfer:
         mesh = runner.model.mesh
         # Over several processes a host reads only its own devices: gather pages onto all.
         self.replicate = sharding.replicated(mesh) if jax.process_count() > 1 and mesh is not None else None
-        self.layers = {
-            "full": [i for i, k in enumerate(kinds) if k == "attention"],
-            "swa": [i for i, k in enumerate(kinds) if k == "sliding"],
-            "mamba": [i for i, k in enumerate(kinds) if k == "mamba"],
-        }
+        self.layers = {c: [i for i, k in enumerate(kinds) if cache_kind(k) == c] for c in CacheKind}
+        # A state row holds each recurrent layer kind's states stacked over its layers
+        # (their shapes differ between kinds): name prefix -> layers.
+        self.state_groups = {k: [i for i, x in enumerate(kinds) if x == k] for k in sorted(RECURRENT)}
+        self.state_groups = {k: v for k, v in self.state_groups.items() if v}
 
     def kinds(self) -> list[str]:
         return [k for k, layers in self.layers.items() if layers]
@@ -80,24 +80,26 @@ class PageTransfer:
         """Shapes of one host row of ``kind`` (see host_pool.py)."""
         layers = self.layers[kind]
         first = self.runner.cache[layers[0]]
-        if kind == "mamba":
-            return {
-                "conv": ((len(layers),) + first.conv.shape[1:], first.conv.dtype),
-                "ssm": ((len(layers),) + first.ssm.shape[1:], first.ssm.dtype),
-            }
+        if kind == CacheKind.STATE:
+            out = {}
+            for prefix, group in self.state_groups.items():
+                entry = self.runner.cache[group[0]]
+                for field, a in zip(RecurrentState._fields, entry):
+                    out[f"{prefix}.{field}"] = ((len(group),) + a.shape[1:], a.dtype)
+            return out
         page, _, D = first.k.shape[1:]
         return {"kv": ((len(layers), 2, page, self.runner.cfg.num_kv_heads, D), first.k.dtype)}
 
     def _kv_repeat(self, kind: str) -> int:
         """Device copies of each KV head (> 1 when tensor parallelism replicates them)."""
-        if kind == "mamba":
+        if kind == CacheKind.STATE:
             return 1
         return self.runner.cache[self.layers[kind][0]].k.shape[2] // self.runner.cfg.num_kv_heads
 
     def max_pages(self, kind: str) -> int:
         """Pages per chunk: no more than the device holds, nor than ``chunk_bytes``."""
         first = self.runner.cache[self.layers[kind][0]]
-        on_device = (first.ssm if kind == "mamba" else first.k).shape[0]
+        on_device = jax.tree_util.tree_leaves(first)[0].shape[0]
         row = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in self.layout(kind).values())
         by_bytes = 1 << (max(1, self.chunk_bytes // row).bit_length() - 1)  # largest power of two
         return max(MIN_PAGES, min(_bucket(max(1, on_device)), by_bytes))
@@ -119,7 +121,7 @@ class PageTransfer:
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def write(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
-        if self.step_pages and kind != "mamba" and idx:
+        if self.step_pages and kind in PAGED and idx:
             self._pending.setdefault(kind, []).append((list(idx), data["kv"]))
             return
         self._write_now(kind, idx, data)
@@ -170,7 +172,7 @@ class PageTransfer:
         and placed in host memory; ``abstract``: only their shapes."""
         c = self.step_pages
         idx, pages = {}, [None] * len(self.runner.cache)
-        for kind in PAGE_GROUPS:  # the host pools' kinds are the page groups' names
+        for kind in PAGED:  # the host pools' kinds are the page groups' names
             layers = self.layers[kind]
             if not layers:
                 continue
@@ -228,11 +230,11 @@ class PageTransfer:
         )
 
     def _static(self, kind: str) -> dict:
-        return {
-            "layers": tuple(self.layers[kind]),
-            "mamba": kind == "mamba",
-            "kv_repeat": self._kv_repeat(kind),
-        }
+        if kind == CacheKind.STATE:
+            groups = tuple((prefix, tuple(layers)) for prefix, layers in self.state_groups.items())
+        else:
+            groups = (("kv", tuple(self.layers[kind])),)
+        return {"groups": groups, "recurrent": kind == CacheKind.STATE, "kv_repeat": self._kv_repeat(kind)}
 
     def lowerings(self) -> Iterator[tuple[str, Callable[[], jax.stages.Lowered]]]:
         """(name, a function that lowers it) for every gather and scatter."""
@@ -253,40 +255,43 @@ class PageTransfer:
 
 
 @jax.named_scope("transfer_gather")
-def _gather(cache, idx, *, layers, mamba, kv_repeat, replicate):
-    if mamba:
-        out = {
-            "conv": jnp.stack([cache[i].conv[idx] for i in layers], axis=1),
-            "ssm": jnp.stack([cache[i].ssm[idx] for i in layers], axis=1),
-        }
-    else:
-        r = kv_repeat  # keep one copy of each replicated KV head
-        kv = [jnp.stack([cache[i].k[idx][:, :, ::r], cache[i].v[idx][:, :, ::r]], axis=1) for i in layers]
-        out = {"kv": jnp.stack(kv, axis=1)}
+def _gather(cache, idx, *, groups, recurrent, kv_repeat, replicate):
+    out = {}
+    for prefix, layers in groups:
+        if recurrent:  # "mamba.conv", "mamba.ssm", "gdn.conv", ...: [n, layers, ...]
+            for f, field in enumerate(RecurrentState._fields):
+                out[f"{prefix}.{field}"] = jnp.stack([cache[i][f][idx] for i in layers], axis=1)
+        else:
+            r = kv_repeat  # keep one copy of each replicated KV head
+            kv = [jnp.stack([cache[i].k[idx][:, :, ::r], cache[i].v[idx][:, :, ::r]], axis=1) for i in layers]
+            out[prefix] = jnp.stack(kv, axis=1)
     return sharding.constrain(out, replicate)
 
 
 @jax.named_scope("transfer_scatter")
-def _scatter(cache, idx, data, *, layers, mamba, kv_repeat, shardings):
+def _scatter(cache, idx, data, *, groups, recurrent, kv_repeat, shardings):
     cache = list(cache)
-    for j, i in enumerate(layers):
-        e = cache[i]
-        if mamba:
-            cache[i] = MambaState(
-                conv=e.conv.at[idx].set(data["conv"][:, j].astype(e.conv.dtype), mode="drop"),
-                ssm=e.ssm.at[idx].set(data["ssm"][:, j].astype(e.ssm.dtype), mode="drop"),
-            )
-        else:
-            kv = jnp.repeat(data["kv"][:, j], kv_repeat, axis=3)  # [n, 2, page, heads, D]
-            cache[i] = type(e)(
-                e.k.at[idx].set(kv[:, 0].astype(e.k.dtype), mode="drop"),
-                e.v.at[idx].set(kv[:, 1].astype(e.v.dtype), mode="drop"),
-            )
+    for prefix, layers in groups:
+        for j, i in enumerate(layers):
+            e = cache[i]
+            if recurrent:
+                cache[i] = RecurrentState(
+                    *(
+                        a.at[idx].set(data[f"{prefix}.{field}"][:, j].astype(a.dtype), mode="drop")
+                        for field, a in zip(RecurrentState._fields, e)
+                    )
+                )
+            else:
+                kv = jnp.repeat(data[prefix][:, j], kv_repeat, axis=3)  # [n, 2, page, heads, D]
+                cache[i] = type(e)(
+                    e.k.at[idx].set(kv[:, 0].astype(e.k.dtype), mode="drop"),
+                    e.v.at[idx].set(kv[:, 1].astype(e.v.dtype), mode="drop"),
+                )
     return sharding.constrain(tuple(cache), shardings)
 
 
 # Module-level jits: engines in one process share compiled transfers.
-_gather_jit = jax.jit(_gather, static_argnames=("layers", "mamba", "kv_repeat", "replicate"))
+_gather_jit = jax.jit(_gather, static_argnames=("groups", "recurrent", "kv_repeat", "replicate"))
 _scatter_jit = jax.jit(
-    _scatter, static_argnames=("layers", "mamba", "kv_repeat", "shardings"), donate_argnums=(0,)
+    _scatter, static_argnames=("groups", "recurrent", "kv_repeat", "shardings"), donate_argnums=(0,)
 )

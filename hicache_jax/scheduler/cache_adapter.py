@@ -20,7 +20,8 @@ import time
 
 from hicache_jax.cache.prefix_cache import Match, PrefixCache
 from hicache_jax.cache.radix import path_to
-from hicache_jax.request import Req
+from hicache_jax.kinds import PAGED, CacheKind
+from hicache_jax.request import Req, ReqCache
 
 
 class CacheAdapter:
@@ -28,8 +29,8 @@ class CacheAdapter:
         self.cache = cache
         self.rules = cache.rules
         self.P = cache.rules.page_size
-        self.kinds = tuple(k for k in ("full", "swa") if k in cache.pools)
-        self.has_mamba = "mamba" in cache.pools
+        self.kinds = tuple(k for k in (CacheKind.FULL, CacheKind.SWA) if k in cache.pools)
+        self.has_state = CacheKind.STATE in cache.pools
 
     # ---- admission ---------------------------------------------------------------------
     def match(self, req: Req) -> Match:
@@ -40,34 +41,33 @@ class CacheAdapter:
         """Take the matched prefix (loading host-only parts to the device) and the
         resources for tokens up to ``first_end``; all or nothing."""
         slot = None
-        if self.has_mamba:
-            slot = self.cache.alloc("mamba", 1)
+        if self.has_state:
+            slot = self.cache.alloc(CacheKind.STATE, 1)
             if slot is None:
                 return False
         self.cache.lock(match.last)
-        req.last_node = match.last
+        req.cache.last_node = match.last
         req.num_computed = match.end
         self._relock_window(req, match.nodes)  # pin the window before loads allocate
         t0, loads = time.monotonic(), bool(match.loads)
         if loads and not self.cache.load(match):
             if slot:
-                self.cache.pools["mamba"].free(slot)
+                self.cache.pools[CacheKind.STATE].free(slot)
             self.release(req)
             return False
         if loads:
             req.timing["l2_load_s"] = req.timing.get("l2_load_s", 0.0) + time.monotonic() - t0
-        n = len(match.nodes)
-        req.full_pages = [x.full for x in match.nodes]
-        req.swa_pages = [x.swa for x in match.nodes]
-        req.own_full = [False] * n
-        req.own_swa = [False] * n
-        if "swa" in self.cache.pools:
+        n, held = len(match.nodes), req.cache
+        for kind in PAGED:
+            held.pages[kind] = [getattr(x, kind) for x in match.nodes]
+            held.own[kind] = [False] * n
+        if CacheKind.SWA in self.cache.pools:
             self._drop_swa_before(req, self._window_start(req))
         self._count_cached(req, match)
-        req.num_inserted_pages = n
-        if self.has_mamba:
-            req.state_slot = slot[0]
-            req.restore_from = match.last.mamba if n else None
+        held.num_inserted_pages = n
+        if self.has_state:
+            held.state_slot = slot[0]
+            held.restore_from = match.last.state if n else None
         if not self.ensure_pages(req, first_end):
             req.loaded_tiers = self._origin_tiers(req, match)  # the next attempt finds them on device
             self.release(req)
@@ -94,7 +94,8 @@ class CacheAdapter:
 
     def ensure_pages(self, req: Req, end: int) -> bool:
         """Own pages for every page up to token ``end``; all or nothing."""
-        need = -(-end // self.P) - len(req.full_pages)
+        held = req.cache
+        need = -(-end // self.P) - held.num_pages
         if need <= 0:
             return True
         got = {}
@@ -105,25 +106,25 @@ class CacheAdapter:
                     if pages:
                         self.cache.pools[k].free(pages)
                 return False
-        req.full_pages += got.get("full", [None] * need)
-        req.own_full += [True] * need if "full" in got else [False] * need
-        req.swa_pages += got.get("swa", [None] * need)
-        req.own_swa += [True] * need if "swa" in got else [False] * need
+        for kind in PAGED:
+            held.pages[kind] += got.get(kind, [None] * need)
+            held.own[kind] += [kind in got] * need
         return True
 
     def snapshot_slot(self, req: Req, pages: int) -> int | None:
         """A slot for a state snapshot at ``pages`` pages (None: no room, skip it)."""
         if not self.cache.enabled:
             return None
-        decode = [k for k in req.snapshots if k > req.num_inserted_pages]
+        held = req.cache
+        decode = [k for k in held.snapshots if k > held.num_inserted_pages]
         if decode:  # during decode keep one rolling snapshot: the latest page boundary
-            slot = req.snapshots.pop(decode[0])
+            slot = held.snapshots.pop(decode[0])
         else:
-            got = self.cache.alloc("mamba", 1)
+            got = self.cache.alloc(CacheKind.STATE, 1)
             if got is None:
                 return None
             slot = got[0]
-        req.snapshots[pages] = slot
+        held.snapshots[pages] = slot
         return slot
 
     # ---- after a step -------------------------------------------------------------------
@@ -133,31 +134,31 @@ class CacheAdapter:
         self._slide_window(req)
 
     def insert(self, req: Req, num_pages: int) -> None:
-        num_pages = min(num_pages, len(req.full_pages))
-        if not self.cache.enabled or num_pages <= req.num_inserted_pages:
+        held = req.cache
+        num_pages = min(num_pages, held.num_pages)
+        if not self.cache.enabled or num_pages <= held.num_inserted_pages:
             return
         pages = {
-            "full": [p if own else None for p, own in zip(req.full_pages, req.own_full)],
-            "swa": [p if own else None for p, own in zip(req.swa_pages, req.own_swa)],
+            k: [p if own else None for p, own in zip(held.pages[k], held.own[k])]
+            for k in PAGED
+            if k in self.cache.pools
         }
-        pages = {k: v for k, v in pages.items() if k in self.cache.pools}
-        if self.has_mamba:
-            pages["mamba"] = [req.snapshots.get(j + 1) for j in range(num_pages)]
-        node, taken = self.cache.insert(req.fill_ids, req.last_node, num_pages, pages, salt=req.cache_salt)
-        for j in taken.get("full", ()):
-            req.own_full[j] = False
-        if "full" in pages:
-            self._adopt_tree_pages(req, path_to(node), num_pages, taken["full"])
-        for j in taken.get("swa", ()):
-            req.own_swa[j] = False
-        for j in [k for k in req.snapshots if k <= num_pages]:
-            slot = req.snapshots.pop(j)
-            if j - 1 not in taken.get("mamba", ()):
-                self.cache.pools["mamba"].free([slot])  # the tree had one already
-        self.cache.relock(req.last_node, node)  # node is at or below it: insert started there
-        req.last_node = node
-        req.num_inserted_pages = num_pages
-        if "swa" in self.cache.pools:
+        if self.has_state:
+            pages[CacheKind.STATE] = [held.snapshots.get(j + 1) for j in range(num_pages)]
+        node, taken = self.cache.insert(req.fill_ids, held.last_node, num_pages, pages, salt=req.cache_salt)
+        for kind in PAGED:
+            for j in taken.get(kind, ()):
+                held.own[kind][j] = False
+        if CacheKind.FULL in pages:
+            self._adopt_tree_pages(req, path_to(node), num_pages, taken[CacheKind.FULL])
+        for j in [k for k in held.snapshots if k <= num_pages]:
+            slot = held.snapshots.pop(j)
+            if j - 1 not in taken.get(CacheKind.STATE, ()):
+                self.cache.pools[CacheKind.STATE].free([slot])  # the tree had one already
+        self.cache.relock(held.last_node, node)  # node is at or below it: insert started there
+        held.last_node = node
+        held.num_inserted_pages = num_pages
+        if CacheKind.SWA in self.cache.pools:
             self._relock_window(req, path_to(node))
 
     def _adopt_tree_pages(self, req: Req, path: list, num_pages: int, taken: set[int]) -> None:
@@ -165,19 +166,20 @@ class CacheAdapter:
         replace the request's own copies, which are freed: the request locks those tree
         pages anyway, and holding both made a request that fits the pool alone run out of
         pages (a 176-token prompt computed twice, on a 24-page pool, held 4 duplicates)."""
+        pages, own = req.cache.pages[CacheKind.FULL], req.cache.own[CacheKind.FULL]
         for j in range(num_pages):
-            if req.own_full[j] and j not in taken and path[j].full is not None:
-                self.cache.pools["full"].free([req.full_pages[j]])
-                req.full_pages[j], req.own_full[j] = path[j].full, False
+            if own[j] and j not in taken and path[j].full is not None:
+                self.cache.pools[CacheKind.FULL].free([pages[j]])
+                pages[j], own[j] = path[j].full, False
 
     def _relock_window(self, req: Req, path: list) -> None:
         """Pin the tree nodes inside the request's current window, and only those."""
-        if "swa" not in self.cache.pools:
+        if CacheKind.SWA not in self.cache.pools:
             return
-        self.cache.swa_unlock(req.swa_locked)
+        self.cache.swa_unlock(req.cache.swa_locked)
         first = self._window_start(req)
-        req.swa_locked = path[first:]
-        self.cache.swa_lock(req.swa_locked)
+        req.cache.swa_locked = path[first:]
+        self.cache.swa_lock(req.cache.swa_locked)
         self._drop_swa_before(req, first)
 
     def _window_start(self, req: Req) -> int:
@@ -187,22 +189,24 @@ class CacheAdapter:
         return self.rules.swa_pages_needed(aligned).start if aligned else 0
 
     def _slide_window(self, req: Req) -> None:
-        if "swa" not in self.cache.pools:
+        if CacheKind.SWA not in self.cache.pools:
             return
         first = self._window_start(req)
-        keep = [n for n in req.swa_locked if n.depth - 1 >= first]
-        self.cache.swa_unlock([n for n in req.swa_locked if n.depth - 1 < first])
-        req.swa_locked = keep
+        locked = req.cache.swa_locked
+        keep = [n for n in locked if n.depth - 1 >= first]
+        self.cache.swa_unlock([n for n in locked if n.depth - 1 < first])
+        req.cache.swa_locked = keep
         self._drop_swa_before(req, first)
 
     def _drop_swa_before(self, req: Req, first: int) -> None:
         """Out-of-window pages: free the ones the request owns, forget the borrowed ones."""
-        for j in range(min(first, len(req.swa_pages))):
-            if req.swa_pages[j] is not None:
-                if req.own_swa[j]:
-                    self.cache.pools["swa"].free([req.swa_pages[j]])
-                    req.own_swa[j] = False
-                req.swa_pages[j] = None
+        pages, own = req.cache.pages[CacheKind.SWA], req.cache.own[CacheKind.SWA]
+        for j in range(min(first, len(pages))):
+            if pages[j] is not None:
+                if own[j]:
+                    self.cache.pools[CacheKind.SWA].free([pages[j]])
+                    own[j] = False
+                pages[j] = None
 
     # ---- leaving ------------------------------------------------------------------------
     def finish(self, req: Req) -> None:
@@ -211,19 +215,18 @@ class CacheAdapter:
         self.release(req)
 
     def release(self, req: Req) -> None:
-        for kind, pages, own in (("full", req.full_pages, req.own_full), ("swa", req.swa_pages, req.own_swa)):
-            mine = [p for p, o in zip(pages, own) if o and p is not None]
+        held = req.cache
+        for kind in PAGED:
+            mine = held.owned(kind)
             if mine:
                 self.cache.pools[kind].free(mine)
-        if self.has_mamba:
-            slots = list(req.snapshots.values()) + ([req.state_slot] if req.state_slot is not None else [])
-            self.cache.pools["mamba"].free(slots)
-        self.cache.swa_unlock(req.swa_locked)
-        self.cache.unlock(req.last_node)
-        req.full_pages, req.swa_pages, req.own_full, req.own_swa = [], [], [], []
-        req.snapshots, req.swa_locked = {}, []
-        req.state_slot = req.restore_from = req.last_node = None
-        req.num_computed = req.num_inserted_pages = 0
+        if self.has_state:
+            slots = list(held.snapshots.values()) + ([held.state_slot] if held.state_slot is not None else [])
+            self.cache.pools[CacheKind.STATE].free(slots)
+        self.cache.swa_unlock(held.swa_locked)
+        self.cache.unlock(held.last_node)
+        req.cache = ReqCache()
+        req.num_computed = 0
 
     def describe_pools(self) -> str:
         return ", ".join(f"{k}: {p.num_free}/{p.size} free" for k, p in self.cache.pools.items())
@@ -232,11 +235,11 @@ class CacheAdapter:
         """Indices the given (running) requests own, for integrity checks."""
         out: dict[str, list[int]] = {k: [] for k in self.cache.pools}
         for r in reqs:
-            for kind, pages, own in (("full", r.full_pages, r.own_full), ("swa", r.swa_pages, r.own_swa)):
+            for kind in PAGED:
                 if kind in out:
-                    out[kind] += [p for p, o in zip(pages, own) if o and p is not None]
-            if self.has_mamba:
-                out["mamba"] += list(r.snapshots.values())
-                if r.state_slot is not None:
-                    out["mamba"].append(r.state_slot)
+                    out[kind] += r.cache.owned(kind)
+            if self.has_state:
+                out[CacheKind.STATE] += list(r.cache.snapshots.values())
+                if r.cache.state_slot is not None:
+                    out[CacheKind.STATE].append(r.cache.state_slot)
         return out

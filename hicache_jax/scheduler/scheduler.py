@@ -124,7 +124,7 @@ class Scheduler:
         for req in dropped:
             self.drop(req)
         for req in self.waiting:
-            if req.num_computed or req.last_node is not None:
+            if req.num_computed or req.cache.last_node is not None:
                 self.adapter.release(req)
         return dropped
 
@@ -162,7 +162,7 @@ class Scheduler:
         total = req.seq_len
         chunk = self.cfg.chunked_prefill_size
         end = min(total, start + budget, (start // chunk + 1) * chunk)
-        if self.adapter.has_mamba:
+        if self.adapter.has_state:
             boundary = (total - 1) // self.P * self.P
             if start < boundary < end:
                 end = boundary
@@ -276,13 +276,14 @@ class Scheduler:
     def _add(self, plan: StepPlan, req: Req, end: int) -> None:
         start = req.num_computed
         item = WorkItem(req, start, end, has_initial_state=start > 0)
-        if req.restore_from is not None:
-            plan.copies_before.append((req.restore_from, req.state_slot))
-            req.restore_from = None
-        if self.adapter.has_mamba and end % self.P == 0 and end > start:
+        held = req.cache
+        if held.restore_from is not None:
+            plan.copies_before.append((held.restore_from, held.state_slot))
+            held.restore_from = None
+        if self.adapter.has_state and end % self.P == 0 and end > start:
             slot = self.adapter.snapshot_slot(req, end // self.P)
             if slot is not None:
-                plan.copies_after.append((req.state_slot, slot))
+                plan.copies_after.append((held.state_slot, slot))
         plan.items.append(item)
 
 

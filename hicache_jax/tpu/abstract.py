@@ -30,7 +30,7 @@ from hicache_jax.engine.build import (
     make_device_pools,
     make_runner,
 )
-from hicache_jax.models.cache import MambaState
+from hicache_jax.models.cache import RecurrentState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -103,7 +103,7 @@ class AbstractServer:
     def kernel_pool_shapes(self) -> set[tuple[int, ...]]:
         """Shapes on one chip of the cache arrays the Pallas kernels read by DMA: KV pages and
         SSM state (not the conv state, a few rows per slot that XLA's own ops gather)."""
-        leaves = [e.ssm if isinstance(e, MambaState) else e for e in self.runner.cache]
+        leaves = [e.ssm if isinstance(e, RecurrentState) else e for e in self.runner.cache]
         leaves = jax.tree_util.tree_leaves(leaves)
         return {tuple(x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape) for x in leaves}
 
@@ -115,7 +115,7 @@ class AbstractServer:
         """``{"kv": attention page bytes, "state": recurrent state bytes}`` on one chip."""
         out = {"kv": 0, "state": 0}
         for entry in self.runner.cache:
-            out["state" if isinstance(entry, MambaState) else "kv"] += _per_chip(entry)
+            out["state" if isinstance(entry, RecurrentState) else "kv"] += _per_chip(entry)
         return out
 
     def compile_step(self, shape: tuple[int, int, int, bool], top_logprobs: int = 0) -> jax.stages.Compiled:

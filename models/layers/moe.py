@@ -132,9 +132,7 @@ def moe_gathered(
 MOE_PATHS = {"grouped": moe_ragged, "gathered": moe_gathered}
 
 
-def moe_expert_parallel(
-    x, weights, experts, gate_up, down, cfg: MoEConfig, mesh, *biases, path=moe_ragged
-):
+def moe_expert_parallel(x, weights, experts, gate_up, down, cfg: MoEConfig, mesh, *biases, path=moe_ragged):
     """``moe_ragged`` with the experts split over the mesh's tensor-parallel axis.
 
     Each device holds ``E / tp`` whole experts and, as between all layers here, every

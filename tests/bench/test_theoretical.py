@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hicache_jax.bench.theoretical import SeqRecord, capacity_max, theoretical_max
 from hicache_jax.cache.prefix import PrefixRules
 
-RULES = [  # (has_full, sliding_window, has_mamba)
+RULES = [  # (has_full, sliding_window, has_state)
     (True, None, False),
     (True, 3, False),
     (False, 5, False),
@@ -22,7 +22,7 @@ def kept(rules: PrefixRules, chunk: int, s: SeqRecord, j: int, kind: str) -> boo
     if kind == "swa":  # prompt pages, and the window before the last page boundary
         end = T // P * P
         return j <= L // P or j >= max(0, end - rules.sliding_window + 1) // P
-    if kind == "mamba":  # a snapshot at token (j+1)P
+    if kind == "state":  # a snapshot at token (j+1)P
         t = (j + 1) * P
         return (t % chunk == 0 and t <= L) or t in ((L - 1) // P * P, L, T // P * P)
     return True
@@ -51,8 +51,8 @@ def brute(records, rules, chunk, visible_at, seen=(), views=None):
         best = 0
         for e in range(P, (len(r.prompt) - 1) // P * P + 1, P):
             ok = all(holds(j, "seen") for j in range(e // P))
-            if rules.has_mamba:
-                ok = ok and holds(e // P - 1, "mamba")
+            if rules.has_state:
+                ok = ok and holds(e // P - 1, "state")
             if rules.sliding_window:
                 first = max(0, e - rules.sliding_window + 1) // P
                 ok = ok and all(holds(j, "swa") for j in range(first, (e - 1) // P + 1))
@@ -66,7 +66,7 @@ def brute(records, rules, chunk, visible_at, seen=(), views=None):
 def runs(draw):
     P = draw(st.sampled_from([2, 4]))
     full, window, mamba = draw(st.sampled_from(RULES))
-    rules = PrefixRules(page_size=P, has_full=full, sliding_window=window, has_mamba=mamba)
+    rules = PrefixRules(page_size=P, has_full=full, sliding_window=window, has_state=mamba)
     chunk = P * draw(st.sampled_from([1, 2]))
     token = st.integers(0, 1)
     bases = draw(st.lists(st.lists(token, min_size=16, max_size=16), min_size=1, max_size=3))

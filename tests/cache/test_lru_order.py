@@ -66,9 +66,9 @@ def make(scan: bool, kinds, policy):
         page_size=P,
         has_full=True,
         sliding_window=WINDOW if "swa" in kinds else None,
-        has_mamba="mamba" in kinds,
+        has_state="state" in kinds,
     )
-    sizes = {"full": 7, "swa": 5, "mamba": 5}
+    sizes = {"full": 7, "swa": 5, "state": 5}
     pools = {k: IndexPool(sizes[k], k) for k in kinds}
     host = {k: HostPool(k, 6, {"x": ((1,), np.float32)}) for k in kinds}
     cache = PrefixCache(rules, pools, host=host, transfer=FakeTransfer(), write_policy=policy)
@@ -90,7 +90,7 @@ def state(c: PrefixCache) -> list:
             while not x.is_root:
                 path.append(x.key)
                 x = x.parent
-            data = (n.full, n.swa, n.mamba, n.host_full, n.host_swa, n.host_mamba, n.lock_ref, n.swa_lock)
+            data = (n.full, n.swa, n.state, n.host_full, n.host_swa, n.host_state, n.lock_ref, n.swa_lock)
             out.append((str(salt), tuple(path[::-1]), data))
     pools = [p.num_free for p in c.pools.values()] + [h.index.num_free for h in c.host.values()]
     return sorted(out) + [pools, c.storage_rows]
@@ -182,7 +182,7 @@ OPS = st.tuples(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kinds=st.sampled_from([("full",), ("full", "swa"), ("full", "mamba")]),
+    kinds=st.sampled_from([("full",), ("full", "swa"), ("full", "state")]),
     policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
     ops=st.lists(OPS, min_size=30, max_size=80),
 )

@@ -71,7 +71,7 @@ class AllHitClient:
 
 
 def make_tier():
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_mamba=False)
+    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_state=False)
     cache = PrefixCache(
         rules,
         {"full": IndexPool(64, "full pages")},

@@ -9,7 +9,7 @@ T, F = True, False
 
 
 def rules(full=True, window=None, mamba=False):
-    return PrefixRules(page_size=P, has_full=full, sliding_window=window, has_mamba=mamba)
+    return PrefixRules(page_size=P, has_full=full, sliding_window=window, has_state=mamba)
 
 
 def end(r, input_len, full=(), swa=(), mamba=(), lsl=-1):

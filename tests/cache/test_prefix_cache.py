@@ -11,7 +11,7 @@ P = 4
 
 
 def make(window=None, pages=16):
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=window, has_mamba=False)
+    rules = PrefixRules(page_size=P, has_full=True, sliding_window=window, has_state=False)
     pools = {"full": IndexPool(pages, "full")}
     if window:
         pools["swa"] = IndexPool(pages, "swa")
@@ -101,7 +101,7 @@ def test_a_page_without_host_copy_goes_with_its_host_only_subtree():
     goes with B (which nothing could match without A)."""
     from hicache_jax.cache.host_pool import HostPool
 
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_mamba=False)
+    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_state=False)
     host = {"full": HostPool("full", 8, {"kv": ((1,), np.float32)})}
     c = PrefixCache(rules, {"full": IndexPool(3, "full")}, host=host, write_policy="write_through")
     seq = list(range(12))
@@ -122,7 +122,7 @@ def test_nodes_passed_over_while_pinned_are_evictable_once_free():
     without host copy; a sliding-window lock) is evicted later, once it can."""
     from hicache_jax.cache.host_pool import HostPool
 
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=5, has_mamba=False)
+    rules = PrefixRules(page_size=P, has_full=True, sliding_window=5, has_state=False)
     host = {"full": HostPool("full", 4, {"kv": ((1,), np.float32)})}
     pools = {"full": IndexPool(4, "full"), "swa": IndexPool(4, "swa")}
     c = PrefixCache(rules, pools, host=host, write_policy="write_through_selective")

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hicache_jax.kinds import RECURRENT
 from hicache_jax.models.batch import ForwardBatch, page_group
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.request import Req
@@ -31,14 +32,15 @@ def jit_forward(model: CausalLM):
 
 
 def kv_groups(model: CausalLM) -> tuple[str, ...]:
-    return tuple(sorted({page_group(k) for k in model.cfg.layer_kinds if k != "mamba"}))
+    return tuple(sorted({page_group(k) for k in model.cfg.layer_kinds if k not in RECURRENT}))
 
 
 def sequence(tokens, pages, state_slot: int | None = None) -> Req:
     """A request holding the whole sequence ``tokens`` in ``pages`` (both page groups)."""
     pages = [int(p) for p in pages]
     req = Req(rid=f"seq{state_slot}", input_ids=[int(t) for t in tokens], sampling=SamplingParams())
-    req.full_pages, req.swa_pages, req.state_slot = pages, list(pages), state_slot
+    req.cache.pages = {"full": pages, "swa": list(pages)}
+    req.cache.state_slot = state_slot
     return req
 
 

@@ -58,9 +58,9 @@ def plans(draw):
         if end - start > 1:
             budget -= end - start
         k = -(-end // P)
-        req.full_pages = [next(pages) for _ in range(k)]
+        req.cache.pages["full"] = [next(pages) for _ in range(k)]
         first = draw(st.integers(0, start // P))  # sliding pages before this are gone
-        req.swa_pages = [None] * first + [next(pages) for _ in range(k - first)]
+        req.cache.pages["swa"] = [None] * first + [next(pages) for _ in range(k - first)]
         if pending:
             feed_from[req] = draw(st.integers(0, 7))
         items.append(WorkItem(req, start, end, has_initial_state=start > 0))
@@ -102,7 +102,7 @@ def test_build_matches_a_recomputation(case):
         rows = list(range(cu[-1], cu[-1] + i.end - i.start))
         ids += fill[i.start : i.end]
         pos += list(range(i.start, i.end))
-        for g, pages in (("full", r.full_pages), ("swa", r.swa_pages)):
+        for g, pages in r.cache.pages.items():
             slots[g] += [pages[p // P] * P + p % P for p in range(i.start, i.end)]
         targets += [fill[q + 1] if q + 1 < len(fill) else -1 for q in range(i.start, i.end)]
         last.append(rows[-1])
@@ -118,7 +118,7 @@ def test_build_matches_a_recomputation(case):
         np.testing.assert_array_equal(batch.slot_mappings[g], slots[g] + [-1] * pad_t)
         want = np.zeros((S, MAX_PAGES), np.int32)
         for s, i in enumerate(items):
-            pages = i.req.full_pages if g == "full" else i.req.swa_pages
+            pages = i.req.cache.pages[g]
             want[s, : len(pages)] = [0 if p is None else p for p in pages]
         np.testing.assert_array_equal(batch.page_tables[g], want)
     assert first_rows == cu[:n]
@@ -148,7 +148,7 @@ def test_build_matches_a_recomputation(case):
 
 def test_a_missing_page_for_a_written_position_is_an_error():
     req = Req(rid="x", input_ids=list(range(3, 13)), sampling=SamplingParams())
-    req.full_pages = [0, 1, 2]
-    req.swa_pages = [None, 5, 6]  # page 0's sliding KV is gone, but the chunk writes it
+    req.cache.pages["full"] = [0, 1, 2]
+    req.cache.pages["swa"] = [None, 5, 6]  # page 0's sliding KV is gone, but the chunk writes it
     with pytest.raises(RuntimeError, match="no swa page"):
         builder().build(StepPlan([WorkItem(req, 2, 10)]))

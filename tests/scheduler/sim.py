@@ -76,7 +76,7 @@ class Sim:
             max_running_requests=s.max_running,
             max_total_tokens=s.full_pages * P,
         )
-        rules = PrefixRules(page_size=P, has_full=True, sliding_window=s.window, has_mamba=False)
+        rules = PrefixRules(page_size=P, has_full=True, sliding_window=s.window, has_state=False)
         pools = {"full": IndexPool(s.full_pages, "full pages")}
         if s.window:
             pools["swa"] = IndexPool(s.swa_pages or s.full_pages, "swa pages")
@@ -160,12 +160,13 @@ class Sim:
         every borrowed page is the one the locked tree path holds."""
         held: dict[str, list[int]] = {k: [] for k in self.cache.pools}
         for r in self.sched.running:
-            path = path_to(r.last_node) if r.last_node is not None else []
-            assert len(path) == r.num_inserted_pages, (r.rid, len(path), r.num_inserted_pages)
-            for kind, pages, own in (("full", r.full_pages, r.own_full), ("swa", r.swa_pages, r.own_swa)):
+            path = path_to(r.cache.last_node) if r.cache.last_node is not None else []
+            assert len(path) == r.cache.num_inserted_pages, (r.rid, len(path), r.cache.num_inserted_pages)
+            for kind in ("full", "swa"):
+                pages, own = r.cache.pages[kind], r.cache.own[kind]
                 if kind not in held:
                     continue
-                assert len(pages) == len(own) == len(r.full_pages)
+                assert len(pages) == len(own) == r.cache.num_pages
                 for j, (p, o) in enumerate(zip(pages, own)):
                     if p is None:
                         continue
@@ -177,7 +178,9 @@ class Sim:
             for node in path:
                 assert node.lock_ref > 0, f"{r.rid}: its tree path is not locked"
         for r in list(self.sched.waiting) + self.finished + self.aborted:
-            assert not r.full_pages and r.last_node is None and not r.swa_locked, f"{r.rid} holds pages"
+            assert not r.cache.num_pages and r.cache.last_node is None and not r.cache.swa_locked, (
+                f"{r.rid} holds pages"
+            )
         self.cache.check_integrity(held)
         if not self.sched.running:
             for node in self.cache.nodes():

@@ -28,12 +28,14 @@ def test_lifecycle_match_lock_insert_unlock():
     ad, cache = sim.adapter, sim.cache
     a = request("a")
     match = admit(sim, a, 8)
-    assert match.end == 0 and a.own_full == [True, True] and a.last_node is None
+    assert match.end == 0 and a.cache.own["full"] == [True, True] and a.cache.last_node is None
     sim.check_ownership()
     a.num_computed = 8
     ad.after_step(a, insert=True)  # a chunk boundary: its two pages go to the tree
-    assert a.own_full == [False, False] and a.num_inserted_pages == 2
-    assert [n.full for n in path_to(a.last_node)] == a.full_pages and a.last_node.lock_ref == 1
+    assert a.cache.own["full"] == [False, False] and a.cache.num_inserted_pages == 2
+    assert [n.full for n in path_to(a.cache.last_node)] == a.cache.pages[
+        "full"
+    ] and a.cache.last_node.lock_ref == 1
     sim.check_ownership()
     assert ad.ensure_pages(a, 22)
     a.num_computed = 22
@@ -47,8 +49,8 @@ def test_lifecycle_match_lock_insert_unlock():
     b = request("b")
     match = admit(sim, b, 22)
     assert match.end == 20, "the whole cached prompt but its last token"
-    assert b.full_pages[:5] == [n.full for n in match.nodes] and not any(b.own_full[:5])
-    assert b.own_full[5:] == [True] and all(n.lock_ref == 1 for n in match.nodes)
+    assert b.cache.pages["full"][:5] == [n.full for n in match.nodes] and not any(b.cache.own["full"][:5])
+    assert b.cache.own["full"][5:] == [True] and all(n.lock_ref == 1 for n in match.nodes)
     assert cache.evict("full", 100) == 0, "a running request's prefix was evicted"
     sim.check_ownership()
     sim.sched.running.remove(b)
@@ -66,7 +68,7 @@ def test_allocation_is_all_or_nothing():
     match = sim.adapter.match(r)
     assert not sim.adapter.admit(r, match, 22)  # 6 pages of each kind; only 3 sliding
     assert sim.cache.pools["full"].num_used == full_before and sim.cache.pools["swa"].num_used == 0
-    assert not r.full_pages and r.last_node is None
+    assert not r.cache.pages["full"] and r.cache.last_node is None
     sim.aborted.append(r)
     sim.check_ownership()
 
@@ -78,8 +80,10 @@ def test_sliding_pages_out_of_the_window_are_freed_while_running():
     r.num_computed = 22
     sim.adapter.after_step(r, insert=True)
     window = set(sim.cache.rules.swa_pages_needed(20))
-    own_swa = [j for j, (p, o) in enumerate(zip(r.swa_pages, r.own_swa)) if p is not None and o]
-    kept = [j for j, p in enumerate(r.swa_pages) if p is not None]
+    own_swa = [
+        j for j, (p, o) in enumerate(zip(r.cache.pages["swa"], r.cache.own["swa"])) if p is not None and o
+    ]
+    kept = [j for j, p in enumerate(r.cache.pages["swa"]) if p is not None]
     assert set(kept) >= window and set(kept) <= window | {5}, (kept, window)
     assert own_swa == [5], "its inserted pages belong to the tree, the partial last page to it"
     sim.check_ownership()

@@ -58,7 +58,7 @@ def checked_step(sim: Sim):
     assert running[len(running) - len(retracted) :] == retracted, "retracted a request older than one kept"
     for r in retracted:
         assert r not in items and r.output_ids == outputs[r], "a retracted request keeps its outputs"
-        assert r.num_computed == 0 and not r.full_pages
+        assert r.num_computed == 0 and not r.cache.num_pages
     if running:  # the oldest always advances (liveness)
         assert plan is not None and plan.items[0].req is running[0]
 
@@ -207,7 +207,7 @@ def test_abort_frees_pages_of_running_and_waiting():
     b = sim.add("b", list(range(50, 60)), 8)
     checked_step(sim)
     assert sim.sched.running == [a] and list(sim.sched.waiting) == [b]
-    own = sum(a.own_full)
+    own = sum(a.cache.own["full"])
     assert own == 1
     used = sim.cache.pools["full"].num_used
     assert sim.sched.abort("a") is a and sim.sched.abort("b") is b and sim.sched.abort("zz") is None

@@ -90,7 +90,7 @@ def test_out_of_range_token_ids_rejected(bad):
 def test_key_strings():
     h = page_hashes([1, 2, 3, 4], 4, NS)[0]
     assert page_key(h, "kv") == h.hex() + ".kv"
-    assert parse_key(page_key(h, "mamba")) == (h, "mamba")
+    assert parse_key(page_key(h, "state")) == (h, "state")
     assert page_keys([h, h], "swa") == [h.hex() + ".swa"] * 2
     with pytest.raises(ValueError, match="kind"):
         page_key(h, "bogus")

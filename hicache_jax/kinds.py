@@ -1,0 +1,65 @@
+"""The one vocabulary of layer kinds and cache kinds (JAX-free; every layer shares it).
+
+A model is a stack of layers of a ``LayerKind``. What the prefix cache keeps for a page of
+a prefix is one entry per ``CacheKind``, each in a pool of its own::
+
+    LayerKind   ATTENTION  SLIDING  MAMBA   GDN
+    CacheKind   FULL       SWA      STATE   STATE
+    kept        every      pages    one snapshot of every recurrent layer's state,
+                page       in the   taken at the end of the page (only the last page
+                           window   of a match needs one)
+
+Every recurrent kind (``RECURRENT``) shares the ``STATE`` cache kind: a state slot holds
+one state per recurrent layer, whatever its kind, with the shapes the model declares
+(``models/cache.py``, ``state_shapes``). Slots, snapshots, the rule for the usable prefix
+(``cache/prefix.py``), L2 copies and L3 keys handle ``STATE`` alone and never ask which
+recurrent kind produced it. A third recurrent kind is a new ``LayerKind`` mapped to
+``STATE`` here, its layer, and its entry in ``state_shapes``; nothing in ``cache/`` or
+``scheduler/`` changes.
+
+``StrEnum`` members compare and hash as their strings, so config files, metric names and
+JSON keep the plain names.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class LayerKind(enum.StrEnum):
+    ATTENTION = "attention"  # full causal attention over the whole prefix
+    SLIDING = "sliding"  # causal attention over the last sliding_window tokens
+    MAMBA = "mamba"  # Mamba2 (SSD) mixer: conv state + SSM state
+    GDN = "gdn"  # Gated DeltaNet linear attention: conv state + delta-rule state
+
+
+class CacheKind(enum.StrEnum):
+    FULL = "full"  # full-attention KV, every page
+    SWA = "swa"  # sliding-window KV, the pages a window needs
+    STATE = "state"  # a recurrent-state snapshot (every recurrent layer) at a page's end
+
+
+LAYER_CACHE: dict[LayerKind, CacheKind] = {
+    LayerKind.ATTENTION: CacheKind.FULL,
+    LayerKind.SLIDING: CacheKind.SWA,
+    LayerKind.MAMBA: CacheKind.STATE,
+    LayerKind.GDN: CacheKind.STATE,
+}
+RECURRENT = frozenset(k for k, c in LAYER_CACHE.items() if c is CacheKind.STATE)
+PAGED = (CacheKind.FULL, CacheKind.SWA)  # cache kinds that hold one KV page per page of tokens
+ALL = tuple(CacheKind)
+
+# The L3 object name suffix of each cache kind (``storage/layout.py`` joins it to the
+# page's hash). Renaming one orphans what servers already stored under the old name.
+L3_SUFFIX: dict[CacheKind, str] = {CacheKind.FULL: "kv", CacheKind.SWA: "swa", CacheKind.STATE: "state"}
+
+
+def cache_kind(layer: str) -> CacheKind:
+    """The cache kind a layer kind's entries live in."""
+    return LAYER_CACHE[LayerKind(layer)]
+
+
+def cache_kinds(layer_kinds) -> tuple[CacheKind, ...]:
+    """The cache kinds a stack of layers uses, in ``CacheKind`` order."""
+    used = {cache_kind(k) for k in layer_kinds}
+    return tuple(k for k in CacheKind if k in used)
