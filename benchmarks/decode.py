@@ -39,7 +39,7 @@ from trace_summary import top_ops
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine.engine import Engine
-from hicache_jax.models.cache import MambaState
+from hicache_jax.models.cache import RecurrentState
 
 
 def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
@@ -58,7 +58,7 @@ def step_bytes(engine: Engine, batch: int, context: int) -> int:
         weights -= int(len(cfg.sparse_layers) * untouched * per_expert * itemsize)
     kv = 0
     for kind, entry in zip(cfg.layer_kinds, engine.runner.cache):
-        if isinstance(entry, MambaState):
+        if isinstance(entry, RecurrentState):
             kv += 2 * batch * (entry.ssm[0].nbytes + entry.conv[0].nbytes)  # read + write
         else:
             per_token = 2 * entry.k[0, 0].nbytes
