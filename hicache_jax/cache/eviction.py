@@ -7,7 +7,7 @@ first, never touching locked data:
   as a whole leaf (its subtree would be unmatchable);
 - device sliding-window pages: tombstoned outside every running request's window
   (``swa_lock == 0``), anywhere in the tree;
-- device Mamba snapshots: dropped from unlocked nodes;
+- device state snapshots: dropped from unlocked nodes;
 - host pages: copies of data still on the device go first-come; host-only full pages go
   as whole leaves.
 

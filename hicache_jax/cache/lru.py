@@ -1,6 +1,6 @@
 """Least recently used first, over a changing set of radix nodes, without scanning the tree.
 
-One ``LruQueue`` per eviction pool (device full / sliding / Mamba, and per host pool its
+One ``LruQueue`` per eviction pool (device full / sliding / state, and per host pool its
 copies and its host-only pages). ``accepts(node)`` says whether a node is in the queue's
 set *now* (evictable). The queue is a binary heap of ``(last_access, -depth, id, node)``
 entries -- least recently used first, deeper first among nodes touched together -- kept

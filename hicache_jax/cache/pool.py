@@ -1,4 +1,4 @@
-"""A pool of interchangeable indices: KV pages of one page group, or Mamba state slots."""
+"""A pool of interchangeable indices: KV pages of one page group, or recurrent state slots."""
 
 from __future__ import annotations
 

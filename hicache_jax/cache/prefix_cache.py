@@ -93,7 +93,7 @@ class PrefixCache:
 
     # ---- lookup -------------------------------------------------------------------------
     def availability(self, path: Sequence[Node]) -> tuple[list[bool], list[bool], list[bool]]:
-        """What each node of ``path`` holds in any tier: full, sliding-window, Mamba."""
+        """What each node of ``path`` holds in any tier: full, sliding-window, state snapshot."""
         return tuple([n.has(k) for n in path] for k in KINDS)
 
     def match(
@@ -400,7 +400,7 @@ class PrefixCache:
         return capacity
 
     def has_free_pages(self, n: int) -> bool:
-        """Whether every page pool (not the Mamba slots) has ``n`` free pages: ``n`` running
+        """Whether every page pool (not the state slots) has ``n`` free pages: ``n`` running
         sequences can each take one more page without evicting anything."""
         return all(p.num_free >= n for k, p in self.pools.items() if k != CacheKind.STATE)
 

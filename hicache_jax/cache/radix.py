@@ -7,7 +7,7 @@ its page (device indices; ``None`` = not held):
 - ``full``:  the full-attention KV page;
 - ``swa``:   the sliding-window KV page (``None`` on a node that still has other data is a
   *tombstone*: a match may pass through it but never end right after it);
-- ``mamba``: a recurrent-state snapshot taken at the end of the page.
+- ``state``: a recurrent-state snapshot (every recurrent layer) taken at the end of the page.
 
 With a host tier (L2) each kind may also have a host copy (``host_full`` ...). A node
 whose device data was evicted but whose host copy remains stays in the tree; a match may

@@ -8,7 +8,7 @@ together, and read only what that end needs::
     pages      0 .......................................... end/P - 1
     full       read every page the tree lacks
     sliding    read only the window before `end` (older pages are never read)
-    mamba      read the one snapshot at `end`
+    state      read the one snapshot at `end`
 
 This side only performs reads and hands back results: ``look`` (what the tree holds along a
 prompt), ``max_rows`` and ``time_limit`` (what a read may bring and how long it may take),
@@ -66,7 +66,7 @@ SUFFIX = L3_SUFFIX
 class TreeLook:
     """What the tree holds along one prompt, before any I/O (``StorageTier.look``)."""
 
-    flags: tuple[list[bool], list[bool], list[bool]]  # per page: full, sliding-window, Mamba
+    flags: tuple[list[bool], list[bool], list[bool]]  # per page: full, sliding-window, state
     tree_end: int  # usable_prefix_end over the tree alone
     max_end: int  # the most any match of the prompt may use
 
@@ -218,7 +218,7 @@ class StorageTier:
     def max_rows(self, look: TreeLook) -> tuple[int, int]:
         """(the most host rows a read may bring, the existence probes it makes): the pages
         before `max_end` the tree lacks are probed; of those it reads every full page, at
-        most one window of sliding-window pages and one Mamba snapshot."""
+        most one window of sliding-window pages and one state snapshot."""
         k = look.max_end // self.rules.page_size
         lacks = {
             kind: sum(not (j < len(f) and f[j]) for j in range(k)) for kind, f in zip(ALL_KINDS, look.flags)

@@ -4,7 +4,7 @@ Serving runs two families of programs, each over a bounded set of shapes:
 
 - the step (``runtime/runner.py``): one program per ``BatchBuilder.warmup_programs()`` entry
   (decode and prefill buckets, per-token logits rows for input logprobs, with and without
-  top logprobs); Mamba state copies and penalty counts run inside it;
+  top logprobs); recurrent state copies and penalty counts run inside it;
 - a penalty slot's row write (``runtime/penalties.py``), when a request with a penalty starts;
 - page transfers (``runtime/transfer.py``, with a host tier): a gather (device -> host: backups)
   and a scatter (host -> device: L2 hits, and L3 hits, which land in the host pool first)

@@ -1,7 +1,7 @@
 """The model runner: device cache arrays and one jitted function per step shape.
 
 A step is ``restore snapshots -> forward -> take snapshots -> sample -> count``, all inside
-one jit, so logits never leave the device, Mamba state copies need no extra dispatch, and
+one jit, so logits never leave the device, recurrent state copies need no extra dispatch, and
 the penalty counts (``penalties.py``) take each sampled token on the device.
 
 ``launch`` only dispatches (JAX runs it asynchronously) and ``fetch`` reads the results,
@@ -32,7 +32,7 @@ from hicache_jax.runtime.sampler import SamplingInputs, SamplingOutputs, sample
 
 @dataclasses.dataclass(frozen=True)
 class StateCopies:
-    """Mamba state slot copies: ``before`` the forward (restore a snapshot into a working
+    """Recurrent state slot copies: ``before`` the forward (restore a snapshot into a working
     slot) and ``after`` it (snapshot a working slot). -1 entries copy nothing."""
 
     before_src: jax.Array  # [K] int32
@@ -47,7 +47,7 @@ jax.tree_util.register_dataclass(
 
 
 def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
-    """Copy recurrent state slot ``src[i]`` to ``dst[i]`` in every Mamba layer, for the
+    """Copy recurrent state slot ``src[i]`` to ``dst[i]`` in every recurrent layer, for the
     leading entries that are not -1 (the batch builder packs them first).
 
     One slot at a time, in a loop that runs once per copy: a step reads and writes only the

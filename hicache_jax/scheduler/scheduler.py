@@ -6,7 +6,7 @@ next chunk while the prefill token budget (``chunked_prefill_size``) lasts. Then
 requests are admitted in arrival order while the budget, the running limit and memory allow.
 
 Liveness policy: **retract the newest, prefill or decode**. When a running request cannot
-get the pages (or Mamba slot) for its step, the most recently admitted running request is
+get the pages (or state slot) for its step, the most recently admitted running request is
 retracted: its computed prefix goes to the radix tree, unlocked and so evictable, its
 outputs are kept, and it goes back to the head of the queue. If the request short of
 memory is itself the newest, it is the one retracted. Why this and not reserving a whole
@@ -157,7 +157,7 @@ class Scheduler:
     # ---- planning -----------------------------------------------------------------------
     def chunk_end(self, req: Req, start: int, budget: int) -> int:
         """Where this step's chunk of ``req`` ends: its budget, the next multiple of
-        ``chunked_prefill_size``, and (Mamba) the prompt's last page boundary, so a state
+        ``chunked_prefill_size``, and (recurrent layers) the prompt's last page boundary, so a state
         snapshot lands exactly where the same prompt's match will want one."""
         total = req.seq_len
         chunk = self.cfg.chunked_prefill_size
