@@ -4,7 +4,7 @@
 each): every projection and MLP matmul for each new token (for a mixture-of-experts layer,
 its router and the ``top_k`` experts each token uses), attention scores and values over
 the keys each query may see (its causal prefix, or the window for sliding layers), the Mamba
-projections and state update, and the LM head for the rows whose logits the step returns.
+and Gated DeltaNet projections and state updates, and the LM head for the rows whose logits the step returns.
 Norms, RoPE, softmax and the sampler are not counted: they are elementwise, and the memory
 floor accounts for them. ``matmul_rate()`` is the best FLOPs/s of a few large float32
 matmuls on this device, so ``flops / rate`` is the time a perfect kernel would take.
@@ -55,6 +55,13 @@ def step_flops(cfg: ModelConfig, seqs: list[tuple[int, int]], logits_rows: int |
             conv = 2 * m.conv_kernel * m.conv_dim
             ssd = 2 * 3 * m.num_heads * m.head_dim * m.state_size  # decay, update, read-out
             flops += tokens * (proj + conv + ssd)
+            continue
+        if kind == "gdn":
+            g = cfg.gdn
+            proj = 2 * h * (g.conv_dim + g.value_dim + 2 * g.num_v_heads) + 2 * g.value_dim * h
+            conv = 2 * g.conv_kernel * g.conv_dim
+            rule = 2 * 3 * g.num_v_heads * g.head_k_dim * g.head_v_dim  # k.S, the rank-1 update, q.S
+            flops += tokens * (proj + conv + rule)
             continue
         flops += tokens * qkvo
         for q, kv in seqs:

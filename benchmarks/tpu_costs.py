@@ -29,6 +29,7 @@ read ``--context`` tokens); the rest is XLA's count of the fused HLO.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -57,9 +58,9 @@ def min_decode_bytes(server: AbstractServer, batch: int, context: int) -> float:
     if not cfg.tie_word_embeddings:
         total -= server.embedding_bytes() - batch * cfg.hidden_size * b
     for kind in cfg.layer_kinds:
-        if kind == "mamba":
-            m = cfg.mamba
-            state = m.num_heads * m.head_dim * m.state_size * 4 / tp + (m.conv_kernel - 1) * m.conv_dim * b
+        if kind in ("mamba", "gdn"):
+            (conv, _), (ssm, _) = cfg.state_shapes(kind)
+            state = math.prod(ssm) * 4 / tp + math.prod(conv) * b
             total += 2 * batch * state  # read, and the step's new state written back
         else:
             live = min(context, cfg.sliding_window) if kind == "sliding" else context
