@@ -6,6 +6,9 @@ the last few bits; on these checkpoints the observed error is 1e-6..4e-6 relativ
 layouts, norms or masks give errors of 1e-2 and more.
 """
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import torch
 from flax import nnx
 
 from hicache_jax.models import load_hf
+from hicache_jax.models.registry import config_from_hf
 from tests.hf_checkpoints import load_reference
 
 # 70 tokens: more than three sliding windows (20) and four Bamba SSD chunks (16);
@@ -73,6 +77,11 @@ def test_hybrid_layouts_map_onto_our_layers(checkpoint_dir):
     nemotron = load_hf(checkpoint_dir("nemotron_h")).cfg
     assert nemotron.layer_kinds == ("mamba", "attention", "mamba", "mamba", "attention")
     assert nemotron.mlp_free_layers == (0, 2, 4) and not nemotron.rope and not nemotron.mlp_gated
+    # Published configs give the blocks as a pattern string, transformers 5 writes a list.
+    hf = json.load(open(os.path.join(checkpoint_dir("nemotron_h"), "config.json")))
+    letter = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    assert "".join(letter[b] for b in hf.pop("layers_block_type")) == "M*-MM-*"
+    assert config_from_hf(hf | {"hybrid_override_pattern": "M*-MM-*"}) == nemotron
     assert nemotron.mamba.dt_min == 0.3 and nemotron.mamba.dt_max == float("inf")
     moe = load_hf(checkpoint_dir("nemotron_h_moe")).cfg  # "ME*EMM-"
     assert moe.sparse_layers == (0, 1) and moe.mlp_free_layers == (2,)
