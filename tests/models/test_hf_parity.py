@@ -16,6 +16,7 @@ import torch
 from flax import nnx
 
 from hicache_jax.models import load_hf
+from hicache_jax.models.presets import build_preset
 from hicache_jax.models.registry import config_from_hf
 from tests.hf_checkpoints import load_reference
 
@@ -100,5 +101,12 @@ def test_param_count_is_the_models(checkpoint_dir, family):
     """``ModelConfig.num_params`` counts the parameters the model holds (MLP-free layers,
     ungated MLPs, shared experts, correction biases, sinks, sandwich norms)."""
     model = load_hf(checkpoint_dir(family))
+    held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    assert model.cfg.num_params() == held
+
+
+@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-gpt-oss", "tiny-nemotron-h", "tiny-granite-h"])
+def test_preset_param_count_is_the_models(preset):
+    model = build_preset(preset)
     held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     assert model.cfg.num_params() == held
