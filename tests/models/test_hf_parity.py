@@ -6,12 +6,18 @@ the last few bits; on these checkpoints the observed error is 1e-6..4e-6 relativ
 layouts, norms or masks give errors of 1e-2 and more.
 """
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from hicache_jax.models import load_hf
+from hicache_jax.models.presets import build_preset
+from hicache_jax.models.registry import config_from_hf
 from tests.hf_checkpoints import load_reference
 
 # 70 tokens: more than three sliding windows (20) and four Bamba SSD chunks (16);
@@ -19,7 +25,20 @@ from tests.hf_checkpoints import load_reference
 LENGTH = 70
 
 
-FAMILIES = ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe", "olmo3", "gpt_oss"]
+FAMILIES = [
+    "mistral",
+    "gemma3",
+    "bamba",
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "olmo3",
+    "gpt_oss",
+    "nemotron_h",
+    "nemotron_h_moe",
+    "granite_h",
+    "granite_h_moe",
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,3 +70,43 @@ def test_model_config_reads_architecture_details(checkpoint_dir):
     olmo = load_hf(checkpoint_dir("olmo3")).cfg
     assert olmo.layer_kinds == ("sliding",) * 3 + ("attention",) and not olmo.pre_norms
     assert olmo.yarn("attention").factor == 8.0 and olmo.yarn("sliding") is None
+
+
+def test_hybrid_layouts_map_onto_our_layers(checkpoint_dir):
+    """Nemotron-H's blocks paired into our layers ("M*-MM-*": a lone Mamba, attention with an
+    MLP, a lone Mamba, a Mamba with an MLP, a lone attention); Granite's multipliers."""
+    nemotron = load_hf(checkpoint_dir("nemotron_h")).cfg
+    assert nemotron.layer_kinds == ("mamba", "attention", "mamba", "mamba", "attention")
+    assert nemotron.mlp_free_layers == (0, 2, 4) and not nemotron.rope and not nemotron.mlp_gated
+    # Published configs give the blocks as a pattern string, transformers 5 writes a list.
+    hf = json.load(open(os.path.join(checkpoint_dir("nemotron_h"), "config.json")))
+    letter = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    assert "".join(letter[b] for b in hf.pop("layers_block_type")) == "M*-MM-*"
+    assert config_from_hf(hf | {"hybrid_override_pattern": "M*-MM-*"}) == nemotron
+    assert nemotron.mamba.dt_min == 0.3 and nemotron.mamba.dt_max == float("inf")
+    moe = load_hf(checkpoint_dir("nemotron_h_moe")).cfg  # "ME*EMM-"
+    assert moe.sparse_layers == (0, 1) and moe.mlp_free_layers == (2,)
+    assert (moe.moe.router, moe.moe.num_groups, moe.moe.routed_scaling) == ("sigmoid_topk", 2, 2.5)
+    granite = load_hf(checkpoint_dir("granite_h")).cfg
+    assert granite.rope and granite.moe is None and granite.intermediate_size == 128
+    assert (granite.embed_scale, granite.attn_scale, granite.residual_multiplier) == (6.0, 0.2, 0.5)
+    assert granite.logits_scaling == 4.0
+    granite_moe = load_hf(checkpoint_dir("granite_h_moe")).cfg
+    assert not granite_moe.rope and granite_moe.sparse_layers == (0, 1, 2, 3)
+    assert granite_moe.moe.shared_intermediate == 48 and granite_moe.moe.router == "topk_softmax"
+
+
+@pytest.mark.parametrize("family", ["nemotron_h_moe", "granite_h_moe", "gpt_oss", "gemma3"])
+def test_param_count_is_the_models(checkpoint_dir, family):
+    """``ModelConfig.num_params`` counts the parameters the model holds (MLP-free layers,
+    ungated MLPs, shared experts, correction biases, sinks, sandwich norms)."""
+    model = load_hf(checkpoint_dir(family))
+    held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    assert model.cfg.num_params() == held
+
+
+@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-gpt-oss", "tiny-nemotron-h", "tiny-granite-h"])
+def test_preset_param_count_is_the_models(preset):
+    model = build_preset(preset)
+    held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    assert model.cfg.num_params() == held
