@@ -160,7 +160,8 @@ class EngineConfig:
     )
     ssd_backend: str | None = setting(
         None,
-        "Mamba2 SSD kernel: xla or pallas, defaults as for --attention_backend.",
+        "Recurrent kernels (Mamba2 SSD scan, Gated DeltaNet): xla or pallas, defaults as for "
+        "--attention_backend.",
         _BACKENDS,
         shown_default="platform's",
     )

@@ -70,6 +70,7 @@ class KernelConfig:
 
     @property
     def ssd_backend(self) -> str:
+        """The backend of the recurrent kernels: Mamba2's SSD scan and Gated DeltaNet's."""
         return self.ssd or default_backend()
 
     def check_model(self, cfg, dtype) -> None:
@@ -99,6 +100,12 @@ class KernelConfig:
             m = cfg.mamba
             shard = (m.num_heads // tp, max(m.num_groups, tp) // tp, m.head_dim, m.state_size, dtype)
             checks.append(("ssd_backend", lambda: ssd.check_shapes(*shard)))
+        gdn = getattr(cfg, "gdn", None)  # Gated DeltaNet layers (Qwen3-Next, Qwen3.5)
+        if self.ssd_backend == "pallas" and gdn is not None and getattr(cfg, "gdn_layers", ()):
+            from hicache_jax.models.kernels.gated_delta_rule import kernel as gdn_kernel
+
+            gdn_shard = (gdn.num_v_heads // tp, gdn.head_k_dim, gdn.head_v_dim, dtype)
+            checks.append(("ssd_backend", lambda: gdn_kernel.check_shapes(*gdn_shard)))
         for flag, check in checks:
             try:
                 check()
@@ -151,5 +158,22 @@ def ssd_fn(backend: str, interpret: bool = False, decode: bool = False) -> Calla
         from hicache_jax.models.kernels.mamba2_ssd import decode_kernel, kernel
 
         fn = decode_kernel.ssd_decode if decode else kernel.ssd_ragged
+        return functools.partial(fn, interpret=interpret)
+    raise ValueError(f"unknown ssd backend {backend!r}; choose one of {BACKENDS}")
+
+
+@functools.cache
+def gdn_fn(backend: str, interpret: bool = False, decode: bool = False) -> Callable:
+    """Slot-indexed Gated DeltaNet (``decode``: the one-token update of a decode-only batch):
+    ``fn(q, k, v, g, beta, cu_seqlens, num_seqs, states, slots, has_initial_state)
+    -> (o, updated_states)``. Chosen by the same flag as the SSD scan (``ssd_backend``)."""
+    if backend == "xla":
+        from hicache_jax.models.kernels.gated_delta_rule import chunked
+
+        return chunked.gdn_decode_slots if decode else chunked.gdn_slots
+    if backend == "pallas":
+        from hicache_jax.models.kernels.gated_delta_rule import decode_kernel, kernel
+
+        fn = decode_kernel.gdn_decode if decode else kernel.gdn_ragged
         return functools.partial(fn, interpret=interpret)
     raise ValueError(f"unknown ssd backend {backend!r}; choose one of {BACKENDS}")

@@ -19,7 +19,7 @@ from hicache_jax.models.sharding import AXIS, tp_size
 
 _HEADS = P(None, AXIS, None)  # [T, heads, D]
 _PAGES = P(None, None, AXIS, None)  # [num_pages, page_size, kv_heads, D]
-_STATES = P(None, AXIS)  # [num_slots, heads, P, N]
+_STATES = P(None, AXIS)  # [num_slots, heads, P, N] (GDN: [num_slots, heads, Dk, Dv])
 
 
 def _per_shard(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs) -> Callable:
@@ -61,3 +61,14 @@ def ssd(fn: Callable, mesh: Mesh | None) -> Callable:
         return inner(x, dt, A, B, C, D, *rest)
 
     return run
+
+
+def gdn(fn: Callable, mesh: Mesh | None) -> Callable:
+    """``fn(q, k, v, g, beta, cu_seqlens, num_seqs, states, slots, has_initial_state)`` per
+    shard: q, k (already repeated to the value heads), v, g, beta and the states split on
+    the value heads."""
+    if mesh is None:
+        return fn
+    per_head = P(None, AXIS)  # [T, heads]
+    specs = (_HEADS, _HEADS, _HEADS, per_head, per_head, P(), P(), _STATES, P(), P())
+    return _per_shard(fn, mesh, specs, (_HEADS, _STATES))
