@@ -11,6 +11,7 @@ scale, while a missing decay, a wrong mask or a lost state carry is off by O(1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +19,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
 
-from hicache_jax.models.kernels.gated_delta_rule import chunked, reference
+from hicache_jax.models.kernels import backend, sharded
+from hicache_jax.models.kernels.gated_delta_rule import chunked, decode_kernel, kernel, reference
+from hicache_jax.models.sharding import make_mesh
 
 H, DK, DV = 4, 8, 16  # value heads, key and value head dims
 NUM_SLOTS = 8
@@ -70,12 +74,15 @@ def make_case(
     num_rows: int,
     num_padding: int = 2,
     strong: bool = False,
+    alike: bool = False,
     dtype=np.float32,
 ) -> Case:
     """``seqs``: (length, slot, has_initial_state) per live sequence; ``num_padding`` more
     sequences past ``num_seqs``. Rows past the live ones and never-read slots are NaN.
     ``strong``: model-like decays (g ~ -2 per token, |cum| ~ 100s over a chunk); else mild
-    ones (g ~ -0.05), so states carry across chunks. ``dtype`` of q, k and v."""
+    ones (g ~ -0.05), so states carry across chunks. ``alike``: near-equal keys and beta ~ 1
+    under slow decay, the chunk's triangular system at its least benign (its Neumann series
+    grows to 1e9 over 64 rows). ``dtype`` of q, k and v."""
     rng = np.random.default_rng(seed)
     T = num_rows
     lens = [n for n, _, _ in seqs] + [0] * num_padding
@@ -86,6 +93,9 @@ def make_case(
     v = f(T, H, DV)
     g = -np.exp(f(T, H) + (0.7 if strong else -3.0))
     beta = 1 / (1 + np.exp(-f(T, H)))
+    if alike:
+        k = np.array(reference.l2norm(k[:1] + 0.1 * k))
+        beta, g = 0.9 + 0.1 * beta, g * 0.1
     slots = np.array([s for _, s, _ in seqs] + [-1] * num_padding, np.int32)
     has_init = np.array([i for _, _, i in seqs] + [True] * num_padding)
     states = f(NUM_SLOTS, H, DK, DV)
@@ -298,3 +308,142 @@ def test_decode_slots_matches_sequential():
         o_want, pool_want = expected(case)
         assert_close(o, o_want, "o")
         assert_close(pool, pool_want, "state pool")
+
+
+# ------------------------------------------------------- the Pallas kernels (interpret)
+
+# (chunk, head_block): one block of all heads; two blocks of two heads.
+CONFIGS = [(8, None), (16, 2)]
+
+
+@pytest.mark.parametrize("chunk,head_block", CONFIGS)
+def test_ragged_matches_sequential(chunk, head_block):
+    seqs = ragged_seqs(chunk)
+    rows = sum(n for n, _, _ in seqs) + 5  # padding rows, and T not a multiple of the chunk
+    case = make_case(chunk + 1, seqs, num_rows=rows)
+    o_want, pool_want = expected(case)
+    o, pool = kernel.gdn_ragged(*case.args, chunk=chunk, head_block=head_block, interpret=True)
+    assert_close(o, o_want, "o")
+    assert (np.asarray(o)[case.cu[-1] :] == 0).all(), "padding rows of o must be 0"
+    assert_close(pool, pool_want, "state pool")  # also: untouched slots keep NaN / values
+
+
+@pytest.mark.parametrize("kind", ["strong", "alike"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_hard_chunks(impl, kind):
+    """64-row chunks, as served. ``strong``: |cum| ~ 100s over a chunk, so exp(cum_i - cum_i)
+    must be exactly 1 on the diagonal. ``alike``: near-equal keys, the UT system at its
+    least benign."""
+    Q = 64
+    seqs = [(Q + 9, 0, True), (1, 5, False), (2 * Q, 2, False)]
+    case = make_case(5, seqs, num_rows=3 * Q + 16, strong=kind == "strong", alike=kind == "alike")
+    o_want, pool_want = expected(case)
+    if impl == "xla":
+        o, pool = chunked.gdn_slots(*case.args)
+    else:
+        o, pool = kernel.gdn_ragged(*case.args, chunk=Q, interpret=True)
+    assert_close(o, o_want, "o")
+    assert_close(pool, pool_want, "state pool")
+
+
+@pytest.mark.parametrize("which", ["ragged", "decode"])
+def test_tpu_interpreter_no_races(which):
+    """The TPU-semantics interpreter: uninitialized VMEM is NaN and DMA races are reported."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    if which == "ragged":
+        case = make_case(7, ragged_seqs(8)[:5], num_rows=48)
+        o, pool = kernel.gdn_ragged(*case.args, chunk=8, head_block=2, interpret=params)
+    else:
+        seqs = [(1, 3, True), (1, 5, False), (1, -1, True), (1, 0, True)]
+        case = make_case(8, seqs, num_rows=6)
+        o, pool = decode_kernel.gdn_decode(*case.args, head_block=2, interpret=params)
+    assert not interpret_pallas_call.races.races_found
+    o_want, pool_want = expected(case)
+    assert_close(o, o_want, "o")
+    assert_close(pool, pool_want, "state pool")
+
+
+def test_kernel_prefill_in_two_parts_equals_one_pass():
+    """Prefill part 1 writes the slot, part 2 reads it (a continued chunk, has_initial_state):
+    same o and state as one pass; then a decode step continues from the slot."""
+    Q, T, n1, n2, slot = 8, 48, 19, 14, 4
+    full = make_case(11, [(n1 + n2, slot, False), (5, 1, False)], num_rows=T)
+    o_one, pool_one = kernel.gdn_ragged(*full.args, chunk=Q, interpret=True)
+
+    def part(rows: slice, has_init: bool, states, fn):
+        """The long sequence's rows ``rows`` (plus the same short neighbour) as one step."""
+        n = rows.stop - rows.start
+        take = lambda a: np.concatenate([a[rows], a[n1 + n2 : n1 + n2 + 5], a[n + 5 :]])[:T]
+        c = dataclasses.replace(
+            full,
+            **{name: take(getattr(full, name)) for name in ("q", "k", "v", "g", "beta")},
+            cu=np.array([0, n, n + 5, n + 5], np.int32),
+            states=states,
+            slots=np.array([slot, 7, -1], np.int32),
+            has_init=np.array([has_init, False, True]),
+        )
+        return fn(*c.args)
+
+    ragged = functools.partial(kernel.gdn_ragged, chunk=Q, interpret=True)
+    o1, pool1 = part(slice(0, n1), False, full.states, ragged)
+    o2, pool2 = part(slice(n1, n1 + n2 - 1), True, np.asarray(pool1), ragged)
+    o3, pool3 = part(slice(n1 + n2 - 1, n1 + n2), True, np.asarray(pool2), chunked.gdn_slots)
+    o_two = np.concatenate([np.asarray(o1)[:n1], np.asarray(o2)[: n2 - 1], np.asarray(o3)[:1]])
+    assert_close(o_two, np.asarray(o_one)[: n1 + n2], "o over the parts")
+    assert_close(np.asarray(pool3)[slot], np.asarray(pool_one)[slot], "state after the parts")
+
+
+# (head_block, q/k/v dtype, rows): T > S (padding rows after the live ones) and T < S
+# (padding sequences' rows clip onto the last live row; their o must not land there).
+DECODE_CASES = [(None, np.float32, 8), (2, jnp.bfloat16, 20), (None, jnp.bfloat16, 5)]
+
+
+@pytest.mark.parametrize("head_block,dtype,num_rows", DECODE_CASES)
+def test_decode_matches_step_and_sequential(head_block, dtype, num_rows):
+    seqs = [(1, 3, True), (1, 5, False), (1, -1, True), (1, 0, True), (1, 2, True)]
+    case = make_case(3, seqs, num_rows=num_rows, dtype=dtype)
+    o, pool = decode_kernel.gdn_decode(*case.args, head_block=head_block, interpret=True)
+    o_want, pool_want = expected(case)  # sequential over one-token sequences
+    assert_close(o, o_want, "o vs sequential")
+    assert_close(pool, pool_want, "state pool")
+    o_xla, pool_xla = chunked.gdn_decode_slots(*case.args)
+    assert_close(o, o_xla, "o vs gdn_decode_slots")
+    assert_close(pool, pool_xla, "state pool vs gdn_decode_slots")
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_backend_and_sharded(decode):
+    """``backend.gdn_fn`` under ``sharded.gdn`` on a 2-way mesh (2 heads per shard) equals the
+    reference, for both backends."""
+    seqs = [(1, 3, True), (1, 5, False), (1, 0, True)] if decode else ragged_seqs(8)[:5]
+    case = make_case(9, seqs, num_rows=8 if decode else 48)
+    o_want, pool_want = expected(case)
+    mesh = make_mesh(2)
+    for name in backend.BACKENDS:
+        fn = sharded.gdn(backend.gdn_fn(name, interpret=True, decode=decode), mesh)
+        o, pool = fn(*case.args)
+        assert_close(o, o_want, f"o ({name})")
+        assert_close(pool, pool_want, f"state pool ({name})")
+
+
+def test_head_block_rule():
+    """Off TPU the tile budget is v5p's (12 MiB): the largest valid block <= 8 that fits."""
+    assert kernel.head_blocks(4, 8, 16) == [4]  # 2 heads are 16 / 32 lanes: not whole tiles
+    assert kernel.head_blocks(6, 64, 128) == [6, 2]
+    assert kernel.check_shapes(8, 128, 128, jnp.bfloat16) == (8, 8)  # Qwen3-Next at tp 4
+    assert kernel.check_shapes(32, 128, 128, jnp.float32) == (8, 8)
+
+
+@pytest.mark.parametrize(
+    "shape,chunk,names",
+    [
+        ((8, 128, 128), 48, "chunk=48"),
+        ((8, 100, 128), 64, "head_k_dim=100"),
+        ((1, 4096, 512), 64, "head_k_dim=4096"),  # one head's state exceeds VMEM
+    ],
+)
+def test_check_shapes_refuses_naming_the_value(shape, chunk, names):
+    with pytest.raises(ValueError, match=names):
+        kernel.check_shapes(*shape, jnp.bfloat16, chunk)
