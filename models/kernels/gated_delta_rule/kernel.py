@@ -20,9 +20,7 @@ Within a segment, rows outside it are masked to ``q = k = v = 0, g = beta = 0``:
 decay nor write the state and their o is 0, so every segment is one chunk of the UT-transform
 form of ``chunked.py`` with the carried state. Masking with ``where`` also keeps NaN in
 padding rows out of the results. The chunk's triangular system ``(I + L)^-1`` is inverted by
-recursive doubling of diagonal blocks (``_ut_inverse``): matmuls only, as stable as
-forward substitution (a Neumann-series product is not: with near-equal keys and slow decay
-its terms grow to 1e9 while the inverse stays O(1)).
+recursive doubling of diagonal blocks (``chunked.ut_inverse``): matmuls only.
 
 Layouts, chosen so every block meets the TPU (8, 128) tiling: q, k [T, H*Dk], v and o
 [T, H*Dv] (free reshapes; a head is a static lane slice), g and beta [H/HB, T, HB]
@@ -116,11 +114,11 @@ def check_shapes(num_heads: int, head_k_dim: int, head_v_dim: int, dtype, chunk:
     ``gdn_decode``) head blocks. Per shard: ``num_heads`` = value heads / tp (q and k come
     repeated to the value heads); ``dtype`` of q, k and v.
 
-    Rules: ``chunk`` is a power of two >= 8 (whole sublane tiles of a token block, and the
-    UT inverse doubles its blocks up to the chunk); the head dims are multiples of 8 (a
+    Rules: ``chunk`` is a positive multiple of 8 (whole sublane tiles of a token block); the
+    head dims are multiples of 8 (a
     state [Dk, Dv] in whole sublane tiles); some head block fits the VMEM tile budget."""
-    if chunk < 8 or chunk & (chunk - 1):
-        raise ValueError(f"chunk={chunk} must be a power of two >= 8 (TPU sublanes; the UT inverse)")
+    if chunk <= 0 or chunk % 8:
+        raise ValueError(f"chunk={chunk} must be a positive multiple of 8 (TPU sublanes)")
     for name, d in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
         if d <= 0 or d % 8:
             raise ValueError(f"{name}={d} must be a positive multiple of 8 (TPU sublanes)")
@@ -172,21 +170,17 @@ def _check(states: jax.Array, head_block: int, H: int, chunk: int | None = None)
         raise ValueError(f"the state pool must be float32 (got {states.dtype})")
     if H % head_block:
         raise ValueError(f"num_heads={H} must divide by head_block={head_block}")
-    if chunk is not None and (chunk < 8 or chunk & (chunk - 1)):
-        raise ValueError(f"chunk={chunk} must be a power of two >= 8")
+    if chunk is not None and chunk % 8:
+        raise ValueError(f"chunk={chunk} must be a multiple of 8 (TPU sublanes)")
 
 
 # --------------------------------------------------------------------------- prefill
 
 
 def _ut_inverse(L: jax.Array) -> jax.Array:
-    """``(I + L)^-1`` for strictly lower-triangular ``L`` [Q, Q], Q a power of two.
-
-    Doubling the diagonal blocks: with ``T`` the inverse of (I + L)'s diagonal blocks of size
-    b, the blocks of size 2b are ``T - T (L * M_b) T``, M_b the mask of each 2b block's
-    lower-left quadrant (i in its lower half, j in its upper half). That is the recursive
-    block inverse [[T1, 0], [-T2 L21 T1, T2]] done for all blocks at once with full-size
-    matmuls, at f32 (HIGHEST): the system is where the chunked form's rounding matters."""
+    """``(I + L)^-1`` for strictly lower-triangular ``L`` [Q, Q]: ``chunked.ut_inverse`` (the
+    recursive block inverse by doubling) with 2-D matmuls, always at f32 (HIGHEST): the
+    system is where the chunked form's rounding matters."""
     Q = L.shape[0]
     i, j = lax.broadcasted_iota(jnp.int32, (Q, Q), 0), lax.broadcasted_iota(jnp.int32, (Q, Q), 1)
     T = (i == j).astype(F32)
@@ -335,7 +329,7 @@ def gdn_ragged(
 ) -> tuple[jax.Array, jax.Array]:  # o [T, H, Dv] float32, updated states
     """Ragged, slot-indexed chunked Gated DeltaNet (prefill and mixed batches).
 
-    ``chunk``: rows per token block (a power of two >= 8; 64 as in transformers and FLA).
+    ``chunk``: rows per token block (a multiple of 8; 64 as in transformers and FLA).
     ``precision`` of the data matmuls: HIGHEST matches the references to f32 rounding;
     DEFAULT (one bf16 pass) is faster on TPU (the UT inverse stays at HIGHEST). Live
     sequences must own distinct slots."""

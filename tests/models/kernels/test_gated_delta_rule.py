@@ -128,8 +128,15 @@ def assert_close(got, want, what: str):
     )
 
 
+# Rows of every ragged case (chunks up to 16): the live rows of ``ragged_seqs(16)`` plus 5
+# padding rows, not a multiple of the chunk. One row count and sequence count keep the
+# tests' compiles shared.
+RAGGED_ROWS = 101
+
+
 def ragged_seqs(Q: int):
-    """Prefill chunks of many shapes mixed with single tokens and padding sequences."""
+    """Prefill chunks of many shapes mixed with single tokens and padding sequences
+    (5 Q + 16 rows)."""
     return [
         (1, 3, True),  # a decode token
         (0, -1, False),  # zero-length padding sequence (no slot)
@@ -164,7 +171,7 @@ def numpy_loop(q, k, v, g, beta, cu, num_seqs, init):
 
 
 def test_sequential_matches_numpy_loop():
-    case = make_case(0, ragged_seqs(4), num_rows=40)
+    case = make_case(0, ragged_seqs(4), num_rows=RAGGED_ROWS)
     init = case.init_states()
     o, finals = reference.gdn_sequential(*case.head, init)
     o_want, finals_want = numpy_loop(*case.head, init)
@@ -226,11 +233,9 @@ def test_matches_transformers(fn):
 # ------------------------------------------------------------- the chunked form (xla)
 
 
-@pytest.mark.parametrize("chunk,strong", [(4, False), (16, False), (16, True)])
+@pytest.mark.parametrize("chunk,strong", [(12, False), (16, True)])
 def test_chunked_matches_sequential(chunk, strong):
-    seqs = ragged_seqs(chunk)
-    rows = sum(n for n, _, _ in seqs) + 5  # padding rows, and T not a multiple of the chunk
-    case = make_case(chunk, seqs, num_rows=rows, strong=strong)
+    case = make_case(chunk, ragged_seqs(chunk), num_rows=RAGGED_ROWS, strong=strong)
     init = case.init_states()
     o, finals = chunked.gdn_chunked(*case.head, init, chunk=chunk)
     o_want, finals_want = reference.gdn_sequential(*case.head, init)
@@ -247,7 +252,7 @@ def test_chunked_matches_sequential(chunk, strong):
 PROP_ROWS, PROP_SEQS = 40, 5
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 14), min_size=1, max_size=PROP_SEQS),
     init=st.lists(st.booleans(), min_size=PROP_SEQS, max_size=PROP_SEQS),
@@ -280,10 +285,12 @@ def test_continuation_equals_one_pass():
     o_one, pool_one = chunked.gdn_slots(*full.args)
 
     def step(rows: slice, has_init: bool, states, decode=False):
+        """The sequence's rows ``rows`` as one step, over the same 136 rows (NaN past them)."""
         n = rows.stop - rows.start
+        take = lambda a: np.concatenate([a[rows], np.full((136 - n,) + a.shape[1:], np.nan, a.dtype)])
         c = dataclasses.replace(
             full,
-            **{name: getattr(full, name)[rows] for name in ("q", "k", "v", "g", "beta")},
+            **{name: take(getattr(full, name)) for name in ("q", "k", "v", "g", "beta")},
             cu=np.array([0, n, n, n], np.int32),
             states=states,
             has_init=np.array([has_init, True, True]),
@@ -300,27 +307,13 @@ def test_continuation_equals_one_pass():
     assert_close(pool, pool_one, "state pool after the parts")
 
 
-def test_decode_slots_matches_sequential():
-    seqs = [(1, 3, True), (1, 5, False), (1, -1, True), (1, 0, True), (1, 2, True)]
-    for num_rows in (8, 5):  # padding rows past the tokens; fewer rows than sequences
-        case = make_case(3, seqs, num_rows=num_rows)
-        o, pool = chunked.gdn_decode_slots(*case.args)
-        o_want, pool_want = expected(case)
-        assert_close(o, o_want, "o")
-        assert_close(pool, pool_want, "state pool")
-
-
 # ------------------------------------------------------- the Pallas kernels (interpret)
 
-# (chunk, head_block): one block of all heads; two blocks of two heads.
-CONFIGS = [(8, None), (16, 2)]
 
-
-@pytest.mark.parametrize("chunk,head_block", CONFIGS)
+# (chunk, head_block): one block of all heads (two blocks of two heads: the race test).
+@pytest.mark.parametrize("chunk,head_block", [(8, None)])
 def test_ragged_matches_sequential(chunk, head_block):
-    seqs = ragged_seqs(chunk)
-    rows = sum(n for n, _, _ in seqs) + 5  # padding rows, and T not a multiple of the chunk
-    case = make_case(chunk + 1, seqs, num_rows=rows)
+    case = make_case(chunk + 1, ragged_seqs(chunk), num_rows=RAGGED_ROWS)
     o_want, pool_want = expected(case)
     o, pool = kernel.gdn_ragged(*case.args, chunk=chunk, head_block=head_block, interpret=True)
     assert_close(o, o_want, "o")
@@ -334,9 +327,10 @@ def test_hard_chunks(impl, kind):
     """64-row chunks, as served. ``strong``: |cum| ~ 100s over a chunk, so exp(cum_i - cum_i)
     must be exactly 1 on the diagonal. ``alike``: near-equal keys, the UT system at its
     least benign."""
-    Q = 64
-    seqs = [(Q + 9, 0, True), (1, 5, False), (2 * Q, 2, False)]
-    case = make_case(5, seqs, num_rows=3 * Q + 16, strong=kind == "strong", alike=kind == "alike")
+    Q = 64  # over the ragged cases' rows and sequence count: shared compiles
+    seqs = [(Q + 9, 0, True), (1, 5, False), (19, 2, False)]
+    alike = kind == "alike"
+    case = make_case(5, seqs, num_rows=RAGGED_ROWS, num_padding=7, strong=not alike, alike=alike)
     o_want, pool_want = expected(case)
     if impl == "xla":
         o, pool = chunked.gdn_slots(*case.args)
@@ -367,22 +361,28 @@ def test_tpu_interpreter_no_races(which):
 
 def test_kernel_prefill_in_two_parts_equals_one_pass():
     """Prefill part 1 writes the slot, part 2 reads it (a continued chunk, has_initial_state):
-    same o and state as one pass; then a decode step continues from the slot."""
-    Q, T, n1, n2, slot = 8, 48, 19, 14, 4
-    full = make_case(11, [(n1 + n2, slot, False), (5, 1, False)], num_rows=T)
+    same o and state as one pass; then a decode step continues from the slot. (The ragged
+    cases' row and sequence counts, so the compiles are shared.)"""
+    Q, T, n1, n2, slot = 8, RAGGED_ROWS, 19, 14, 4
+    pad = len(ragged_seqs(Q))  # padding sequences: the ragged cases' count (8 + 2)
+    full = make_case(11, [(n1 + n2, slot, False), (5, 1, False)], num_rows=T, num_padding=pad)
     o_one, pool_one = kernel.gdn_ragged(*full.args, chunk=Q, interpret=True)
 
     def part(rows: slice, has_init: bool, states, fn):
         """The long sequence's rows ``rows`` (plus the same short neighbour) as one step."""
         n = rows.stop - rows.start
-        take = lambda a: np.concatenate([a[rows], a[n1 + n2 : n1 + n2 + 5], a[n + 5 :]])[:T]
+
+        def take(a):
+            live = np.concatenate([a[rows], a[n1 + n2 : n1 + n2 + 5]])
+            return np.concatenate([live, np.full((T - n - 5,) + a.shape[1:], np.nan, a.dtype)])
+
         c = dataclasses.replace(
             full,
             **{name: take(getattr(full, name)) for name in ("q", "k", "v", "g", "beta")},
-            cu=np.array([0, n, n + 5, n + 5], np.int32),
+            cu=np.array([0, n] + [n + 5] * (pad + 1), np.int32),
             states=states,
-            slots=np.array([slot, 7, -1], np.int32),
-            has_init=np.array([has_init, False, True]),
+            slots=np.array([slot, 7] + [-1] * pad, np.int32),
+            has_init=np.array([has_init, False] + [True] * pad),
         )
         return fn(*c.args)
 
@@ -397,35 +397,35 @@ def test_kernel_prefill_in_two_parts_equals_one_pass():
 
 # (head_block, q/k/v dtype, rows): T > S (padding rows after the live ones) and T < S
 # (padding sequences' rows clip onto the last live row; their o must not land there).
-DECODE_CASES = [(None, np.float32, 8), (2, jnp.bfloat16, 20), (None, jnp.bfloat16, 5)]
+DECODE_CASES = [(None, np.float32, 8), (2, jnp.bfloat16, 5)]
 
 
 @pytest.mark.parametrize("head_block,dtype,num_rows", DECODE_CASES)
-def test_decode_matches_step_and_sequential(head_block, dtype, num_rows):
+def test_decode_matches_sequential(head_block, dtype, num_rows):
     seqs = [(1, 3, True), (1, 5, False), (1, -1, True), (1, 0, True), (1, 2, True)]
     case = make_case(3, seqs, num_rows=num_rows, dtype=dtype)
     o, pool = decode_kernel.gdn_decode(*case.args, head_block=head_block, interpret=True)
     o_want, pool_want = expected(case)  # sequential over one-token sequences
     assert_close(o, o_want, "o vs sequential")
     assert_close(pool, pool_want, "state pool")
-    o_xla, pool_xla = chunked.gdn_decode_slots(*case.args)
-    assert_close(o, o_xla, "o vs gdn_decode_slots")
-    assert_close(pool, pool_xla, "state pool vs gdn_decode_slots")
+    o_xla, pool_xla = chunked.gdn_decode_slots(*case.args)  # the xla backend's decode
+    assert_close(o_xla, o_want, "gdn_decode_slots o vs sequential")
+    assert_close(pool_xla, pool_want, "gdn_decode_slots state pool")
 
 
 @pytest.mark.parametrize("decode", [False, True])
 def test_backend_and_sharded(decode):
-    """``backend.gdn_fn`` under ``sharded.gdn`` on a 2-way mesh (2 heads per shard) equals the
-    reference, for both backends."""
+    """``backend.gdn_fn("pallas")`` under ``sharded.gdn`` on a 2-way mesh (2 heads per shard)
+    equals the reference; ``gdn_fn("xla")`` is the chunked form's slot wrapper."""
+    xla = chunked.gdn_decode_slots if decode else chunked.gdn_slots
+    assert backend.gdn_fn("xla", decode=decode) is xla
     seqs = [(1, 3, True), (1, 5, False), (1, 0, True)] if decode else ragged_seqs(8)[:5]
     case = make_case(9, seqs, num_rows=8 if decode else 48)
     o_want, pool_want = expected(case)
-    mesh = make_mesh(2)
-    for name in backend.BACKENDS:
-        fn = sharded.gdn(backend.gdn_fn(name, interpret=True, decode=decode), mesh)
-        o, pool = fn(*case.args)
-        assert_close(o, o_want, f"o ({name})")
-        assert_close(pool, pool_want, f"state pool ({name})")
+    fn = sharded.gdn(backend.gdn_fn("pallas", interpret=True, decode=decode), make_mesh(2))
+    o, pool = fn(*case.args)
+    assert_close(o, o_want, "o")
+    assert_close(pool, pool_want, "state pool")
 
 
 def test_head_block_rule():
@@ -439,7 +439,7 @@ def test_head_block_rule():
 @pytest.mark.parametrize(
     "shape,chunk,names",
     [
-        ((8, 128, 128), 48, "chunk=48"),
+        ((8, 128, 128), 100, "chunk=100"),
         ((8, 100, 128), 64, "head_k_dim=100"),
         ((1, 4096, 512), 64, "head_k_dim=4096"),  # one head's state exceeds VMEM
     ],
