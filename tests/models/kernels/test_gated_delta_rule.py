@@ -271,10 +271,14 @@ def test_slots_property(lens, init, no_slot, seed, strong):
     slot_ids = np.random.default_rng(seed).permutation(NUM_SLOTS)[: len(lens)]
     seqs = [(n, -1 if i == no_slot else int(slot_ids[i]), init[i]) for i, n in enumerate(lens)]
     case = make_case(seed, seqs, num_rows=PROP_ROWS, num_padding=PROP_SEQS - len(lens), strong=strong)
-    o, pool = chunked.gdn_slots(*case.args)
+    o, pool = chunked.gdn_slots(*case.args)  # chunk 64: one chunk per sequence
     o_want, pool_want = expected(case)
     assert_close(o, o_want, "o")
     assert_close(pool, pool_want, "state pool")
+    init = case.init_states()  # and across chunks: the state carried from chunk to chunk
+    o, finals = chunked.gdn_chunked(*case.head, init, chunk=4)
+    assert_close(o, o_want, "o (chunk 4)")
+    assert_close(finals, reference.gdn_sequential(*case.head, init)[1], "final states (chunk 4)")
 
 
 def test_continuation_equals_one_pass():
