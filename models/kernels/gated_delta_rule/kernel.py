@@ -47,7 +47,11 @@ from hicache_jax.models.kernels.mamba2_ssd.kernel import (
     _tiled_bytes,
 )
 
-MAX_HEAD_BLOCK = 8  # heads are unrolled in the kernel body; more grows code and compile time
+# Heads are unrolled in the kernel bodies; more grows code and compile time. A prefill head
+# is ~20 matmuls of a chunk, enough to keep the MXU busy on its own, and compiling for v5e
+# took 1.2 s with 2 heads against 4.4 s with 8 (chunk 64, head dims 128); a decode head is a
+# few [1, D] x [D, D] products, so decode takes up to 8.
+MAX_HEAD_BLOCK = {"ragged": 2, "decode": 8}
 
 
 def ragged_vmem_bytes(head_block: int, chunk: int, Dk: int, Dv: int, dtype) -> int:
@@ -86,8 +90,8 @@ def head_blocks(num_heads: int, head_k_dim: int, head_v_dim: int) -> list[int]:
 def pick_head_block(num_heads: int, head_k_dim: int, head_v_dim: int, dtype, chunk: int | None = None) -> int:
     """The head block for ``gdn_ragged`` (``chunk`` rows per token block) or, with ``chunk``
     None, ``gdn_decode``, on the chip being traced for: of ``head_blocks(...)``, the largest
-    <= ``MAX_HEAD_BLOCK`` whose VMEM bound fits ``vmem.tile_budget()``; failing that the
-    smallest valid block that fits; else ValueError."""
+    <= ``MAX_HEAD_BLOCK`` (2 for prefill, 8 for decode) whose VMEM bound fits
+    ``vmem.tile_budget()``; failing that the smallest valid block that fits; else ValueError."""
     H, Dk, Dv = num_heads, head_k_dim, head_v_dim
     budget = vmem.tile_budget()
 
@@ -105,7 +109,8 @@ def pick_head_block(num_heads: int, head_k_dim: int, head_v_dim: int, dtype, chu
             f"{jnp.dtype(dtype).name}) fits the {budget >> 20} MiB VMEM tile budget; the "
             f"smallest, {valid[-1]}, needs {need(valid[-1]) >> 20} MiB"
         )
-    return next((hb for hb in fits if hb <= MAX_HEAD_BLOCK), fits[-1])
+    most = MAX_HEAD_BLOCK["decode" if chunk is None else "ragged"]
+    return next((hb for hb in fits if hb <= most), fits[-1])
 
 
 def check_shapes(num_heads: int, head_k_dim: int, head_v_dim: int, dtype, chunk: int = 64) -> tuple[int, int]:

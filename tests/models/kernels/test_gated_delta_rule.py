@@ -433,11 +433,13 @@ def test_backend_and_sharded(decode):
 
 
 def test_head_block_rule():
-    """Off TPU the tile budget is v5p's (12 MiB): the largest valid block <= 8 that fits."""
+    """Off TPU the tile budget is v5p's (12 MiB): the largest valid block that fits, at most
+    2 heads for prefill and 8 for decode; all heads when no smaller block spans whole tiles."""
     assert kernel.head_blocks(4, 8, 16) == [4]  # 2 heads are 16 / 32 lanes: not whole tiles
     assert kernel.head_blocks(6, 64, 128) == [6, 2]
-    assert kernel.check_shapes(8, 128, 128, jnp.bfloat16) == (8, 8)  # Qwen3-Next at tp 4
-    assert kernel.check_shapes(32, 128, 128, jnp.float32) == (8, 8)
+    assert kernel.check_shapes(8, 128, 128, jnp.bfloat16) == (2, 8)  # Qwen3-Next at tp 4
+    assert kernel.check_shapes(32, 128, 128, jnp.float32) == (2, 8)
+    assert kernel.check_shapes(4, 8, 16, jnp.float32) == (4, 4)
 
 
 @pytest.mark.parametrize(
@@ -451,3 +453,28 @@ def test_head_block_rule():
 def test_check_shapes_refuses_naming_the_value(shape, chunk, names):
     with pytest.raises(ValueError, match=names):
         kernel.check_shapes(*shape, jnp.bfloat16, chunk)
+
+
+def test_check_model_refuses_gdn_shapes_naming_the_flag():
+    """``KernelConfig.check_model`` checks a model's GDN layers (``cfg.gdn``, ``cfg.gdn_layers``)
+    with ``check_shapes`` when the recurrent kernels are Pallas."""
+    from types import SimpleNamespace
+
+    gdn = SimpleNamespace(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_kernel=4)
+    cfg = SimpleNamespace(
+        architecture="Qwen3NextForCausalLM",
+        attention_layers=(),
+        mamba=None,
+        mamba_layers=(),
+        gdn=gdn,
+        gdn_layers=(0, 1, 2),
+    )
+    backend.KernelConfig(attention="xla", ssd="pallas").check_model(cfg, jnp.bfloat16)
+    huge = SimpleNamespace(**{**vars(gdn), "head_k_dim": 4096, "head_v_dim": 512})
+    with pytest.raises(
+        ValueError, match="--ssd_backend=pallas cannot run Qwen3NextForCausalLM.*head_k_dim=4096"
+    ):
+        backend.KernelConfig(attention="xla", ssd="pallas").check_model(
+            SimpleNamespace(**{**vars(cfg), "gdn": huge}), jnp.bfloat16
+        )
+    backend.KernelConfig(ssd="xla").check_model(SimpleNamespace(**{**vars(cfg), "gdn": huge}), jnp.bfloat16)
