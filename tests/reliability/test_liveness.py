@@ -70,6 +70,8 @@ CONFIGS = [
     ("tiny-mamba", 8, 16, 2),
     ("tiny-moe", 16, 32, 4),
     ("tiny-gpt-oss", 8, 16, 2),
+    ("tiny-nemotron-h", 16, 32, 4),
+    ("tiny-granite-h", 8, 16, 2),
 ]
 
 
@@ -87,6 +89,8 @@ def _shared_prefix_trace(seed: int, n: int = 5) -> list[TraceReq]:
 # The families whose draws the derandomized search may not reach run as explicit examples.
 @example(trace=_shared_prefix_trace(11), config=("tiny-gpt-oss", 8, 16, 2), tiers="l3", policy="lpm")
 @example(trace=_shared_prefix_trace(12), config=("tiny-moe", 16, 32, 4), tiers="l2", policy="fcfs")
+@example(trace=_shared_prefix_trace(13), config=("tiny-nemotron-h", 16, 32, 4), tiers="l3", policy="fcfs")
+@example(trace=_shared_prefix_trace(14), config=("tiny-granite-h", 8, 16, 2), tiers="l2", policy="lpm")
 @settings(
     max_examples=14,
     deadline=None,
