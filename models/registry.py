@@ -14,6 +14,7 @@ from hicache_jax.models.hf.weights import (
     GPT_OSS_NAMES,
     LLAMA_NAMES,
     OLMO3_NAMES,
+    QWEN3_5_VL_NAMES,
     HFNames,
 )
 
@@ -36,6 +37,9 @@ ARCHITECTURES = {
         Architecture("Qwen3MoeForCausalLM", hf_config.qwen3_moe, LLAMA_NAMES),
         Architecture("Olmo3ForCausalLM", hf_config.olmo3, OLMO3_NAMES),
         Architecture("GptOssForCausalLM", hf_config.gpt_oss, GPT_OSS_NAMES),
+        Architecture("Qwen3_5ForCausalLM", hf_config.qwen3_5, LLAMA_NAMES),
+        # The published Qwen3.5 checkpoints: their text model (the vision tower is not read).
+        Architecture("Qwen3_5ForConditionalGeneration", hf_config.qwen3_5, QWEN3_5_VL_NAMES),
     )
 }
 

@@ -111,6 +111,8 @@ def _hf_config(family: str):
             eos_token_id=2,
             pad_token_id=1,
         )
+    if family == "qwen3_5":  # GDN layers around a gated full-attention one
+        return tf.Qwen3_5TextConfig(**common, **_gdn_common())
     if family == "bamba":
         return tf.BambaConfig(
             **common,
@@ -125,20 +127,41 @@ def _hf_config(family: str):
     raise ValueError(family)
 
 
+def _gdn_common() -> dict:
+    """Qwen3-Next / Qwen3.5 layers: 4 key heads (so tp 4 splits them) each shared by 2 value
+    heads, key and value head dims apart (16, 8) so a swapped axis shows."""
+    return dict(
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        eos_token_id=2,
+        pad_token_id=1,
+    )
+
+
 def randomize(model, seed: int = 0) -> None:
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    kind = type(model).__name__.lower()
+    zero_centered = any(f in kind for f in ("gemma", "qwen3_5", "qwen3next"))  # norms scale by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("A_log"):
+            if name.endswith("A_log") and "linear_attn" in name:  # GDN: slow and fast decays
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) + 0.01))
+            elif name.endswith("A_log"):
                 p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 1))
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5 - 1.0)
             elif name.endswith(".D"):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif "norm" in name:
-                base = 0.0 if "gemma" in type(model).__name__.lower() else 1.0
+                base = 0.0 if zero_centered and "linear_attn.norm" not in name else 1.0
                 p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
             elif p.ndim == 1:  # biases
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
@@ -161,6 +184,7 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
         "olmo3": tf.Olmo3ForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
+        "qwen3_5": tf.Qwen3_5ForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()

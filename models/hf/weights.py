@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hicache_jax.kinds import LayerKind
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf import mxfp4
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
@@ -28,6 +29,13 @@ class HFNames:
     # "fused" (gpt-oss: ``mlp.router`` and ``mlp.experts.{gate_up,down}_proj[_bias]``, gate
     # and up interleaved; bf16 or MXFP4 ``_blocks`` / ``_scales``).
     experts: str = "per_expert"
+    # Where the text model's embedding and layers live (``model.language_model`` in a
+    # multimodal checkpoint such as Qwen3.5's).
+    prefix: str = "model"
+    # Gated DeltaNet in-projections: "split" (Qwen3.5: ``in_proj_qkv``, ``in_proj_z``,
+    # ``in_proj_b``, ``in_proj_a``) or "fused" (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``,
+    # grouped by key head).
+    gdn_proj: str = "split"
 
 
 LLAMA_NAMES = HFNames()
@@ -41,6 +49,8 @@ OLMO3_NAMES = HFNames(
     pre_mlp_norm=None, post_mixer_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm"
 )
 BAMBA_NAMES = HFNames(final_norm="model.final_layernorm", pre_mlp_norm="pre_ff_layernorm", mlp="feed_forward")
+QWEN3_NEXT_NAMES = HFNames(gdn_proj="fused")
+QWEN3_5_VL_NAMES = HFNames(prefix="model.language_model", final_norm="model.language_model.norm")
 
 
 def _t(a):  # torch Linear [out, in] -> kernel [in, out]
@@ -55,6 +65,57 @@ def _conv(a):  # Conv1d depthwise [C, 1, K] -> [K, C]
 
 def _same(a):
     return a
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """A parameter made from several checkpoint tensors (or one, rearranged):
+    ``combine(*tensors)`` gives our layout."""
+
+    parts: tuple[str, ...]
+    combine: Callable
+
+    @property
+    def name(self) -> str:
+        return "|".join(self.parts)  # for messages
+
+
+def _gdn_groups(cfg: ModelConfig, *blocks) -> np.ndarray:
+    """Rows of a Gated DeltaNet projection or conv regrouped by key head: each block
+    ``[num_k_heads * w, ...]`` is split into the heads' ``w`` rows, and every head's rows of
+    every block follow each other (``layers/gated_deltanet.py``'s layout)."""
+    nk = cfg.gdn.num_k_heads
+    parts = [b.reshape(nk, b.shape[0] // nk, *b.shape[1:]) for b in blocks]
+    out = np.concatenate(parts, axis=1)
+    return out.reshape(-1, *out.shape[2:])
+
+
+def _gdn_tensor(names: HFNames, cfg: ModelConfig, m: str, leaf: tuple):
+    """A Gated DeltaNet layer's tensor (``m``: its ``linear_attn`` prefix)."""
+    g = cfg.gdn
+    kd = g.key_dim
+    if leaf[0] == "in_proj":
+        if names.gdn_proj == "fused":  # already grouped by key head: [q k v z] and [b a]
+            combine = lambda qkvz, ba: _gdn_groups(cfg, qkvz, ba).T  # noqa: E731
+            return Joined((f"{m}.in_proj_qkvz.weight", f"{m}.in_proj_ba.weight"), combine), _same
+
+        def combine(qkv, z, b, a):  # [q | k | v] heads in order, then z, b and a
+            return _gdn_groups(cfg, qkv[:kd], qkv[kd : 2 * kd], qkv[2 * kd :], z, b, a).T
+
+        parts = tuple(f"{m}.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a"))
+        return Joined(parts, combine), _same
+    if leaf[0] == "conv_weight":  # depthwise [C, 1, K] over [q | k | v] -> [K, C] grouped
+
+        def conv(w):
+            c = _conv(w).T  # [C, K]
+            return _gdn_groups(cfg, c[:kd], c[kd : 2 * kd], c[2 * kd :]).T
+
+        return Joined((f"{m}.conv1d.weight",), conv), _same
+    if leaf[0] == "out_proj":
+        return f"{m}.out_proj.weight", _t
+    if leaf[0] == "norm":
+        return f"{m}.norm.weight", _same
+    return f"{m}.{leaf[0]}", _same  # dt_bias, A_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +212,7 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
     """The HF tensor (and the transform to our layout) behind one parameter path."""
     p = tuple(str(x) for x in path)
     if p == ("embed", "embedding"):
-        return "model.embed_tokens.weight", _same
+        return f"{names.prefix}.embed_tokens.weight", _same
     if p == ("lm_head", "kernel"):
         return "lm_head.weight", _t
     if p == ("final_norm", "weight"):
@@ -159,7 +220,7 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
     if p[0] != "layers":
         raise KeyError(path)
     i, rest = int(p[1]), p[2:]
-    pre = f"model.layers.{i}"
+    pre = f"{names.prefix}.layers.{i}"
     kind = cfg.layer_kinds[i]
     norm = {
         "input_norm": "input_layernorm",
@@ -174,7 +235,9 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
             return _moe_tensor(names, pre, rest[1:], cfg, ckpt)
         return f"{pre}.{names.mlp}.{rest[1]}.weight", _t
     assert rest[0] == "mixer", path
-    if kind != "mamba":
+    if kind == LayerKind.GDN:
+        return _gdn_tensor(names, cfg, f"{pre}.linear_attn", rest[1:])
+    if kind != LayerKind.MAMBA:
         if rest[1] in ("q_norm", "k_norm"):
             return f"{pre}.self_attn.{rest[1]}.weight", _same
         if rest[1] == "sinks":
@@ -201,6 +264,8 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
     def load(kp, leaf):
         path = tuple(_key(k) for k in kp)
         name, transform = hf_tensor(names, cfg, path, ckpt)
+        if isinstance(name, Joined):
+            return _place(_joined(ckpt, name, leaf.shape), leaf, kp)
         if isinstance(name, Experts):
             where = ckpt.file_of(name.parts[0].replace("<e>", "0"))
             try:
@@ -222,6 +287,9 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
                 f"{where}: tensor {name} has shape {tuple(raw.shape)}, "
                 f"expected {expected_hf_shape(transform, leaf.shape)}"
             )
+        return _place(arr, leaf, kp)
+
+    def _place(arr, leaf, kp):
         if sharding is None:
             return jnp.asarray(np.asarray(arr), dtype=dtype)
         np_dtype = jnp.dtype(dtype)
@@ -230,6 +298,25 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
         )
 
     return jax.tree_util.tree_map_with_path(load, abstract_state)
+
+
+def _joined(ckpt: Checkpoint, joined: Joined, shape: tuple) -> np.ndarray:
+    """Read and combine a ``Joined`` parameter's tensors, checking each and the result."""
+    where = ckpt.file_of(joined.parts[0])
+    raws = [ckpt.get(n) for n in joined.parts]
+    for n, raw in zip(joined.parts, raws):
+        if not (np.issubdtype(raw.dtype, np.floating) or raw.dtype == jnp.bfloat16):
+            raise CheckpointError(
+                f"{ckpt.file_of(n)}: tensor {n} has dtype {raw.dtype}, expected a float type"
+            )
+    shapes = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(joined.parts, raws))
+    try:
+        arr = np.asarray(joined.combine(*(np.asarray(r) for r in raws)))
+    except ValueError as e:
+        raise CheckpointError(f"{where}: tensors {shapes}: {e}") from e
+    if arr.shape != tuple(shape):
+        raise CheckpointError(f"{where}: tensors {shapes} make {arr.shape}, expected {tuple(shape)}")
+    return arr
 
 
 def _key(k):

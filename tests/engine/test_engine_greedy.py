@@ -79,7 +79,7 @@ def test_input_logprobs_match_transformers_with_a_cached_prefix(checkpoint_dir):
         assert [t[1] for t in tops] == np.argsort(-logp[40])[:3].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss", "qwen3_5"])
 def test_prompt_logprobs_match_transformers(checkpoint_dir, family):
     """Every prompt token's logprob through ``LLM`` (chunked prefill over paged windows,
     MoE, sinks) against transformers' log-softmax: at most 1e-4 apart, in float32."""

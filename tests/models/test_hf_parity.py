@@ -6,10 +6,14 @@ the last few bits; on these checkpoints the observed error is 1e-6..4e-6 relativ
 layouts, norms or masks give errors of 1e-2 and more.
 """
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from hicache_jax.models import load_hf
 from tests.hf_checkpoints import load_reference
@@ -19,7 +23,7 @@ from tests.hf_checkpoints import load_reference
 LENGTH = 70
 
 
-FAMILIES = ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe", "olmo3", "gpt_oss"]
+FAMILIES = ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe", "olmo3", "gpt_oss", "qwen3_5"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,3 +55,33 @@ def test_model_config_reads_architecture_details(checkpoint_dir):
     olmo = load_hf(checkpoint_dir("olmo3")).cfg
     assert olmo.layer_kinds == ("sliding",) * 3 + ("attention",) and not olmo.pre_norms
     assert olmo.yarn("attention").factor == 8.0 and olmo.yarn("sliding") is None
+    qwen35 = load_hf(checkpoint_dir("qwen3_5"))
+    c = qwen35.cfg
+    assert c.layer_kinds == ("gdn", "attention", "gdn", "gdn") and c.attention_output_gate
+    assert c.rotary_dim == 4 and c.norm_offset == 1.0 and c.qk_norm
+    assert (c.gdn.num_k_heads, c.gdn.num_v_heads, c.gdn.head_k_dim, c.gdn.head_v_dim) == (4, 8, 16, 8)
+    held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(qwen35, nnx.Param)))
+    assert c.num_params() == held
+
+
+def test_qwen3_5_multimodal_checkpoint_reads_its_text_model(checkpoint_dir, tmp_path):
+    """The published Qwen3.5 checkpoints are ``Qwen3_5ForConditionalGeneration``: the text
+    model's config nested under ``text_config`` and its weights under
+    ``model.language_model``. The same weights, so laid out, give the same logits."""
+    from safetensors.numpy import load_file, save_file
+
+    src = checkpoint_dir("qwen3_5")
+    hf = json.load(open(os.path.join(src, "config.json")))
+    text = {k: v for k, v in hf.items() if k not in ("architectures", "tie_word_embeddings")}
+    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"}
+    nested |= {"text_config": text, "tie_word_embeddings": hf["tie_word_embeddings"]}
+    json.dump(nested, open(tmp_path / "config.json", "w"))
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.visual.merger.weight"] = np.zeros((2, 2), np.float32)  # a vision tensor, unread
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ids = np.random.RandomState(3).randint(0, 512, size=(1, 20))
+    want = np.asarray(jax.jit(load_hf(src).forward_full)(ids))
+    model = load_hf(str(tmp_path))
+    assert model.cfg.architecture == "Qwen3_5ForConditionalGeneration"
+    np.testing.assert_array_equal(np.asarray(jax.jit(model.forward_full)(ids)), want)
