@@ -157,6 +157,37 @@ HF_CONFIGS: dict[str, dict] = {
         "max_position_embeddings": 65536,
         "rms_norm_eps": 1e-6,
     },
+    # The published checkpoint is multimodal: the text model's config nests under
+    # text_config (its widths from the model card: 64 layers, 16 x (3 Gated DeltaNet + 1
+    # gated attention); 16 key / 48 value linear heads of 128; 24 query / 4 KV heads of 256).
+    "qwen3.5-27b": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            "hidden_size": 5120,
+            "intermediate_size": 17408,
+            "num_hidden_layers": 64,
+            "full_attention_interval": 4,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 48,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "vocab_size": 248320,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000000,
+                "partial_rotary_factor": 0.25,
+                "mrope_interleaved": True,
+                "mrope_section": [11, 11, 10],
+            },
+            "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6,
+        },
+    },
 }
 HF_CONFIGS["olmo-3-7b"]["layer_types"] *= 8
 
