@@ -19,7 +19,7 @@ from hicache_jax.models.layers.attention import Attention
 from hicache_jax.models.layers.gated_deltanet import GatedDeltaNet
 from hicache_jax.models.layers.linear import Embed, Linear
 from hicache_jax.models.layers.mamba2 import Mamba2Mixer
-from hicache_jax.models.layers.mlp import GatedMLP
+from hicache_jax.models.layers.mlp import MLP
 from hicache_jax.models.layers.moe import MoE
 from hicache_jax.models.layers.norms import RMSNorm
 from hicache_jax.models.page_loads import land
@@ -36,13 +36,26 @@ from hicache_jax.models.sharding import (
 
 class DecoderLayer(nnx.Module):
     """``x += mixer(norm(x)); x += mlp(norm(x))``, with Gemma's extra output norms, or
-    (``pre_norms=False``, Olmo) only those: ``x += norm(mixer(x)); x += norm(mlp(x))``."""
+    (``pre_norms=False``, Olmo) only those: ``x += norm(mixer(x)); x += norm(mlp(x))``.
+    ``mlp=False``: the mixer half alone. Each half's output is scaled by
+    ``residual_multiplier`` (Granite) before it is added."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels, sparse: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kind: str,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
+        kernels,
+        sparse: bool = False,
+        mlp: bool = True,
+    ):
         def norm():
             return RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
 
         self.kind = kind
+        self.residual_multiplier = cfg.residual_multiplier
         post = cfg.sandwich_norms or not cfg.pre_norms
         self.input_norm = norm() if cfg.pre_norms else None
         if kind == LayerKind.MAMBA:
@@ -52,25 +65,39 @@ class DecoderLayer(nnx.Module):
         else:
             self.mixer = Attention(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
         self.post_mixer_norm = norm() if post else None
-        self.pre_mlp_norm = norm() if cfg.pre_norms else None
-        if sparse:
+        self.pre_mlp_norm = norm() if cfg.pre_norms and mlp else None
+        if not mlp:
+            self.mlp = None
+        elif sparse:
             moe = dict(mesh=kernels.mesh, path=kernels.moe_path)
             self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype=dtype, rngs=rngs, **moe)
         else:
-            self.mlp = GatedMLP(
-                cfg.hidden_size, cfg.intermediate_size, activation=cfg.activation, dtype=dtype, rngs=rngs
+            self.mlp = MLP(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                activation=cfg.activation,
+                gated=cfg.mlp_gated,
+                dtype=dtype,
+                rngs=rngs,
             )
-        self.post_mlp_norm = norm() if post else None
+        self.post_mlp_norm = norm() if post and mlp else None
 
     def __call__(self, entry, x: jax.Array, batch: ForwardBatch):
         entry, h = self.mixer(entry, x if self.input_norm is None else self.input_norm(x), batch)
         if self.post_mixer_norm is not None:
             h = self.post_mixer_norm(h)
-        x = x + h
+        x = x + self._scaled(h)
+        if self.mlp is None:
+            return entry, x
         h = self.mlp(x if self.pre_mlp_norm is None else self.pre_mlp_norm(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
-        return entry, x + h
+        return entry, x + self._scaled(h)
+
+    def _scaled(self, h: jax.Array) -> jax.Array:
+        if self.residual_multiplier == 1.0:
+            return h
+        return h * jnp.asarray(self.residual_multiplier, h.dtype)
 
 
 class CausalLM(nnx.Module):
@@ -92,7 +119,15 @@ class CausalLM(nnx.Module):
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
             [
-                DecoderLayer(cfg, k, dtype=dtype, rngs=rngs, kernels=kernels, sparse=i in cfg.sparse_layers)
+                DecoderLayer(
+                    cfg,
+                    k,
+                    dtype=dtype,
+                    rngs=rngs,
+                    kernels=kernels,
+                    sparse=i in cfg.sparse_layers,
+                    mlp=i not in cfg.mlp_free_layers,
+                )
                 for i, k in enumerate(cfg.layer_kinds)
             ]
         )
@@ -123,6 +158,8 @@ class CausalLM(nnx.Module):
         # samples from and reduces the others' logprobs across the shards, so no chip holds
         # [rows, vocab] float32 whole (0.5 GiB for 544 rows of Gemma 3's 262,208).
         logits = constrain(logits, vocab_sharding(cfg, self.mesh)).astype(jnp.float32)
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)

@@ -8,8 +8,12 @@ A model is a stack of layers, each of one ``LayerKind`` (``hicache_jax/kinds.py`
 - ``mamba``: a Mamba2 (SSD) mixer with a recurrent state;
 - ``gdn``: a Gated DeltaNet linear-attention mixer with a recurrent state.
 
-Architecture-specific details (Gemma's norm offset, Bamba's partial rotary) are plain fields,
-so the layers read a single config and never branch on an architecture name.
+A layer is ``x += mixer(norm(x)); x += mlp(norm(x))``; the layers in ``mlp_free_layers`` stop
+after the mixer (Nemotron-H, whose checkpoints hold mixers and MLPs as separate blocks).
+
+Architecture-specific details (Gemma's norm offset, Bamba's partial rotary, Granite's
+multipliers) are plain fields, so the layers read a single config and never branch on an
+architecture name.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import math
 from hicache_jax.kinds import RECURRENT, LayerKind
 
 LAYER_KINDS = tuple(LayerKind)
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")  # relu2: relu(x) ** 2 (Nemotron-H)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +97,8 @@ class GdnConfig:
         return 2 * self.key_dim + self.value_dim
 
 
-ROUTERS = ("softmax_topk", "topk_softmax")
-EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped", "relu2")  # relu2: not gated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,13 +106,24 @@ class MoEConfig:
     num_experts: int
     top_k: int
     intermediate: int  # per expert
-    router: str = "softmax_topk"  # ROUTERS
-    norm_topk_prob: bool = False  # softmax_topk: renormalise the chosen probabilities
+    router: str = "softmax_topk"  # ROUTERS (``layers/moe.py`` describes each)
+    norm_topk_prob: bool = False  # softmax_topk, sigmoid_topk: the chosen weights sum to 1
     router_bias: bool = False
     expert_bias: bool = False  # gate_up and down biases per expert (gpt-oss)
     activation: str = "silu"  # EXPERT_ACTIVATIONS
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # sigmoid_topk (DeepSeek-V3, Nemotron-H): experts chosen within the best ``topk_groups``
+    # of ``num_groups`` equal groups; the chosen weights multiplied by ``routed_scaling``.
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    # A shared expert: a dense MLP of this width (0: none), with the experts' activation,
+    # run on every token and added to the routed experts' output (Granite's shared_mlp,
+    # Nemotron-H's shared_experts); with ``shared_gate`` its output is first multiplied by
+    # sigmoid(Linear(hidden -> 1)(x)) (Qwen3-Next's shared_expert_gate).
+    shared_intermediate: int = 0
+    shared_gate: bool = False
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -117,6 +132,27 @@ class MoEConfig:
             raise ValueError(f"activation={self.activation!r}: must be one of {EXPERT_ACTIVATIONS}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k}: must be in [1, num_experts={self.num_experts}]")
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(f"num_groups={self.num_groups}: must divide num_experts={self.num_experts}")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_groups={self.topk_groups}: must be in [1, num_groups={self.num_groups}]")
+        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ValueError("num_groups: a group ranks by its top two experts, so needs at least two")
+        if self.num_groups > 1 and self.router != "sigmoid_topk":
+            raise ValueError(f"num_groups={self.num_groups}: only the sigmoid_topk router groups experts")
+        if self.top_k > self.topk_groups * self.num_experts // self.num_groups:
+            raise ValueError(f"top_k={self.top_k}: more than the experts of topk_groups={self.topk_groups}")
+        if self.shared_intermediate < 0:
+            raise ValueError(f"shared_intermediate={self.shared_intermediate}: must be >= 0")
+        if self.shared_gate and not self.shared_intermediate:
+            raise ValueError("shared_gate without a shared expert (shared_intermediate=0)")
+        if self.shared_intermediate and self.activation == "swiglu_clamped":
+            raise ValueError("a shared expert with swiglu_clamped experts is not supported")
+
+    @property
+    def gated(self) -> bool:
+        """Experts (and the shared expert) compute ``act(gate) * up``; ``relu2`` ones ``act(up)``."""
+        return self.activation != "relu2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +179,12 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     activation: str = "silu"
+    mlp_gated: bool = True  # the dense MLP: down(act(gate(x)) * up(x)), or down(act(up(x)))
+    # Layers without an MLP: ``x += mixer(norm(x))`` only (Nemotron-H's lone mixer blocks).
+    mlp_free_layers: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     # Attention.
+    rope: bool = True  # False: no position encoding in attention (NoPE; Nemotron-H, Granite 4.0-H)
     rope_theta: float = 10000.0
     rope_theta_sliding: float | None = None  # Gemma3 local layers use their own base
     rope_linear_factor: float = 1.0  # "linear" rope scaling (positions / factor)
@@ -153,6 +193,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
     query_pre_attn_scalar: float | None = None  # scale = this ** -0.5; default head_dim
+    attention_multiplier: float | None = None  # the softmax scale itself, when set (Granite)
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     qk_norm: bool = False
@@ -167,6 +208,10 @@ class ModelConfig:
     norm_offset: float = 0.0
     embed_scale: float = 1.0
     sandwich_norms: bool = False
+    # Granite: each sub-layer's output times this before the residual add; logits divided
+    # by ``logits_scaling``.
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # False: no norm before attention and the MLP, only after each (Olmo 2 and 3).
     pre_norms: bool = True
     mamba: MambaConfig | None = None
@@ -211,6 +256,17 @@ class ModelConfig:
             )
         if self.rotary_dim % 2:
             raise ValueError(f"rotary dim {self.rotary_dim} must be even")
+        if any(not 0 <= i < len(self.layer_kinds) for i in self.mlp_free_layers):
+            raise ValueError(
+                f"ModelConfig.mlp_free_layers {self.mlp_free_layers}: not all in [0, {len(self.layer_kinds)})"
+            )
+        if set(self.mlp_free_layers) & set(self.sparse_layers):
+            raise ValueError(
+                f"ModelConfig: layers {sorted(set(self.mlp_free_layers) & set(self.sparse_layers))} "
+                "are both MLP-free and sparse"
+            )
+        if self.logits_scaling == 0:
+            raise ValueError("ModelConfig.logits_scaling must not be 0 (logits are divided by it)")
 
     @property
     def num_layers(self) -> int:
@@ -218,10 +274,12 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+        return int(self.head_dim * self.partial_rotary_factor) if self.rope else 0
 
     @property
     def attn_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def rope_base(self, kind: str) -> float:
@@ -297,6 +355,7 @@ class ModelConfig:
         if d.get("moe") is not None:
             d["moe"] = MoEConfig(**d["moe"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
+        d["mlp_free_layers"] = tuple(d.get("mlp_free_layers", ()))
         d["layer_kinds"] = tuple(LayerKind(k) for k in d["layer_kinds"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
@@ -316,18 +375,25 @@ class ModelConfig:
     def mlp_params(self, layer: int, active: bool = False) -> int:
         """The MLP's parameters in layer ``layer`` (with ``active``, those one token uses)."""
         h = self.hidden_size
+        if layer in self.mlp_free_layers:
+            return 0
         if layer not in self.sparse_layers:
-            return 3 * h * self.intermediate_size
+            return (3 if self.mlp_gated else 2) * h * self.intermediate_size
         m = self.moe
         experts = m.top_k if active else m.num_experts
-        per_expert = 3 * h * m.intermediate + ((2 * m.intermediate + h) if m.expert_bias else 0)
-        return h * m.num_experts + (m.num_experts if m.router_bias else 0) + experts * per_expert
+        matrices = 3 if m.gated else 2
+        up = (2 if m.gated else 1) * m.intermediate
+        per_expert = matrices * h * m.intermediate + ((up + h) if m.expert_bias else 0)
+        router = h * m.num_experts + (m.num_experts if m.router_bias else 0)
+        router += m.num_experts if m.router == "sigmoid_topk" else 0  # the choice's correction bias
+        shared = matrices * h * m.shared_intermediate + (h if m.shared_gate else 0)
+        return router + experts * per_expert + shared
 
     def _layer_params(self, active: bool) -> int:
         h, n = self.hidden_size, 0
         for i, kind in enumerate(self.layer_kinds):
-            norms = (2 if self.pre_norms else 0) + (2 if self.sandwich_norms or not self.pre_norms else 0)
-            n += norms * h + self.mlp_params(i, active)
+            norms = (1 if self.pre_norms else 0) + (1 if self.sandwich_norms or not self.pre_norms else 0)
+            n += norms * h * (1 if i in self.mlp_free_layers else 2) + self.mlp_params(i, active)
             if kind == "mamba":
                 m = self.mamba
                 proj = m.intermediate_size + m.conv_dim + m.num_heads

@@ -67,6 +67,50 @@ PRESETS: dict[str, ModelConfig] = {
         gdn=GdnConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4),
         **_TINY,
     ),
+    # Nemotron-H-style: squared-ReLU MLPs and an MoE (sigmoid router, relu2 experts, a shared
+    # expert) after some mixers only, attention without RoPE, Mamba2 with a time-step floor.
+    "tiny-nemotron-h": ModelConfig(
+        architecture="preset:tiny-nemotron-h",
+        layer_kinds=("mamba", "mamba", "attention", "mamba"),
+        mlp_free_layers=(1, 3),
+        activation="relu2",
+        mlp_gated=False,
+        rope=False,
+        mamba=MambaConfig(
+            num_heads=8, head_dim=16, state_size=16, num_groups=2, conv_kernel=4, chunk_size=64, dt_min=1e-3
+        ),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            intermediate=32,
+            router="sigmoid_topk",
+            norm_topk_prob=True,
+            activation="relu2",
+            num_groups=2,
+            routed_scaling=2.5,
+            shared_intermediate=64,
+        ),
+        sparse_layers=(2,),
+        **_TINY,
+    ),
+    # Granite 4.0-H-style: Mamba2 and attention without RoPE, every layer an MoE beside a
+    # shared MLP, Granite's multipliers.
+    "tiny-granite-h": ModelConfig(
+        architecture="preset:tiny-granite-h",
+        layer_kinds=("mamba", "attention", "mamba"),
+        rope=False,
+        attention_multiplier=1 / 16,
+        embed_scale=12.0,
+        residual_multiplier=0.22,
+        logits_scaling=4.0,
+        tie_word_embeddings=True,
+        mamba=MambaConfig(
+            num_heads=8, head_dim=16, state_size=16, num_groups=1, conv_kernel=4, chunk_size=64
+        ),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate=32, router="topk_softmax", shared_intermediate=64),
+        sparse_layers=(0, 1, 2),
+        **_TINY,
+    ),
     # Qwen3-MoE-style mixture of experts (per-head q/k norm) over both window kinds, with
     # one dense layer among the MoE ones.
     "tiny-moe": ModelConfig(

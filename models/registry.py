@@ -12,7 +12,9 @@ from hicache_jax.models.hf.weights import (
     BAMBA_NAMES,
     GEMMA3_NAMES,
     GPT_OSS_NAMES,
+    GRANITE_H_NAMES,
     LLAMA_NAMES,
+    NEMOTRON_H_NAMES,
     OLMO3_NAMES,
     QWEN3_5_VL_NAMES,
     HFNames,
@@ -37,6 +39,8 @@ ARCHITECTURES = {
         Architecture("Qwen3MoeForCausalLM", hf_config.qwen3_moe, LLAMA_NAMES),
         Architecture("Olmo3ForCausalLM", hf_config.olmo3, OLMO3_NAMES),
         Architecture("GptOssForCausalLM", hf_config.gpt_oss, GPT_OSS_NAMES),
+        Architecture("NemotronHForCausalLM", hf_config.nemotron_h, NEMOTRON_H_NAMES),
+        Architecture("GraniteMoeHybridForCausalLM", hf_config.granite_moe_hybrid, GRANITE_H_NAMES),
         Architecture("Qwen3_5ForCausalLM", hf_config.qwen3_5, LLAMA_NAMES),
         # The published Qwen3.5 checkpoints: their text model (the vision tower is not read).
         Architecture("Qwen3_5ForConditionalGeneration", hf_config.qwen3_5, QWEN3_5_VL_NAMES),

@@ -7,6 +7,9 @@ each layer needs one all-reduce (its row-parallel output) and XLA's partitioner 
                 o_proj                   [heads * D, hidden]  rows split      -> all-reduce
                 KV pages        [pages, page_size, kv_heads, D]  split by KV head
     MLP         gate_proj, up_proj       columns split; down_proj rows split  -> all-reduce
+    MoE         experts (gate_up, down and their biases) split whole by expert; the router
+                and its correction bias replicated; a shared expert split as the MLP is,
+                its gate (hidden -> 1) replicated
     Mamba2      in_proj    [hidden, z|xBC|dt]  rows split (its columns interleave z, x, B,
                            C and dt, so an even column split would cut across them)
                 SSD scan and state   [slots, heads, P, N]  split by Mamba head
@@ -28,9 +31,10 @@ device KV pool holds ``tp_size`` heads (``tp_size / kv_heads`` copies of each). 
 device memory for the copies, but no shard ever waits on another for a KV head. Host (L2)
 and storage (L3) pages keep each KV head once (see ``hicache_jax/runtime/transfer.py``).
 
-Split sizes must divide: query heads, intermediate size, Mamba heads and (with Mamba
-layers) hidden size, GDN key (so also value) heads by ``tp_size``; KV heads and Mamba
-groups must divide ``tp_size`` or be divided by it. ``check_tp`` names the one that does not.
+Split sizes must divide: query heads, intermediate size (of dense MLPs and shared experts),
+experts, Mamba heads and (with Mamba layers) hidden size, GDN key (so also value) heads by
+``tp_size``; KV heads and Mamba groups must divide ``tp_size`` or be divided by it.
+``check_tp`` names the one that does not.
 """
 
 from __future__ import annotations
@@ -63,13 +67,18 @@ def tp_size(mesh: Mesh | None) -> int:
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Raise ValueError naming the first size that ``tp`` cannot split."""
-    split = [("intermediate_size", cfg.intermediate_size)]
+    split = []
     either = []  # sizes that may also be smaller than tp (then replicated)
+    dense = set(range(cfg.num_layers)) - set(cfg.sparse_layers) - set(cfg.mlp_free_layers)
+    if dense:
+        split.append(("intermediate_size", cfg.intermediate_size))
     if cfg.attention_layers:
         split.append(("num_heads", cfg.num_heads))
         either.append(("num_kv_heads", cfg.num_kv_heads))
     if cfg.moe is not None and cfg.sparse_layers:
         split.append(("moe.num_experts", cfg.moe.num_experts))  # whole experts per device
+        if cfg.moe.shared_intermediate:
+            split.append(("moe.shared_intermediate", cfg.moe.shared_intermediate))
     if cfg.mamba is not None and cfg.mamba_layers:
         split.append(("mamba.num_heads", cfg.mamba.num_heads))
         split.append(("hidden_size", cfg.hidden_size))  # in_proj's rows
@@ -111,9 +120,13 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
     if part == "mlp":
         if name in ("gate_up", "down", "gate_up_bias", "down_bias"):  # MoE: whole experts per device
             return P(AXIS, *([None] * (len(shape) - 1)))
-        if name == "router":
-            return P()
-        return row if name == "down_proj" else column
+        if name == "shared_expert":  # MoE: a dense MLP beside the experts
+            name = p[4]
+        if name in ("gate_proj", "up_proj"):
+            return column
+        if name == "down_proj":
+            return row
+        return P()  # the router, its correction bias, the shared expert's gate
     if part != "mixer":
         return P()
     if cfg.layer_kinds[int(p[1])] == LayerKind.GDN:

@@ -113,6 +113,64 @@ def _hf_config(family: str):
         )
     if family == "qwen3_5":  # GDN layers around a gated full-attention one
         return tf.Qwen3_5TextConfig(**common, **_gdn_common())
+    nemotron = dict(
+        **common,
+        head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        chunk_size=16,
+        time_step_min=0.3,  # the floor (transformers' only dt limit here) binds for some tokens
+        eos_token_id=2,
+        pad_token_id=1,
+    )
+    if family == "nemotron_h":  # lone mixers (an "MM" pair, a last one), attention with an MLP
+        return tf.NemotronHConfig(**nemotron, hybrid_override_pattern="M*-MM-*")
+    if family == "nemotron_h_moe":  # MoE after a Mamba and an attention block; groups and scaling
+        return tf.NemotronHConfig(
+            **nemotron,
+            hybrid_override_pattern="ME*EMM-",
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+        )
+    granite = dict(
+        **common,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        embedding_multiplier=6.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+        eos_token_id=2,
+        pad_token_id=1,
+    )
+    if family == "granite_h":  # dense (the shared MLP alone), RoPE
+        return tf.GraniteMoeHybridConfig(
+            **(granite | {"intermediate_size": 32}),
+            num_hidden_layers=3,
+            layer_types=["mamba", "attention", "mamba"],
+            position_embedding_type="rope",
+            num_local_experts=0,
+            shared_intermediate_size=128,
+        )
+    if family == "granite_h_moe":  # experts beside the shared MLP, no position encoding
+        return tf.GraniteMoeHybridConfig(
+            **(granite | {"intermediate_size": 32}),
+            num_hidden_layers=4,
+            layer_types=["attention", "mamba", "mamba", "attention"],
+            position_embedding_type="nope",
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            shared_intermediate_size=48,
+        )
     if family == "bamba":
         return tf.BambaConfig(
             **common,
@@ -168,6 +226,9 @@ def randomize(model, seed: int = 0) -> None:
             else:
                 fan_in = p.shape[-1] if "conv1d" not in name else p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # Nemotron-H's router: shifts the choice
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def hf_model(family: str, seed: int = 0, **overrides):
@@ -185,6 +246,10 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "olmo3": tf.Olmo3ForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
         "qwen3_5": tf.Qwen3_5ForCausalLM,
+        "nemotron_h": tf.NemotronHForCausalLM,
+        "nemotron_h_moe": tf.NemotronHForCausalLM,
+        "granite_h": tf.GraniteMoeHybridForCausalLM,
+        "granite_h_moe": tf.GraniteMoeHybridForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()

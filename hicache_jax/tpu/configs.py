@@ -157,6 +157,58 @@ HF_CONFIGS: dict[str, dict] = {
         "max_position_embeddings": 65536,
         "rms_norm_eps": 1e-6,
     },
+    "nemotron-h-8b": {
+        "architectures": ["NemotronHForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 21504,
+        # 24 Mamba, 4 attention and 24 squared-ReLU MLP blocks: 28 of our layers, 4 MLP-free.
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 131072,
+        "mamba_num_heads": 128,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+        "time_step_min": 0.001,
+        "mlp_hidden_act": "relu2",
+        "max_position_embeddings": 8192,
+        "layer_norm_epsilon": 1e-5,
+    },
+    "granite-4.0-h-small": {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 768,  # per expert
+        "shared_intermediate_size": 1536,
+        "num_hidden_layers": 40,
+        # 36 Mamba and 4 attention layers (9:1); which four are attention is not read from
+        # the published file here (a compile depends on the kinds, not their order).
+        "layer_types": (["mamba"] * 5 + ["attention"] + ["mamba"] * 4) * 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 72,
+        "num_experts_per_tok": 10,
+        "vocab_size": 100352,
+        "tie_word_embeddings": True,
+        "mamba_n_heads": 128,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 256,
+        "position_embedding_type": "nope",
+        # Granite's multipliers (shape-neutral; values of the Granite 4.0 family's kind).
+        "embedding_multiplier": 12.0,
+        "attention_multiplier": 0.0078125,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 8.0,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+    },
     # The published checkpoint is multimodal: the text model's config nests under
     # text_config (its widths from the model card: 64 layers, 16 x (3 Gated DeltaNet + 1
     # gated attention); 16 key / 48 value linear heads of 128; 24 query / 4 KV heads of 256).
@@ -198,7 +250,8 @@ def real_config(name: str, num_layers: int | None = None) -> ModelConfig:
         return cfg
     kinds = cut_layers(cfg.layer_kinds, num_layers)
     sparse = tuple(i for i in cfg.sparse_layers if i < len(kinds))
-    return dataclasses.replace(cfg, layer_kinds=kinds, sparse_layers=sparse)
+    mlp_free = tuple(i for i in cfg.mlp_free_layers if i < len(kinds))
+    return dataclasses.replace(cfg, layer_kinds=kinds, sparse_layers=sparse, mlp_free_layers=mlp_free)
 
 
 def cut_layers(layer_kinds: tuple[str, ...], num_layers: int) -> tuple[str, ...]:

@@ -378,3 +378,206 @@ def qwen3_5(hf: dict, where: str) -> ModelConfig:
     """Qwen3_5ForCausalLM (dense) and the text model of Qwen3_5ForConditionalGeneration
     (the published checkpoints; the vision tower is not read)."""
     return _gated_deltanet(_text_config(hf), hf["architectures"][0], where)
+
+
+# Nemotron-H's block letters (``hybrid_override_pattern``) and the names transformers 5 gives
+# them (``layers_block_type``).
+_NEMOTRON_BLOCKS = {
+    "M": "M", "*": "*", "-": "-", "E": "E",
+    "mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E",
+}  # fmt: skip
+
+
+def nemotron_h_layers(pattern: str, where: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """``hybrid_override_pattern`` -> (layer kinds, MLP-free layers, MoE layers).
+
+    Each Nemotron-H block is ``x += mixer(norm(x))`` with one mixer: Mamba2 (``M``),
+    attention (``*``), a dense MLP (``-``) or an MoE (``E``). A mixer block and the MLP block
+    after it make one of our layers; a mixer block with none after it, a layer without MLP::
+
+        HF block    0 1 2 3 4 5
+        pattern     M - M * E M
+        our layer   0 0 1 2 2 3    (mamba+MLP, mamba, attention+MoE, mamba)
+    """
+    kinds, mlp_free, sparse = [], [], []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c not in "M*-E":
+            raise CheckpointError(f"{where}: hybrid_override_pattern {pattern!r}: unknown block {c!r} at {i}")
+        if c in "-E":
+            raise CheckpointError(
+                f"{where}: hybrid_override_pattern {pattern!r}: the MLP block {c!r} at {i} follows no "
+                "Mamba or attention block (an MLP block must come right after one)"
+            )
+        kinds.append("mamba" if c == "M" else "attention")
+        after = pattern[i + 1] if i + 1 < len(pattern) else None
+        if after in ("-", "E"):
+            if after == "E":
+                sparse.append(len(kinds) - 1)
+            i += 2
+        else:
+            mlp_free.append(len(kinds) - 1)
+            i += 1
+    if not kinds:
+        raise CheckpointError(f"{where}: hybrid_override_pattern is empty")
+    return tuple(kinds), tuple(mlp_free), tuple(sparse)
+
+
+def nemotron_h(hf: dict, where: str) -> ModelConfig:
+    """NemotronHForCausalLM: Mamba2, attention (no RoPE), squared-ReLU MLP and MoE blocks
+    from ``hybrid_override_pattern`` (or transformers 5's ``layers_block_type``), grouped into
+    our layers by ``nemotron_h_layers``. The MoE routes DeepSeek-V3's way (sigmoid scores,
+    a correction bias on the choice, grouped top-k) to squared-ReLU experts beside one shared
+    expert. The Mamba2 mixer is Bamba's but for its projections' bias (``use_bias``) and its
+    time step floor (``time_step_min``, no ceiling: transformers ignores ``time_step_limit``).
+    ``residual_in_fp32`` changes nothing in transformers' forward, nor here."""
+    _check(hf, where, mlp_hidden_act="relu2", mamba_hidden_act="silu", mlp_bias=False)
+    if "hybrid_override_pattern" in hf:
+        pattern = hf["hybrid_override_pattern"]
+    else:
+        blocks = hf.get("layers_block_type") or hf.get("layer_types")
+        if blocks is None:
+            raise KeyError("hybrid_override_pattern")
+        bad = [b for b in blocks if b not in _NEMOTRON_BLOCKS]
+        if bad:
+            raise CheckpointError(f"{where}: layers_block_type has unknown blocks {bad}")
+        pattern = "".join(_NEMOTRON_BLOCKS[b] for b in blocks)
+    if not isinstance(pattern, str):
+        raise CheckpointError(f"{where}: hybrid_override_pattern {pattern!r} is not a string")
+    kinds, mlp_free, sparse = nemotron_h_layers(pattern, where)
+
+    def legacy(name: str, old: str, default):  # transformers renamed some fields in v5
+        return hf.get(name, hf.get(old, default))
+
+    mamba = MambaConfig(
+        num_heads=hf.get("mamba_num_heads", 128),
+        head_dim=hf.get("mamba_head_dim", 64),
+        state_size=hf.get("ssm_state_size", 128),
+        num_groups=legacy("n_groups", "mamba_n_groups", 8),
+        conv_kernel=legacy("conv_kernel", "mamba_d_conv", 4),
+        chunk_size=legacy("chunk_size", "mamba_chunk_size", 128),
+        conv_bias=bool(legacy("use_conv_bias", "mamba_conv_bias", True)),
+        proj_bias=bool(hf.get("use_bias", False)),
+        dt_min=_float(legacy("time_step_min", "mamba_dt_min", 0.001)),
+    )
+    moe = None
+    if sparse:
+        if hf.get("moe_latent_size") is not None:
+            raise CheckpointError(f"{where}: moe_latent_size={hf['moe_latent_size']} is not supported")
+        moe = MoEConfig(
+            num_experts=hf.get("n_routed_experts", hf.get("num_local_experts")),
+            top_k=hf["num_experts_per_tok"],
+            intermediate=hf["moe_intermediate_size"],
+            router="sigmoid_topk",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            activation="relu2",
+            num_groups=hf.get("n_group", 1),
+            topk_groups=hf.get("topk_group", 1),
+            routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_intermediate=hf["moe_shared_expert_intermediate_size"],
+        )
+    heads = hf.get("num_attention_heads", 32)
+    common = _common(
+        {"num_attention_heads": heads, "num_key_value_heads": 8, "intermediate_size": 21504, **hf},
+        "NemotronHForCausalLM",
+        kinds,
+        where,
+    )
+    common["head_dim"] = hf.get("head_dim") or hf.get("attention_head_dim") or 128
+    common["rms_norm_eps"] = float(hf.get("layer_norm_epsilon", 1e-5))
+    common["max_position_embeddings"] = hf.get("max_position_embeddings", 4096)
+    return ModelConfig(
+        **common,
+        activation="relu2",
+        mlp_gated=False,
+        mlp_free_layers=mlp_free,
+        rope=False,
+        tie_word_embeddings=False,  # transformers' NemotronH never ties them
+        mamba=mamba,
+        moe=moe,
+        sparse_layers=sparse,
+    )
+
+
+# Granite 4.0-H's ``layer_types``, as published and as transformers 5 writes them.
+_GRANITE_LAYERS = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "attention": "attention",
+    "full_attention": "attention",
+}
+
+
+def granite_moe_hybrid(hf: dict, where: str) -> ModelConfig:
+    """GraniteMoeHybridForCausalLM (Granite 4.0-H): Mamba2 (Bamba's mixer) and attention
+    layers from ``layer_types``, attention with RoPE or none (``position_embedding_type``
+    "rope" or "nope"), and in every layer a shared SwiGLU MLP, plus (``num_local_experts``
+    > 0) an MoE (top-k router logits, softmax over those) whose output is added to it.
+    Granite's multipliers: ``embedding_multiplier``, ``attention_multiplier`` (the softmax
+    scale), ``residual_multiplier`` (on each sub-layer's output) and ``logits_scaling``
+    (divides the logits)."""
+    _check(hf, where, hidden_act="silu")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * n
+    bad = [t for t in types if t not in _GRANITE_LAYERS]
+    if bad:
+        raise CheckpointError(f"{where}: layer_types has unknown types {bad} (mamba, attention)")
+    if len(types) != n:
+        raise CheckpointError(f"{where}: layer_types has {len(types)} entries for num_hidden_layers={n}")
+    kinds = tuple(_GRANITE_LAYERS[t] for t in types)
+    position = hf.get("position_embedding_type")
+    if position not in (None, "rope", "nope"):
+        raise CheckpointError(f"{where}: position_embedding_type {position!r} is not supported (rope, nope)")
+    h = hf["hidden_size"]
+    expand = hf.get("mamba_expand", 2)
+    heads = hf.get("mamba_n_heads", 128)
+    d_head = hf.get("mamba_d_head", "auto")
+    if d_head == "auto":
+        d_head = expand * h // heads
+    if d_head * heads != expand * h:
+        raise CheckpointError(f"{where}: mamba_d_head * mamba_n_heads != mamba_expand * hidden_size")
+    limit = hf.get("time_step_limit") or (0.0, math.inf)
+    mamba = MambaConfig(
+        num_heads=heads,
+        head_dim=d_head,
+        state_size=hf.get("mamba_d_state", 256),
+        num_groups=hf.get("mamba_n_groups", 1),
+        conv_kernel=hf.get("mamba_d_conv", 4),
+        chunk_size=hf.get("mamba_chunk_size", 256),
+        conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        proj_bias=bool(hf.get("mamba_proj_bias", False)),
+        dt_min=_float(limit[0]),
+        dt_max=_float(limit[1]),
+    )
+    shared = hf.get("shared_intermediate_size", 1024)
+    experts = hf.get("num_local_experts", 8) or 0
+    moe = None
+    if experts:
+        moe = MoEConfig(
+            num_experts=experts,
+            top_k=hf.get("num_experts_per_tok", 2),
+            intermediate=hf.get("intermediate_size", 11008),
+            router="topk_softmax",
+            shared_intermediate=shared,
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta, factor = _rope(rope, hf.get("rope_theta", 10000.0), where)
+    # The shared MLP is the dense MLP of a layer without experts, the shared expert otherwise.
+    common = _common({**hf, "intermediate_size": shared}, "GraniteMoeHybridForCausalLM", kinds, where)
+    multiplier = hf.get("attention_multiplier", 1.0)
+    return ModelConfig(
+        **common,
+        rope=position == "rope",
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        attention_bias=bool(hf.get("attention_bias", False)),
+        attention_multiplier=None if multiplier is None else float(multiplier),
+        embed_scale=float(hf.get("embedding_multiplier") or 1.0),
+        residual_multiplier=float(hf.get("residual_multiplier") or 1.0),
+        logits_scaling=float(hf.get("logits_scaling") or 1.0),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mamba=mamba,
+        moe=moe,
+        sparse_layers=tuple(range(n)) if moe else (),
+    )

@@ -18,20 +18,35 @@ from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 
 @dataclasses.dataclass(frozen=True)
 class HFNames:
-    """Where an architecture keeps the tensors whose names differ between families."""
+    """Where an architecture keeps the tensors whose names differ between families. Module
+    names are relative to a layer's prefix (``{layers}.{i}``)."""
 
     final_norm: str = "model.norm"
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    input_norm: str = "input_layernorm"
     pre_mlp_norm: str | None = "post_attention_layernorm"
     post_mixer_norm: str | None = None
     post_mlp_norm: str | None = None
+    attention: str = "self_attn"
+    mamba: str = "mamba"
     mlp: str = "mlp"
-    # MoE layers: "per_expert" (Qwen3-MoE: ``mlp.gate`` and ``mlp.experts.<e>.*_proj``) or
-    # "fused" (gpt-oss: ``mlp.router`` and ``mlp.experts.{gate_up,down}_proj[_bias]``, gate
-    # and up interleaved; bf16 or MXFP4 ``_blocks`` / ``_scales``).
+    # The dense MLP (and shared expert) as Granite stores it: ``input_linear`` (gate rows,
+    # then up rows) and ``output_linear``, in place of ``{gate,up,down}_proj``.
+    fused_mlp: bool = False
+    # MoE layers: the module holding router and experts, and how the experts are stored:
+    # "per_expert" (Qwen3-MoE, Nemotron-H: ``gate`` and ``experts.<e>.*_proj``), "fused"
+    # (gpt-oss: ``router`` and ``experts.{gate_up,down}_proj[_bias]``, gate and up
+    # interleaved; bf16 or MXFP4 ``_blocks`` / ``_scales``) or "granite" (``router.layer``,
+    # ``input_linear [E, 2I, H]`` and ``output_linear [E, H, I]``).
+    moe: str = "mlp"
     experts: str = "per_expert"
-    # Where the text model's embedding and layers live (``model.language_model`` in a
-    # multimodal checkpoint such as Qwen3.5's).
-    prefix: str = "model"
+    shared_expert: str = "mlp.shared_expert"
+    shared_expert_gate: str = "mlp.shared_expert_gate"
+    # Nemotron-H: every checkpoint layer is one block, a mixer or an MLP; ours pairs them
+    # (``hf_config.nemotron_h_layers``), so our layer ``i`` reads the mixer and its norm
+    # from block ``hf_blocks(cfg)[i]`` and the MLP and its norm from the block after.
+    blocks: bool = False
     # Gated DeltaNet in-projections: "split" (Qwen3.5: ``in_proj_qkv``, ``in_proj_z``,
     # ``in_proj_b``, ``in_proj_a``) or "fused" (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``,
     # grouped by key head).
@@ -49,8 +64,40 @@ OLMO3_NAMES = HFNames(
     pre_mlp_norm=None, post_mixer_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm"
 )
 BAMBA_NAMES = HFNames(final_norm="model.final_layernorm", pre_mlp_norm="pre_ff_layernorm", mlp="feed_forward")
+NEMOTRON_H_NAMES = HFNames(
+    final_norm="backbone.norm_f",
+    embed="backbone.embeddings",
+    layers="backbone.layers",
+    input_norm="norm",
+    pre_mlp_norm="norm",
+    attention="mixer",
+    mamba="mixer",
+    mlp="mixer",
+    moe="mixer",
+    shared_expert="mixer.shared_experts",
+    blocks=True,
+)
+GRANITE_H_NAMES = HFNames(
+    mlp="shared_mlp", fused_mlp=True, moe="block_sparse_moe", experts="granite", shared_expert="shared_mlp"
+)
+
 QWEN3_NEXT_NAMES = HFNames(gdn_proj="fused")
-QWEN3_5_VL_NAMES = HFNames(prefix="model.language_model", final_norm="model.language_model.norm")
+# The text model inside a multimodal checkpoint (Qwen3.5's published ones).
+QWEN3_5_VL_NAMES = HFNames(
+    final_norm="model.language_model.norm",
+    embed="model.language_model.embed_tokens",
+    layers="model.language_model.layers",
+)
+
+
+def hf_blocks(cfg: ModelConfig) -> tuple[int, ...]:
+    """Nemotron-H: the checkpoint block of each of our layers' mixer (its MLP, if it has
+    one, is the next block)."""
+    out, block = [], 0
+    for i in range(cfg.num_layers):
+        out.append(block)
+        block += 1 if i in cfg.mlp_free_layers else 2
+    return tuple(out)
 
 
 def _t(a):  # torch Linear [out, in] -> kernel [in, out]
@@ -65,6 +112,14 @@ def _conv(a):  # Conv1d depthwise [C, 1, K] -> [K, C]
 
 def _same(a):
     return a
+
+
+def _t_gate(a):  # Granite's input_linear [2I, H]: gate rows, then up -> gate kernel [H, I]
+    return a[: a.shape[0] // 2].T
+
+
+def _t_up(a):
+    return a[a.shape[0] // 2 :].T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,25 +235,49 @@ def _halves(a):  # gate and up interleaved on the last axis -> gate half, then u
     return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
 
 
+def _mlp_tensor(names: HFNames, module: str, proj: str):
+    """A dense MLP's (or shared expert's) projection ``proj`` in checkpoint ``module``."""
+    if not names.fused_mlp:
+        return f"{module}.{proj}.weight", _t
+    if proj == "down_proj":
+        return f"{module}.output_linear.weight", _t
+    return f"{module}.input_linear.weight", _t_gate if proj == "gate_proj" else _t_up
+
+
 def _moe_tensor(names: HFNames, pre: str, leaf: tuple, cfg: ModelConfig, ckpt):
-    """An MoE layer's tensor: the router (a Linear) or an ``Experts``."""
+    """An MoE layer's tensor: the router (a Linear), its correction bias, the shared expert
+    or an ``Experts``."""
     E = cfg.moe.num_experts
-    if names.experts == "per_expert":  # Qwen3-MoE
+    moe = f"{pre}.{names.moe}"
+    if leaf[0] == "shared_expert":
+        return _mlp_tensor(names, f"{pre}.{names.shared_expert}", leaf[1])
+    if leaf[0] == "shared_expert_gate":
+        return f"{pre}.{names.shared_expert_gate}.weight", _t
+    if leaf[0] == "score_correction_bias":
+        return f"{moe}.gate.e_score_correction_bias", _same
+    if names.experts == "per_expert":  # Qwen3-MoE; Nemotron-H's experts have no gate_proj
         if leaf[0] == "router":
-            return f"{pre}.mlp.gate.weight", _t
-        e = f"{pre}.mlp.experts.<e>"
+            return f"{moe}.gate.weight", _t
+        e = f"{moe}.experts.<e>"
+        if leaf[0] == "gate_up" and not cfg.moe.gated:
+            return Experts(E, (f"{e}.up_proj.weight",), lambda u: u.T), _same
         if leaf[0] == "gate_up":
             parts = (f"{e}.gate_proj.weight", f"{e}.up_proj.weight")
             return Experts(E, parts, lambda g, u: np.concatenate([g.T, u.T], axis=-1)), _same
         if leaf[0] == "down":
             return Experts(E, (f"{e}.down_proj.weight",), lambda d: d.T), _same
         raise KeyError(leaf)
+    if names.experts == "granite":  # every expert in one tensor, gate rows then up rows
+        if leaf[0] == "router":
+            return f"{moe}.router.layer.weight", _t
+        name = {"gate_up": "input_linear", "down": "output_linear"}[leaf[0]]
+        return Experts(E, (f"{moe}.{name}.weight",), lambda a: a.T), _same
     # gpt-oss: fused tensors, gate and up interleaved; the projections in bf16 or MXFP4.
     if leaf[0] == "router":
-        return f"{pre}.mlp.router.{'weight' if leaf[1] == 'kernel' else 'bias'}", _t
+        return f"{moe}.router.{'weight' if leaf[1] == 'kernel' else 'bias'}", _t
     name = {"gate_up": "gate_up_proj", "down": "down_proj", "gate_up_bias": "gate_up_proj_bias",
             "down_bias": "down_proj_bias"}[leaf[0]]  # fmt: skip
-    full = f"{pre}.mlp.experts.{name}"
+    full = f"{moe}.experts.{name}"
     interleaved = leaf[0].startswith("gate_up")
     if leaf[0].endswith("bias") or ckpt is None or full in ckpt or f"{full}_blocks" not in ckpt:
         return Experts(E, (full,), _halves if interleaved else _same), _same
@@ -212,7 +291,7 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
     """The HF tensor (and the transform to our layout) behind one parameter path."""
     p = tuple(str(x) for x in path)
     if p == ("embed", "embedding"):
-        return f"{names.prefix}.embed_tokens.weight", _same
+        return f"{names.embed}.weight", _same
     if p == ("lm_head", "kernel"):
         return "lm_head.weight", _t
     if p == ("final_norm", "weight"):
@@ -220,30 +299,36 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
     if p[0] != "layers":
         raise KeyError(path)
     i, rest = int(p[1]), p[2:]
-    pre = f"{names.prefix}.layers.{i}"
+    if names.blocks:  # the mixer's block, then the MLP's (see HFNames.blocks)
+        pre = f"{names.layers}.{hf_blocks(cfg)[i]}"
+        mlp_pre = f"{names.layers}.{hf_blocks(cfg)[i] + 1}"
+    else:
+        pre = mlp_pre = f"{names.layers}.{i}"
     kind = cfg.layer_kinds[i]
     norm = {
-        "input_norm": "input_layernorm",
-        "pre_mlp_norm": names.pre_mlp_norm,
-        "post_mixer_norm": names.post_mixer_norm,
-        "post_mlp_norm": names.post_mlp_norm,
+        "input_norm": (pre, names.input_norm),
+        "pre_mlp_norm": (mlp_pre, names.pre_mlp_norm),
+        "post_mixer_norm": (pre, names.post_mixer_norm),
+        "post_mlp_norm": (mlp_pre, names.post_mlp_norm),
     }
     if rest[0] in norm:
-        return f"{pre}.{norm[rest[0]]}.weight", _same
+        block, name = norm[rest[0]]
+        return f"{block}.{name}.weight", _same
     if rest[0] == "mlp":
         if i in cfg.sparse_layers:
-            return _moe_tensor(names, pre, rest[1:], cfg, ckpt)
-        return f"{pre}.{names.mlp}.{rest[1]}.weight", _t
+            return _moe_tensor(names, mlp_pre, rest[1:], cfg, ckpt)
+        return _mlp_tensor(names, f"{mlp_pre}.{names.mlp}", rest[1])
     assert rest[0] == "mixer", path
     if kind == LayerKind.GDN:
         return _gdn_tensor(names, cfg, f"{pre}.linear_attn", rest[1:])
     if kind != LayerKind.MAMBA:
+        a = f"{pre}.{names.attention}"
         if rest[1] in ("q_norm", "k_norm"):
-            return f"{pre}.self_attn.{rest[1]}.weight", _same
+            return f"{a}.{rest[1]}.weight", _same
         if rest[1] == "sinks":
-            return f"{pre}.self_attn.sinks", _same
-        return f"{pre}.self_attn.{rest[1]}.{'weight' if rest[2] == 'kernel' else 'bias'}", _t
-    m = f"{pre}.mamba"
+            return f"{a}.sinks", _same
+        return f"{a}.{rest[1]}.{'weight' if rest[2] == 'kernel' else 'bias'}", _t
+    m = f"{pre}.{names.mamba}"
     if rest[1] in ("in_proj", "out_proj"):
         return (f"{m}.{rest[1]}.weight", _t) if rest[2] == "kernel" else (f"{m}.{rest[1]}.bias", _same)
     if rest[1] == "conv_weight":
@@ -329,6 +414,8 @@ def _key(k):
 def expected_hf_shape(transform, shape) -> tuple:
     if transform is _t:
         return tuple(reversed(shape))
+    if transform in (_t_gate, _t_up):  # gate and up rows in one tensor
+        return (2 * shape[1], shape[0])
     if transform is _conv:
         return (shape[1], 1, shape[0])
     return tuple(shape)

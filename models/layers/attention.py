@@ -30,10 +30,12 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
         self.group = page_group(kind)
         self.window = cfg.window(kind)
-        inv_freq, self.rope_scale = rope_frequencies(
-            cfg.rope_base(kind), cfg.rotary_dim, cfg.rope_factor(kind), cfg.yarn(kind)
-        )
-        self.inv_freq = tuple(inv_freq.tolist())  # static (an array attribute would be state)
+        self.inv_freq, self.rope_scale = (), 1.0  # no RoPE (cfg.rope False): positions unused
+        if cfg.rotary_dim:
+            inv_freq, self.rope_scale = rope_frequencies(
+                cfg.rope_base(kind), cfg.rotary_dim, cfg.rope_factor(kind), cfg.yarn(kind)
+            )
+            self.inv_freq = tuple(inv_freq.tolist())  # static (an array attribute would be state)
         self.scale = cfg.attn_scale
         self.soft_cap = cfg.attn_logit_softcap
         self.kernels = kernels
@@ -71,9 +73,10 @@ class Attention(nnx.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm_over == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        rope = dict(inv_freq=self.inv_freq, scale=self.rope_scale)
-        q = apply_rope(q, batch.positions, **rope)
-        k = apply_rope(k, batch.positions, **rope)
+        if self.inv_freq:
+            rope = dict(inv_freq=self.inv_freq, scale=self.rope_scale)
+            q = apply_rope(q, batch.positions, **rope)
+            k = apply_rope(k, batch.positions, **rope)
         if self.kv_repeat > 1:
             k, v = jnp.repeat(k, self.kv_repeat, axis=1), jnp.repeat(v, self.kv_repeat, axis=1)
         name, interpret, mesh = self.kernels.attention_backend, self.kernels.interpret, self.kernels.mesh

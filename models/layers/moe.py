@@ -4,14 +4,25 @@ the layer equals its dense definition whatever the routing (no capacity, no drop
 Routing (``route``), per family:
 - ``softmax_topk`` (Qwen3-MoE): softmax over all experts in float32, the top-k of those
   probabilities, renormalised to sum to 1 when ``norm_topk_prob``.
-- ``topk_softmax`` (gpt-oss): the top-k router logits (the router has a bias), softmax over
-  those k alone.
+- ``topk_softmax`` (gpt-oss, Granite): the top-k router logits (gpt-oss's router has a
+  bias), softmax over those k alone.
+- ``sigmoid_topk`` (DeepSeek-V3's, in Nemotron-H): sigmoid scores in float32; the experts
+  are chosen by score plus a learned per-expert correction bias, within the ``topk_groups``
+  best of ``num_groups`` equal expert groups (a group ranks by the sum of its top two), and
+  weighted by their scores without the bias, renormalised when ``norm_topk_prob``, times
+  ``routed_scaling``.
 
-Experts (``expert_mlp``): ``silu`` is ``down(silu(gate) * up)``; ``swiglu_clamped``
+Experts (``expert_activation``): ``silu`` is ``down(silu(gate) * up)``; ``swiglu_clamped``
 (gpt-oss) clamps gate above at ``limit`` and up to ``[-limit, limit]``, then
-``down((up + 1) * gate * sigmoid(alpha * gate))``; both with optional per-expert biases.
-Weights are held as ``gate_up [E, H, 2I]`` (gate in the first half, up in the second) and
-``down [E, I, H]``; the checkpoint loaders put each family's layout into this one.
+``down((up + 1) * gate * sigmoid(alpha * gate))``; ``relu2`` (Nemotron-H) is not gated:
+``down(relu(up) ** 2)``; all with optional per-expert biases. Weights are held as
+``gate_up [E, H, 2I]`` (gate in the first half, up in the second; ``[E, H, I]``, up alone,
+for ``relu2``) and ``down [E, I, H]``; the checkpoint loaders put each family's layout into
+this one.
+
+A shared expert (``MoEConfig.shared_intermediate``) is a dense MLP beside the routed ones,
+run on every token; under tensor parallelism it is split like any dense MLP (columns of
+its gate and up, rows of its down), while the routed experts are split whole.
 
 ``moe_ragged`` computes the experts as a grouped matmul: the ``T * k`` (token, expert)
 assignments are sorted by expert, and ``jax.lax.ragged_dot`` multiplies each expert's
@@ -29,24 +40,42 @@ from jax.sharding import PartitionSpec as P
 
 from hicache_jax.models.config import EXPERT_ACTIVATIONS, ROUTERS, MoEConfig  # noqa: F401 (re-exported)
 from hicache_jax.models.layers.linear import Linear
+from hicache_jax.models.layers.mlp import MLP
 from hicache_jax.models.sharding import AXIS
 
 
-def route(logits: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """Router logits ``[T, E]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int32)."""
+def route(logits: jax.Array, cfg: MoEConfig, correction: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Router logits ``[T, E]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int32).
+    ``correction [E]``: ``sigmoid_topk``'s bias on the choice (not on the weights)."""
     if cfg.router == "softmax_topk":
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, cfg.top_k)
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    else:
+    elif cfg.router == "topk_softmax":
         top, experts = jax.lax.top_k(logits, cfg.top_k)
         weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+        choice = scores if correction is None else scores + correction.astype(jnp.float32)
+        if cfg.num_groups > 1:
+            T, E, G = scores.shape[0], cfg.num_experts, cfg.num_groups
+            group_score = jax.lax.top_k(choice.reshape(T, G, E // G), 2)[0].sum(axis=-1)  # [T, G]
+            best = jax.lax.top_k(group_score, cfg.topk_groups)[1]
+            keep = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], best].set(True)
+            choice = jnp.where(jnp.repeat(keep, E // G, axis=1), choice, -jnp.inf)
+        experts = jax.lax.top_k(choice, cfg.top_k)[1]
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        weights = weights * cfg.routed_scaling
     return weights, experts.astype(jnp.int32)
 
 
 def expert_activation(gate_up: jax.Array, cfg: MoEConfig) -> jax.Array:
-    """``[..., 2I]`` (gate, then up) -> ``[..., I]``."""
+    """``[..., 2I]`` (gate, then up) -> ``[..., I]``; ``relu2``: ``[..., I]`` (up) -> same."""
+    if cfg.activation == "relu2":
+        return jnp.square(jax.nn.relu(gate_up))
     gate, up = jnp.split(gate_up, 2, axis=-1)
     if cfg.activation == "silu":
         return jax.nn.silu(gate) * up
@@ -176,8 +205,9 @@ def moe_dense_reference(
 
 
 class MoE(nnx.Module):
-    """Router + experts; ``__call__`` takes ``[..., H]`` and returns the same shape. With a
-    ``mesh`` the experts are split over its tensor-parallel axis (``moe_expert_parallel``)."""
+    """Router + experts (+ a shared expert); ``__call__`` takes ``[..., H]`` and returns the
+    same shape. With a ``mesh`` the experts are split over its tensor-parallel axis
+    (``moe_expert_parallel``)."""
 
     def __init__(
         self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs, mesh=None, path: str = "grouped"
@@ -186,12 +216,25 @@ class MoE(nnx.Module):
         self.mesh = mesh
         self.path = path  # MOE_PATHS: "grouped" (ragged_dot) or "gathered" (CPU)
         E, I = cfg.num_experts, cfg.intermediate
+        up = 2 * I if cfg.gated else I
         self.router = Linear(hidden, E, bias=cfg.router_bias, dtype=dtype, rngs=rngs)
+        self.score_correction_bias = (
+            nnx.Param(jnp.zeros((E,), dtype)) if cfg.router == "sigmoid_topk" else None
+        )
         normal = lambda shape, fan_in: (jax.random.normal(rngs.params(), shape) * fan_in**-0.5).astype(dtype)  # noqa: E731
-        self.gate_up = nnx.Param(normal((E, hidden, 2 * I), hidden))
+        self.gate_up = nnx.Param(normal((E, hidden, up), hidden))
         self.down = nnx.Param(normal((E, I, hidden), I))
-        self.gate_up_bias = nnx.Param(jnp.zeros((E, 2 * I), dtype)) if cfg.expert_bias else None
+        self.gate_up_bias = nnx.Param(jnp.zeros((E, up), dtype)) if cfg.expert_bias else None
         self.down_bias = nnx.Param(jnp.zeros((E, hidden), dtype)) if cfg.expert_bias else None
+        if cfg.shared_intermediate:
+            width, act = cfg.shared_intermediate, cfg.activation
+            self.shared_expert = MLP(hidden, width, activation=act, gated=cfg.gated, dtype=dtype, rngs=rngs)
+        else:
+            self.shared_expert = None
+        if cfg.shared_gate:
+            self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, rngs=rngs)
+        else:
+            self.shared_expert_gate = None
 
     def biases(self) -> tuple:
         if self.gate_up_bias is None:
@@ -202,7 +245,8 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, *, reference: bool = False) -> jax.Array:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        weights, experts = route(self.router(x2), self.cfg)
+        correction = None if self.score_correction_bias is None else self.score_correction_bias[...]
+        weights, experts = route(self.router(x2), self.cfg, correction)
         args = (x2, weights, experts, self.gate_up[...], self.down[...], self.cfg)
         if reference:
             out = moe_dense_reference(*args, *self.biases())
@@ -210,4 +254,9 @@ class MoE(nnx.Module):
             out = moe_expert_parallel(*args, self.mesh, *self.biases(), path=MOE_PATHS[self.path])
         else:
             out = MOE_PATHS[self.path](*args, *self.biases())
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x2)
+            if self.shared_expert_gate is not None:
+                shared = jax.nn.sigmoid(self.shared_expert_gate(x2)) * shared
+            out = out + shared
         return out.reshape(shape)

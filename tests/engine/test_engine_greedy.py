@@ -79,7 +79,12 @@ def test_input_logprobs_match_transformers_with_a_cached_prefix(checkpoint_dir):
         assert [t[1] for t in tops] == np.argsort(-logp[40])[:3].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss", "qwen3_5"])
+# Nemotron-H and Granite 4.0-H: Mamba state carried across the chunks, MLP-free layers,
+# attention without RoPE, Granite's multipliers, shared experts.
+HYBRIDS = ["nemotron_h", "nemotron_h_moe", "granite_h", "granite_h_moe"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss", *HYBRIDS, "qwen3_5"])
 def test_prompt_logprobs_match_transformers(checkpoint_dir, family):
     """Every prompt token's logprob through ``LLM`` (chunked prefill over paged windows,
     MoE, sinks) against transformers' log-softmax: at most 1e-4 apart, in float32."""

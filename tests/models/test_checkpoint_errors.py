@@ -97,3 +97,26 @@ def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path, checkpoin
     os.remove(os.path.join(path, shards[-1]))
     with pytest.raises(CheckpointError, match=shards[-1]):
         load_hf(path)
+
+
+@pytest.mark.parametrize(
+    "blocks,where",
+    [
+        ({"hybrid_override_pattern": "-M*-"}, r"'-M\*-'.*block '-' at 0"),  # starts with an MLP
+        ({"hybrid_override_pattern": "M--*"}, r"'M--\*'.*block '-' at 2"),  # two MLPs in a row
+        ({"hybrid_override_pattern": "M*EE"}, r"'M\*EE'.*block 'E' at 3"),
+        # transformers 5 writes the blocks as a list:
+        ({"layers_block_type": ["linear_attention", "mlp", "mlp"]}, r"'M--'.*block '-' at 2"),
+    ],
+)
+def test_nemotron_h_mlp_block_without_a_mixer_is_refused(checkpoint_dir, tmp_path, blocks, where):
+    """Our layers pair each MLP block with the mixer before it; an MLP block with none is
+    refused, naming the pattern."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir("nemotron_h"), dst)
+    cfg_path = dst / "config.json"
+    cfg = json.load(open(cfg_path))
+    cfg.pop("layers_block_type")
+    json.dump(cfg | blocks, open(cfg_path, "w"))
+    with pytest.raises(CheckpointError, match=rf"config\.json: hybrid_override_pattern {where} follows no"):
+        load_hf(str(dst))

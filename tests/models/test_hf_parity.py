@@ -16,6 +16,8 @@ import torch
 from flax import nnx
 
 from hicache_jax.models import load_hf
+from hicache_jax.models.presets import build_preset
+from hicache_jax.models.registry import config_from_hf
 from tests.hf_checkpoints import load_reference
 
 # 70 tokens: more than three sliding windows (20) and four Bamba SSD chunks (16);
@@ -23,7 +25,21 @@ from tests.hf_checkpoints import load_reference
 LENGTH = 70
 
 
-FAMILIES = ["mistral", "gemma3", "bamba", "llama", "qwen3", "qwen3_moe", "olmo3", "gpt_oss", "qwen3_5"]
+FAMILIES = [
+    "mistral",
+    "gemma3",
+    "bamba",
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "olmo3",
+    "gpt_oss",
+    "nemotron_h",
+    "nemotron_h_moe",
+    "granite_h",
+    "granite_h_moe",
+    "qwen3_5",
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -60,8 +76,6 @@ def test_model_config_reads_architecture_details(checkpoint_dir):
     assert c.layer_kinds == ("gdn", "attention", "gdn", "gdn") and c.attention_output_gate
     assert c.rotary_dim == 4 and c.norm_offset == 1.0 and c.qk_norm
     assert (c.gdn.num_k_heads, c.gdn.num_v_heads, c.gdn.head_k_dim, c.gdn.head_v_dim) == (4, 8, 16, 8)
-    held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(qwen35, nnx.Param)))
-    assert c.num_params() == held
 
 
 def test_qwen3_5_multimodal_checkpoint_reads_its_text_model(checkpoint_dir, tmp_path):
@@ -85,3 +99,46 @@ def test_qwen3_5_multimodal_checkpoint_reads_its_text_model(checkpoint_dir, tmp_
     model = load_hf(str(tmp_path))
     assert model.cfg.architecture == "Qwen3_5ForConditionalGeneration"
     np.testing.assert_array_equal(np.asarray(jax.jit(model.forward_full)(ids)), want)
+
+
+def test_hybrid_layouts_map_onto_our_layers(checkpoint_dir):
+    """Nemotron-H's blocks paired into our layers ("M*-MM-*": a lone Mamba, attention with an
+    MLP, a lone Mamba, a Mamba with an MLP, a lone attention); Granite's multipliers."""
+    nemotron = load_hf(checkpoint_dir("nemotron_h")).cfg
+    assert nemotron.layer_kinds == ("mamba", "attention", "mamba", "mamba", "attention")
+    assert nemotron.mlp_free_layers == (0, 2, 4) and not nemotron.rope and not nemotron.mlp_gated
+    # Published configs give the blocks as a pattern string, transformers 5 writes a list.
+    hf = json.load(open(os.path.join(checkpoint_dir("nemotron_h"), "config.json")))
+    letter = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    assert "".join(letter[b] for b in hf.pop("layers_block_type")) == "M*-MM-*"
+    assert config_from_hf(hf | {"hybrid_override_pattern": "M*-MM-*"}) == nemotron
+    assert nemotron.mamba.dt_min == 0.3 and nemotron.mamba.dt_max == float("inf")
+    moe = load_hf(checkpoint_dir("nemotron_h_moe")).cfg  # "ME*EMM-"
+    assert moe.sparse_layers == (0, 1) and moe.mlp_free_layers == (2,)
+    assert (moe.moe.router, moe.moe.num_groups, moe.moe.routed_scaling) == ("sigmoid_topk", 2, 2.5)
+    granite = load_hf(checkpoint_dir("granite_h")).cfg
+    assert granite.rope and granite.moe is None and granite.intermediate_size == 128
+    assert (granite.embed_scale, granite.attn_scale, granite.residual_multiplier) == (6.0, 0.2, 0.5)
+    assert granite.logits_scaling == 4.0
+    granite_moe = load_hf(checkpoint_dir("granite_h_moe")).cfg
+    assert not granite_moe.rope and granite_moe.sparse_layers == (0, 1, 2, 3)
+    assert granite_moe.moe.shared_intermediate == 48 and granite_moe.moe.router == "topk_softmax"
+
+
+@pytest.mark.parametrize("family", ["nemotron_h_moe", "granite_h_moe", "gpt_oss", "gemma3", "qwen3_5"])
+def test_param_count_is_the_models(checkpoint_dir, family):
+    """``ModelConfig.num_params`` counts the parameters the model holds (MLP-free layers,
+    ungated MLPs, shared experts, correction biases, sinks, sandwich norms)."""
+    model = load_hf(checkpoint_dir(family))
+    held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    assert model.cfg.num_params() == held
+
+
+PRESETS = ["tiny-mamba", "tiny-gpt-oss", "tiny-nemotron-h", "tiny-granite-h", "tiny-qwen3.5", "100m-gdn"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_param_count_is_the_models(preset):
+    model = build_preset(preset)
+    held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    assert model.cfg.num_params() == held

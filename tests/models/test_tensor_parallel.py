@@ -4,7 +4,7 @@ interpret mode) at ``tp_size=1`` and with both backends split over the mesh, ove
 prefill, a mixed step and decode steps. Pallas at ``tp_size=1`` is the kernels-against-
 references check of ``models/kernels``. Split, each family runs one backend at 2 and the
 other at 4, the pairs alternating between families (``SPLITS``), so each backend runs at
-each size on two families, attention-only and hybrid alike. The HF families have 4 query
+each size on several families, attention-only and hybrid alike. The HF families have 4 query
 heads, so ``tp_size=8`` runs on a model built here with 8 (and its 2 KV heads replicated 4
 times).
 
@@ -98,6 +98,10 @@ SPLITS = {  # family -> its (backend, tp_size) runs split over the mesh
     "qwen3_moe": [("xla", 2), ("pallas", 4)],  # 8 experts: 4, then 2 on each device
     "olmo3": [("pallas", 2), ("xla", 4)],  # q/k norms over projections split by head
     "gpt_oss": [("xla", 2), ("pallas", 4)],  # sinks split with their heads, experts with biases
+    "nemotron_h": [("pallas", 2), ("xla", 4)],  # MLP-free layers, ungated MLPs, no RoPE
+    "nemotron_h_moe": [("xla", 2), ("pallas", 4)],  # a shared expert split as a dense MLP is
+    "granite_h": [("xla", 2), ("pallas", 4)],  # Granite's multipliers
+    "granite_h_moe": [("pallas", 2), ("xla", 4)],
     "qwen3_5": [("pallas", 2), ("xla", 4)],  # GDN key-head groups (4) split 2 and 1 per device
 }
 
@@ -185,3 +189,23 @@ def test_experts_load_whole_onto_their_devices(checkpoint_dir):
         for sh in shards:
             np.testing.assert_array_equal(np.asarray(sh.data), want[sh.index], err_msg=name)
     assert split.layers[0].mlp.router.kernel[...].sharding.is_fully_replicated
+
+
+def test_shared_expert_splits_like_a_dense_mlp(checkpoint_dir):
+    """At tp 2 Nemotron-H's shared expert is split by columns (up) and rows (down) while its
+    routed experts are split whole and the router and its correction bias stay replicated;
+    Granite's fused ``input_linear`` loads into split gate and up halves."""
+    model = load_hf(checkpoint_dir("nemotron_h_moe"), kernels=kernels("xla", 2))
+    mlp = model.layers[0].mlp
+    assert mlp.shared_expert.up_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    assert mlp.shared_expert.down_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("tp", None)
+    assert mlp.gate_up[...].sharding.spec[0] == "tp"
+    assert mlp.score_correction_bias[...].sharding.is_fully_replicated
+    assert mlp.router.kernel[...].sharding.is_fully_replicated
+    path = checkpoint_dir("granite_h_moe")
+    whole, split = load_hf(path), load_hf(path, kernels=kernels("xla", 2))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        got = getattr(split.layers[1].mlp.shared_expert, name).kernel[...]
+        assert not got.sharding.is_fully_replicated, name
+        want = getattr(whole.layers[1].mlp.shared_expert, name).kernel[...]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)

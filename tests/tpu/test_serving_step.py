@@ -47,6 +47,8 @@ STEPS = {
     "qwen3-30b-a3b": {V5E: "prefill", V6E: "decode"},  # 128 experts: 32, then 16 per chip
     "gpt-oss-20b": {V5E: "decode", V6E: "prefill"},  # sinks, biases, YaRN, 32 experts
     "olmo-3-7b": {V5E: "prefill", V6E: "decode"},  # q/k norms over the projections, YaRN
+    "nemotron-h-8b": {V5E: "decode", V6E: "prefill"},  # no RoPE, squared-ReLU MLPs
+    "granite-4.0-h-small": {V5E: "prefill", V6E: "decode"},  # 72 experts and a shared MLP; multipliers
 }
 FULL = os.environ.get("HICACHE_TPU_FULL") == "1"
 SERVING = dict(
