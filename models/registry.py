@@ -17,6 +17,7 @@ from hicache_jax.models.hf.weights import (
     NEMOTRON_H_NAMES,
     OLMO3_NAMES,
     QWEN3_5_VL_NAMES,
+    QWEN3_NEXT_NAMES,
     HFNames,
 )
 
@@ -44,6 +45,9 @@ ARCHITECTURES = {
         Architecture("Qwen3_5ForCausalLM", hf_config.qwen3_5, LLAMA_NAMES),
         # The published Qwen3.5 checkpoints: their text model (the vision tower is not read).
         Architecture("Qwen3_5ForConditionalGeneration", hf_config.qwen3_5, QWEN3_5_VL_NAMES),
+        Architecture("Qwen3NextForCausalLM", hf_config.qwen3_next, QWEN3_NEXT_NAMES),
+        Architecture("Qwen3_5MoeForCausalLM", hf_config.qwen3_5_moe, LLAMA_NAMES),
+        Architecture("Qwen3_5MoeForConditionalGeneration", hf_config.qwen3_5_moe, QWEN3_5_VL_NAMES),
     )
 }
 

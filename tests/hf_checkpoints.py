@@ -113,6 +113,15 @@ def _hf_config(family: str):
         )
     if family == "qwen3_5":  # GDN layers around a gated full-attention one
         return tf.Qwen3_5TextConfig(**common, **_gdn_common())
+    # Qwen3-Next's MoE: softmax top-k of 8 experts beside a sigmoid-gated shared expert.
+    moe = dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    )
+    if family == "qwen3_next":  # fused GDN projections; a dense MLP in one GDN layer
+        return tf.Qwen3NextConfig(**common, **_gdn_common(), **moe, norm_topk_prob=True, mlp_only_layers=[2])
+    if family == "qwen3_5_moe":  # MoE in every layer
+        dense = {k: v for k, v in common.items() if k != "intermediate_size"}
+        return tf.Qwen3_5MoeTextConfig(**dense, **_gdn_common(), **moe)
     nemotron = dict(
         **common,
         head_dim=16,
@@ -246,6 +255,8 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "olmo3": tf.Olmo3ForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
         "qwen3_5": tf.Qwen3_5ForCausalLM,
+        "qwen3_next": tf.Qwen3NextForCausalLM,
+        "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
         "nemotron_h": tf.NemotronHForCausalLM,
         "nemotron_h_moe": tf.NemotronHForCausalLM,
         "granite_h": tf.GraniteMoeHybridForCausalLM,

@@ -380,6 +380,44 @@ def qwen3_5(hf: dict, where: str) -> ModelConfig:
     return _gated_deltanet(_text_config(hf), hf["architectures"][0], where)
 
 
+def _qwen_next_moe(hf: dict, norm_topk_prob: bool) -> MoEConfig:
+    """Qwen3-Next's MoE block: softmax top-k routing and a shared expert whose output is
+    scaled by sigmoid(shared_expert_gate(x)) before it joins the routed experts'."""
+    return MoEConfig(
+        num_experts=hf["num_experts"],
+        top_k=hf["num_experts_per_tok"],
+        intermediate=hf["moe_intermediate_size"],
+        router="softmax_topk",
+        norm_topk_prob=norm_topk_prob,
+        shared_intermediate=hf["shared_expert_intermediate_size"],
+        shared_gate=True,
+    )
+
+
+def qwen3_next(hf: dict, where: str) -> ModelConfig:
+    """Qwen3NextForCausalLM: Qwen3.5's layers (its fused GDN projections regrouped at load),
+    an MoE MLP in layer ``i`` unless ``i`` is in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th layer; dense MLPs of ``intermediate_size`` elsewhere."""
+    n = hf["num_hidden_layers"]
+    step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    experts = hf.get("num_experts", 0)
+    sparse = tuple(i for i in range(n) if i not in dense_only and experts > 0 and (i + 1) % step == 0)
+    moe = _qwen_next_moe(hf, bool(hf.get("norm_topk_prob", True))) if sparse else None
+    return _gated_deltanet(hf, "Qwen3NextForCausalLM", where, moe=moe, sparse_layers=sparse)
+
+
+def qwen3_5_moe(hf: dict, where: str) -> ModelConfig:
+    """Qwen3_5MoeForCausalLM and the text model of Qwen3_5MoeForConditionalGeneration:
+    Qwen3.5's layers, each with Qwen3-Next's MoE block (the top-k weights always
+    renormalised)."""
+    text = _text_config(hf)
+    # No dense MLP: intermediate_size is read only for the shared expert's width.
+    text = {**text, "intermediate_size": text["shared_expert_intermediate_size"]}
+    moe = _qwen_next_moe(text, norm_topk_prob=True)
+    layers = tuple(range(text["num_hidden_layers"]))
+    return _gated_deltanet(text, hf["architectures"][0], where, moe=moe, sparse_layers=layers)
+
+
 # Nemotron-H's block letters (``hybrid_override_pattern``) and the names transformers 5 gives
 # them (``layers_block_type``).
 _NEMOTRON_BLOCKS = {

@@ -258,6 +258,9 @@ def _moe_tensor(names: HFNames, pre: str, leaf: tuple, cfg: ModelConfig, ckpt):
     if names.experts == "per_expert":  # Qwen3-MoE; Nemotron-H's experts have no gate_proj
         if leaf[0] == "router":
             return f"{moe}.gate.weight", _t
+        stacked = f"{moe}.experts.{'gate_up_proj' if leaf[0] == 'gate_up' else 'down_proj'}"
+        if ckpt is not None and stacked in ckpt:  # transformers 5's own layout: [E, 2I, H], [E, H, I]
+            return Experts(E, (stacked,), lambda a: a.T), _same
         e = f"{moe}.experts.<e>"
         if leaf[0] == "gate_up" and not cfg.moe.gated:
             return Experts(E, (f"{e}.up_proj.weight",), lambda u: u.T), _same

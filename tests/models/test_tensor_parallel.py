@@ -78,7 +78,7 @@ def assert_same(got, want, what):
 # The Gated DeltaNet Pallas kernels land on their own branch; until they do, GDN families
 # run the xla GDN kernel beside Pallas attention in their "pallas" runs.
 GDN_PALLAS = importlib.util.find_spec("hicache_jax.models.kernels.gated_delta_rule.kernel") is not None
-GDN_FAMILIES = ("qwen3_5",)
+GDN_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 
 def kernels(backend, tp, family=None):
@@ -103,6 +103,8 @@ SPLITS = {  # family -> its (backend, tp_size) runs split over the mesh
     "granite_h": [("xla", 2), ("pallas", 4)],  # Granite's multipliers
     "granite_h_moe": [("pallas", 2), ("xla", 4)],
     "qwen3_5": [("pallas", 2), ("xla", 4)],  # GDN key-head groups (4) split 2 and 1 per device
+    "qwen3_next": [("xla", 2), ("pallas", 4)],  # fused GDN projections regrouped; a dense layer
+    "qwen3_5_moe": [("pallas", 2), ("xla", 4)],  # a gated shared expert split as a dense MLP is
 }
 
 
