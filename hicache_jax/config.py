@@ -94,8 +94,8 @@ class EngineConfig:
     preset: str = setting(
         "tiny",
         "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, "
-        "tiny-qwen3.5, tiny-moe, tiny-gpt-oss, tiny-nemotron-h, tiny-granite-h, 100m, 100m-gdn, "
-        "100m-moe.",
+        "tiny-qwen3.5, tiny-qwen3-next, tiny-moe, tiny-gpt-oss, tiny-nemotron-h, tiny-granite-h, "
+        "100m, 100m-gdn, 100m-moe.",
     )
     dtype: str = setting(
         "auto",

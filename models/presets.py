@@ -111,6 +111,27 @@ PRESETS: dict[str, ModelConfig] = {
         sparse_layers=(0, 1, 2),
         **_TINY,
     ),
+    # Qwen3-Next-style: tiny-qwen3.5's layers, each MLP an MoE (softmax top-k) beside a
+    # shared expert scaled by sigmoid(Linear(hidden -> 1)).
+    "tiny-qwen3-next": ModelConfig(
+        architecture="preset:tiny-qwen3-next",
+        layer_kinds=("gdn", "gdn", "gdn", "attention"),
+        partial_rotary_factor=0.25,
+        qk_norm=True,
+        norm_offset=1.0,
+        attention_output_gate=True,
+        gdn=GdnConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            intermediate=32,
+            norm_topk_prob=True,
+            shared_intermediate=64,
+            shared_gate=True,
+        ),
+        sparse_layers=(0, 1, 2, 3),
+        **_TINY,
+    ),
     # Qwen3-MoE-style mixture of experts (per-head q/k norm) over both window kinds, with
     # one dense layer among the MoE ones.
     "tiny-moe": ModelConfig(

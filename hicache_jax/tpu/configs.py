@@ -209,6 +209,33 @@ HF_CONFIGS: dict[str, dict] = {
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
     },
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "num_hidden_layers": 48,
+        "full_attention_interval": 4,  # 3 Gated DeltaNet : 1 gated attention
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+    },
     # The published checkpoint is multimodal: the text model's config nests under
     # text_config (its widths from the model card: 64 layers, 16 x (3 Gated DeltaNet + 1
     # gated attention); 16 key / 48 value linear heads of 128; 24 query / 4 KV heads of 256).

@@ -165,7 +165,15 @@ def test_param_count_is_the_models(checkpoint_dir, family):
     assert model.cfg.num_params() == held
 
 
-PRESETS = ["tiny-mamba", "tiny-gpt-oss", "tiny-nemotron-h", "tiny-granite-h", "tiny-qwen3.5", "100m-gdn"]
+PRESETS = [
+    "tiny-mamba",
+    "tiny-gpt-oss",
+    "tiny-nemotron-h",
+    "tiny-granite-h",
+    "tiny-qwen3.5",
+    "100m-gdn",
+    "tiny-qwen3-next",
+]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -141,6 +141,9 @@ def test_undividable_sizes_are_refused():
         check_tp(preset_config("tiny"), 8)
     with pytest.raises(ValueError, match="num_kv_heads=3 must divide or be divided by 2"):
         check_tp(ModelConfig("x", 64, 64, 128, ("attention",), num_heads=6, num_kv_heads=3, head_dim=8), 2)
+    check_tp(preset_config("tiny-qwen3.5"), 2)
+    with pytest.raises(ValueError, match=r"gdn.num_k_heads=2 is not a multiple of 4"):  # whole groups
+        check_tp(preset_config("tiny-qwen3.5"), 4)
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(16)
     moe = preset_config("tiny")
