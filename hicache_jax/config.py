@@ -93,8 +93,9 @@ class EngineConfig:
     )
     preset: str = setting(
         "tiny",
-        "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, tiny-moe, "
-        "tiny-gpt-oss, tiny-nemotron-h, tiny-granite-h, 100m, 100m-moe.",
+        "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, "
+        "tiny-qwen3.5, tiny-qwen3-next, tiny-moe, tiny-gpt-oss, tiny-nemotron-h, tiny-granite-h, "
+        "100m, 100m-gdn, 100m-moe.",
     )
     dtype: str = setting(
         "auto",

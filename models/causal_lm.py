@@ -1,7 +1,7 @@
 """The decoder stack every supported architecture maps onto.
 
-``model(cache, batch) -> (new_cache, logits)`` runs one ragged step over paged KV and Mamba
-state slots; ``model.forward_full(ids)`` runs whole sequences from an empty cache.
+``model(cache, batch) -> (new_cache, logits)`` runs one ragged step over paged KV and
+recurrent state slots; ``model.forward_full(ids)`` runs whole sequences from an empty cache.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hicache_jax.models.cache import allocate_cache
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.layers.attention import Attention
+from hicache_jax.models.layers.gated_deltanet import GatedDeltaNet
 from hicache_jax.models.layers.linear import Embed, Linear
 from hicache_jax.models.layers.mamba2 import Mamba2Mixer
 from hicache_jax.models.layers.mlp import MLP
@@ -59,6 +60,8 @@ class DecoderLayer(nnx.Module):
         self.input_norm = norm() if cfg.pre_norms else None
         if kind == LayerKind.MAMBA:
             self.mixer = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
+        elif kind == LayerKind.GDN:
+            self.mixer = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         else:
             self.mixer = Attention(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
         self.post_mixer_norm = norm() if post else None

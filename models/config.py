@@ -199,6 +199,9 @@ class ModelConfig:
     qk_norm: bool = False
     attention_bias: bool = False  # q, k, v and o projections with biases
     attention_sinks: bool = False  # a learned logit per query head joins the softmax (gpt-oss)
+    # q_proj gives each head its query and, beside it, a gate: the attention output is
+    # multiplied by sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5).
+    attention_output_gate: bool = False
     qk_norm_over: str = "head"  # RMSNorm q and k per head ("head") or over the whole projection ("all")
     # Gemma conventions: RMSNorm multiplies by (1 + w); embeddings scaled by sqrt(hidden);
     # a norm after attention and after the MLP as well as before.
@@ -404,6 +407,8 @@ class ModelConfig:
             else:
                 q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
                 qk = (2 * self.head_dim if self.qk_norm_over == "head" else q + kv) if self.qk_norm else 0
-                bias = (q + 2 * kv + h) if self.attention_bias else 0
-                n += h * (q + 2 * kv) + q * h + qk + bias + (self.num_heads if self.attention_sinks else 0)
+                q_out = 2 * q if self.attention_output_gate else q  # each head's query and gate
+                bias = (q_out + 2 * kv + h) if self.attention_bias else 0
+                sinks = self.num_heads if self.attention_sinks else 0
+                n += h * (q_out + 2 * kv) + q * h + qk + bias + sinks
         return n

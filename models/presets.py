@@ -13,7 +13,7 @@ from flax import nnx
 
 import hicache_jax
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.models.config import MambaConfig, ModelConfig, MoEConfig, YarnConfig
+from hicache_jax.models.config import GdnConfig, MambaConfig, ModelConfig, MoEConfig, YarnConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.sharding import shard_model
 
@@ -53,6 +53,18 @@ PRESETS: dict[str, ModelConfig] = {
         mamba=MambaConfig(
             num_heads=8, head_dim=16, state_size=16, num_groups=1, conv_kernel=4, chunk_size=64
         ),
+        **_TINY,
+    ),
+    # Qwen3.5-style: three Gated DeltaNet layers, then gated full attention (output gate,
+    # per-head q/k norm, a quarter of each head rotated, norms scaling by 1 + w).
+    "tiny-qwen3.5": ModelConfig(
+        architecture="preset:tiny-qwen3.5",
+        layer_kinds=("gdn", "gdn", "gdn", "attention"),
+        partial_rotary_factor=0.25,
+        qk_norm=True,
+        norm_offset=1.0,
+        attention_output_gate=True,
+        gdn=GdnConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4),
         **_TINY,
     ),
     # Nemotron-H-style: squared-ReLU MLPs and an MoE (sigmoid router, relu2 experts, a shared
@@ -95,10 +107,29 @@ PRESETS: dict[str, ModelConfig] = {
         mamba=MambaConfig(
             num_heads=8, head_dim=16, state_size=16, num_groups=1, conv_kernel=4, chunk_size=64
         ),
-        moe=MoEConfig(
-            num_experts=8, top_k=2, intermediate=32, router="topk_softmax", shared_intermediate=64
-        ),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate=32, router="topk_softmax", shared_intermediate=64),
         sparse_layers=(0, 1, 2),
+        **_TINY,
+    ),
+    # Qwen3-Next-style: tiny-qwen3.5's layers, each MLP an MoE (softmax top-k) beside a
+    # shared expert scaled by sigmoid(Linear(hidden -> 1)).
+    "tiny-qwen3-next": ModelConfig(
+        architecture="preset:tiny-qwen3-next",
+        layer_kinds=("gdn", "gdn", "gdn", "attention"),
+        partial_rotary_factor=0.25,
+        qk_norm=True,
+        norm_offset=1.0,
+        attention_output_gate=True,
+        gdn=GdnConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            intermediate=32,
+            norm_topk_prob=True,
+            shared_intermediate=64,
+            shared_gate=True,
+        ),
+        sparse_layers=(0, 1, 2, 3),
         **_TINY,
     ),
     # Qwen3-MoE-style mixture of experts (per-head q/k norm) over both window kinds, with
@@ -147,6 +178,27 @@ PRESETS: dict[str, ModelConfig] = {
         sliding_window=512,
         rope_theta_sliding=10000.0,
         rope_theta=1e6,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+        max_position_embeddings=32768,
+    ),
+    # ~100M parameters, Qwen3.5-style: 3 Gated DeltaNet : 1 gated full attention, for the
+    # recurrent-state benchmarks (head dims 128 as published; 4 key heads, so tp up to 4).
+    "100m-gdn": ModelConfig(
+        architecture="preset:100m-gdn",
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2816,
+        layer_kinds=(("gdn",) * 3 + ("attention",)) * 2,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        partial_rotary_factor=0.25,
+        rope_theta=1e7,
+        qk_norm=True,
+        norm_offset=1.0,
+        attention_output_gate=True,
+        gdn=GdnConfig(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128, conv_kernel=4),
         tie_word_embeddings=True,
         eos_token_ids=(2,),
         max_position_embeddings=32768,

@@ -16,6 +16,8 @@ from hicache_jax.models.hf.weights import (
     LLAMA_NAMES,
     NEMOTRON_H_NAMES,
     OLMO3_NAMES,
+    QWEN3_5_VL_NAMES,
+    QWEN3_NEXT_NAMES,
     HFNames,
 )
 
@@ -40,6 +42,12 @@ ARCHITECTURES = {
         Architecture("GptOssForCausalLM", hf_config.gpt_oss, GPT_OSS_NAMES),
         Architecture("NemotronHForCausalLM", hf_config.nemotron_h, NEMOTRON_H_NAMES),
         Architecture("GraniteMoeHybridForCausalLM", hf_config.granite_moe_hybrid, GRANITE_H_NAMES),
+        Architecture("Qwen3_5ForCausalLM", hf_config.qwen3_5, LLAMA_NAMES),
+        # The published Qwen3.5 checkpoints: their text model (the vision tower is not read).
+        Architecture("Qwen3_5ForConditionalGeneration", hf_config.qwen3_5, QWEN3_5_VL_NAMES),
+        Architecture("Qwen3NextForCausalLM", hf_config.qwen3_next, QWEN3_NEXT_NAMES),
+        Architecture("Qwen3_5MoeForCausalLM", hf_config.qwen3_5_moe, LLAMA_NAMES),
+        Architecture("Qwen3_5MoeForConditionalGeneration", hf_config.qwen3_5_moe, QWEN3_5_VL_NAMES),
     )
 }
 

@@ -14,6 +14,11 @@ each layer needs one all-reduce (its row-parallel output) and XLA's partitioner 
                            C and dt, so an even column split would cut across them)
                 SSD scan and state   [slots, heads, P, N]  split by Mamba head
                 out_proj   [heads * P, hidden]  rows split -> all-reduce
+    GDN         in_proj    [hidden, groups * (q|k|v|z|b|a)]  columns split: grouped by key
+                           head (``layers/gated_deltanet.py``), so each device gets whole
+                           groups; the conv weight and conv state split the same way
+                delta rule and state   [slots, v_heads, Dk, Dv]  split by value head
+                out_proj   [v_heads * Dv, hidden]  rows split -> all-reduce
     embedding / lm_head   split by vocabulary; logits are gathered (replicated) for sampling
     everything else (norms, conv, biases of row-parallel layers)  replicated
 
@@ -27,8 +32,9 @@ device memory for the copies, but no shard ever waits on another for a KV head. 
 and storage (L3) pages keep each KV head once (see ``hicache_jax/runtime/transfer.py``).
 
 Split sizes must divide: query heads, intermediate size (of dense MLPs and shared experts),
-experts, Mamba heads and (with Mamba layers) hidden size by ``tp_size``; KV heads and Mamba
-groups must divide ``tp_size`` or be divided by it. ``check_tp`` names the one that does not.
+experts, Mamba heads and (with Mamba layers) hidden size, GDN key (so also value) heads by
+``tp_size``; KV heads and Mamba groups must divide ``tp_size`` or be divided by it.
+``check_tp`` names the one that does not.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hicache_jax.kinds import RECURRENT
+from hicache_jax.kinds import RECURRENT, LayerKind
 from hicache_jax.models.cache import KVPages, RecurrentState
 from hicache_jax.models.config import ModelConfig
 
@@ -77,6 +83,9 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
         split.append(("mamba.num_heads", cfg.mamba.num_heads))
         split.append(("hidden_size", cfg.hidden_size))  # in_proj's rows
         either.append(("mamba.num_groups", cfg.mamba.num_groups))
+    if cfg.gdn is not None and cfg.gdn_layers:  # whole key-head groups per device
+        split.append(("gdn.num_k_heads", cfg.gdn.num_k_heads))
+        split.append(("gdn.num_v_heads", cfg.gdn.num_v_heads))
     for name, value in split:
         if value % tp:
             raise ValueError(
@@ -120,6 +129,12 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
         return P()  # the router, its correction bias, the shared expert's gate
     if part != "mixer":
         return P()
+    if cfg.layer_kinds[int(p[1])] == LayerKind.GDN:
+        if name == "in_proj":
+            return column
+        if name == "conv_weight":  # [K, channels], grouped like in_proj's columns
+            return P(None, AXIS)
+        return row if name == "out_proj" else P()
     if name == "q_proj":
         return column
     if name == "sinks":  # one per query head, split as the heads are
@@ -172,12 +187,14 @@ def _key(k):
 
 def cache_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple:
     """One entry per layer, shaped like the cache: KV pages split by KV head, a recurrent
-    layer's state by head, its conv state (a few rows per slot) replicated."""
+    layer's state by head; Mamba's conv state (a few rows per slot) replicated, GDN's split
+    by channel (its channels are grouped by key head, as the device's heads are)."""
     kv = NamedSharding(mesh, P(None, None, AXIS, None))
     out = []
     for kind in cfg.layer_kinds:
         if kind in RECURRENT:
-            out.append(RecurrentState(conv=NamedSharding(mesh, P()), ssm=NamedSharding(mesh, P(None, AXIS))))
+            conv = P(None, None, AXIS) if kind == LayerKind.GDN else P()  # [slots, K - 1, channels]
+            out.append(RecurrentState(conv=NamedSharding(mesh, conv), ssm=NamedSharding(mesh, P(None, AXIS))))
         else:
             out.append(KVPages(kv, kv))
     return tuple(out)

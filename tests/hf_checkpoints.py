@@ -111,6 +111,17 @@ def _hf_config(family: str):
             eos_token_id=2,
             pad_token_id=1,
         )
+    if family == "qwen3_5":  # GDN layers around a gated full-attention one
+        return tf.Qwen3_5TextConfig(**common, **_gdn_common())
+    # Qwen3-Next's MoE: softmax top-k of 8 experts beside a sigmoid-gated shared expert.
+    moe = dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    )
+    if family == "qwen3_next":  # fused GDN projections; a dense MLP in one GDN layer
+        return tf.Qwen3NextConfig(**common, **_gdn_common(), **moe, norm_topk_prob=True, mlp_only_layers=[2])
+    if family == "qwen3_5_moe":  # MoE in every layer
+        dense = {k: v for k, v in common.items() if k != "intermediate_size"}
+        return tf.Qwen3_5MoeTextConfig(**dense, **_gdn_common(), **moe)
     nemotron = dict(
         **common,
         head_dim=16,
@@ -183,20 +194,41 @@ def _hf_config(family: str):
     raise ValueError(family)
 
 
+def _gdn_common() -> dict:
+    """Qwen3-Next / Qwen3.5 layers: 4 key heads (so tp 4 splits them) each shared by 2 value
+    heads, key and value head dims apart (16, 8) so a swapped axis shows."""
+    return dict(
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        eos_token_id=2,
+        pad_token_id=1,
+    )
+
+
 def randomize(model, seed: int = 0) -> None:
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    kind = type(model).__name__.lower()
+    zero_centered = any(f in kind for f in ("gemma", "qwen3_5", "qwen3next"))  # norms scale by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("A_log"):
+            if name.endswith("A_log") and "linear_attn" in name:  # GDN: slow and fast decays
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) + 0.01))
+            elif name.endswith("A_log"):
                 p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 1))
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5 - 1.0)
             elif name.endswith(".D"):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif "norm" in name:
-                base = 0.0 if "gemma" in type(model).__name__.lower() else 1.0
+                base = 0.0 if zero_centered and "linear_attn.norm" not in name else 1.0
                 p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
             elif p.ndim == 1:  # biases
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
@@ -222,6 +254,9 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
         "olmo3": tf.Olmo3ForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
+        "qwen3_5": tf.Qwen3_5ForCausalLM,
+        "qwen3_next": tf.Qwen3NextForCausalLM,
+        "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
         "nemotron_h": tf.NemotronHForCausalLM,
         "nemotron_h_moe": tf.NemotronHForCausalLM,
         "granite_h": tf.GraniteMoeHybridForCausalLM,

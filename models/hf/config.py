@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hicache_jax.models.config import MambaConfig, ModelConfig, MoEConfig, YarnConfig
+from hicache_jax.models.config import GdnConfig, MambaConfig, ModelConfig, MoEConfig, YarnConfig
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
 
@@ -325,6 +325,97 @@ def bamba(hf: dict, where: str) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         mamba=mamba,
     )
+
+
+def _text_config(hf: dict) -> dict:
+    """A multimodal checkpoint's text model config (``text_config``, as Qwen3.5's
+    ``...ForConditionalGeneration`` nests it; the top level keeps what it does not say, such
+    as ``tie_word_embeddings``), or a text-only config itself."""
+    text = hf.get("text_config")
+    if text is None:
+        return hf
+    return {k: v for k, v in hf.items() if k != "text_config"} | text
+
+
+def _gated_deltanet(hf: dict, arch: str, where: str, **extra) -> ModelConfig:
+    """The Qwen3-Next / Qwen3.5 text stack: Gated DeltaNet layers ("linear_attention") and
+    full attention ("full_attention") from ``layer_types`` (every ``full_attention_interval``
+    -th full by default); attention with an output gate, per-head q/k RMSNorm and partial
+    rotary; every RMSNorm (not the GDN's gated one) scales by ``1 + w``. Qwen3.5's
+    multimodal rope (``mrope_section``) gives a text-only sequence the same position on
+    each of its three sections, which is plain rope."""
+    _check(hf, where, hidden_act="silu", attention_bias=False)
+    n = hf["num_hidden_layers"]
+    every = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)
+    ]
+    kinds = tuple({"linear_attention": "gdn", "full_attention": "attention"}[t] for t in types)
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta, factor = _rope(rope, hf.get("rope_theta", 10000.0), where)
+    gdn = GdnConfig(
+        num_k_heads=hf["linear_num_key_heads"],
+        num_v_heads=hf["linear_num_value_heads"],
+        head_k_dim=hf["linear_key_head_dim"],
+        head_v_dim=hf["linear_value_head_dim"],
+        conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+    )
+    return ModelConfig(
+        **_common(hf, arch, kinds, where),
+        rope_theta=theta,
+        rope_linear_factor=factor,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        norm_offset=1.0,
+        attention_output_gate=True,
+        gdn=gdn,
+        **extra,
+    )
+
+
+def qwen3_5(hf: dict, where: str) -> ModelConfig:
+    """Qwen3_5ForCausalLM (dense) and the text model of Qwen3_5ForConditionalGeneration
+    (the published checkpoints; the vision tower is not read)."""
+    return _gated_deltanet(_text_config(hf), hf["architectures"][0], where)
+
+
+def _qwen_next_moe(hf: dict, norm_topk_prob: bool) -> MoEConfig:
+    """Qwen3-Next's MoE block: softmax top-k routing and a shared expert whose output is
+    scaled by sigmoid(shared_expert_gate(x)) before it joins the routed experts'."""
+    return MoEConfig(
+        num_experts=hf["num_experts"],
+        top_k=hf["num_experts_per_tok"],
+        intermediate=hf["moe_intermediate_size"],
+        router="softmax_topk",
+        norm_topk_prob=norm_topk_prob,
+        shared_intermediate=hf["shared_expert_intermediate_size"],
+        shared_gate=True,
+    )
+
+
+def qwen3_next(hf: dict, where: str) -> ModelConfig:
+    """Qwen3NextForCausalLM: Qwen3.5's layers (its fused GDN projections regrouped at load),
+    an MoE MLP in layer ``i`` unless ``i`` is in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th layer; dense MLPs of ``intermediate_size`` elsewhere."""
+    n = hf["num_hidden_layers"]
+    step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    experts = hf.get("num_experts", 0)
+    sparse = tuple(i for i in range(n) if i not in dense_only and experts > 0 and (i + 1) % step == 0)
+    moe = _qwen_next_moe(hf, bool(hf.get("norm_topk_prob", True))) if sparse else None
+    return _gated_deltanet(hf, "Qwen3NextForCausalLM", where, moe=moe, sparse_layers=sparse)
+
+
+def qwen3_5_moe(hf: dict, where: str) -> ModelConfig:
+    """Qwen3_5MoeForCausalLM and the text model of Qwen3_5MoeForConditionalGeneration:
+    Qwen3.5's layers, each with Qwen3-Next's MoE block (the top-k weights always
+    renormalised)."""
+    text = _text_config(hf)
+    # No dense MLP: intermediate_size is read only for the shared expert's width.
+    text = {**text, "intermediate_size": text["shared_expert_intermediate_size"]}
+    moe = _qwen_next_moe(text, norm_topk_prob=True)
+    layers = tuple(range(text["num_hidden_layers"]))
+    return _gated_deltanet(text, hf["architectures"][0], where, moe=moe, sparse_layers=layers)
 
 
 # Nemotron-H's block letters (``hybrid_override_pattern``) and the names transformers 5 gives

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hicache_jax.kinds import LayerKind
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf import mxfp4
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
@@ -46,6 +47,10 @@ class HFNames:
     # (``hf_config.nemotron_h_layers``), so our layer ``i`` reads the mixer and its norm
     # from block ``hf_blocks(cfg)[i]`` and the MLP and its norm from the block after.
     blocks: bool = False
+    # Gated DeltaNet in-projections: "split" (Qwen3.5: ``in_proj_qkv``, ``in_proj_z``,
+    # ``in_proj_b``, ``in_proj_a``) or "fused" (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``,
+    # grouped by key head).
+    gdn_proj: str = "split"
 
 
 LLAMA_NAMES = HFNames()
@@ -74,6 +79,14 @@ NEMOTRON_H_NAMES = HFNames(
 )
 GRANITE_H_NAMES = HFNames(
     mlp="shared_mlp", fused_mlp=True, moe="block_sparse_moe", experts="granite", shared_expert="shared_mlp"
+)
+
+QWEN3_NEXT_NAMES = HFNames(gdn_proj="fused")
+# The text model inside a multimodal checkpoint (Qwen3.5's published ones).
+QWEN3_5_VL_NAMES = HFNames(
+    final_norm="model.language_model.norm",
+    embed="model.language_model.embed_tokens",
+    layers="model.language_model.layers",
 )
 
 
@@ -107,6 +120,57 @@ def _t_gate(a):  # Granite's input_linear [2I, H]: gate rows, then up -> gate ke
 
 def _t_up(a):
     return a[a.shape[0] // 2 :].T
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """A parameter made from several checkpoint tensors (or one, rearranged):
+    ``combine(*tensors)`` gives our layout."""
+
+    parts: tuple[str, ...]
+    combine: Callable
+
+    @property
+    def name(self) -> str:
+        return "|".join(self.parts)  # for messages
+
+
+def _gdn_groups(cfg: ModelConfig, *blocks) -> np.ndarray:
+    """Rows of a Gated DeltaNet projection or conv regrouped by key head: each block
+    ``[num_k_heads * w, ...]`` is split into the heads' ``w`` rows, and every head's rows of
+    every block follow each other (``layers/gated_deltanet.py``'s layout)."""
+    nk = cfg.gdn.num_k_heads
+    parts = [b.reshape(nk, b.shape[0] // nk, *b.shape[1:]) for b in blocks]
+    out = np.concatenate(parts, axis=1)
+    return out.reshape(-1, *out.shape[2:])
+
+
+def _gdn_tensor(names: HFNames, cfg: ModelConfig, m: str, leaf: tuple):
+    """A Gated DeltaNet layer's tensor (``m``: its ``linear_attn`` prefix)."""
+    g = cfg.gdn
+    kd = g.key_dim
+    if leaf[0] == "in_proj":
+        if names.gdn_proj == "fused":  # already grouped by key head: [q k v z] and [b a]
+            combine = lambda qkvz, ba: _gdn_groups(cfg, qkvz, ba).T  # noqa: E731
+            return Joined((f"{m}.in_proj_qkvz.weight", f"{m}.in_proj_ba.weight"), combine), _same
+
+        def combine(qkv, z, b, a):  # [q | k | v] heads in order, then z, b and a
+            return _gdn_groups(cfg, qkv[:kd], qkv[kd : 2 * kd], qkv[2 * kd :], z, b, a).T
+
+        parts = tuple(f"{m}.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a"))
+        return Joined(parts, combine), _same
+    if leaf[0] == "conv_weight":  # depthwise [C, 1, K] over [q | k | v] -> [K, C] grouped
+
+        def conv(w):
+            c = _conv(w).T  # [C, K]
+            return _gdn_groups(cfg, c[:kd], c[kd : 2 * kd], c[2 * kd :]).T
+
+        return Joined((f"{m}.conv1d.weight",), conv), _same
+    if leaf[0] == "out_proj":
+        return f"{m}.out_proj.weight", _t
+    if leaf[0] == "norm":
+        return f"{m}.norm.weight", _same
+    return f"{m}.{leaf[0]}", _same  # dt_bias, A_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +258,9 @@ def _moe_tensor(names: HFNames, pre: str, leaf: tuple, cfg: ModelConfig, ckpt):
     if names.experts == "per_expert":  # Qwen3-MoE; Nemotron-H's experts have no gate_proj
         if leaf[0] == "router":
             return f"{moe}.gate.weight", _t
+        stacked = f"{moe}.experts.{'gate_up_proj' if leaf[0] == 'gate_up' else 'down_proj'}"
+        if ckpt is not None and stacked in ckpt:  # transformers 5's own layout: [E, 2I, H], [E, H, I]
+            return Experts(E, (stacked,), lambda a: a.T), _same
         e = f"{moe}.experts.<e>"
         if leaf[0] == "gate_up" and not cfg.moe.gated:
             return Experts(E, (f"{e}.up_proj.weight",), lambda u: u.T), _same
@@ -255,7 +322,9 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
             return _moe_tensor(names, mlp_pre, rest[1:], cfg, ckpt)
         return _mlp_tensor(names, f"{mlp_pre}.{names.mlp}", rest[1])
     assert rest[0] == "mixer", path
-    if kind != "mamba":
+    if kind == LayerKind.GDN:
+        return _gdn_tensor(names, cfg, f"{pre}.linear_attn", rest[1:])
+    if kind != LayerKind.MAMBA:
         a = f"{pre}.{names.attention}"
         if rest[1] in ("q_norm", "k_norm"):
             return f"{a}.{rest[1]}.weight", _same
@@ -283,6 +352,8 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
     def load(kp, leaf):
         path = tuple(_key(k) for k in kp)
         name, transform = hf_tensor(names, cfg, path, ckpt)
+        if isinstance(name, Joined):
+            return _place(_joined(ckpt, name, leaf.shape), leaf, kp)
         if isinstance(name, Experts):
             where = ckpt.file_of(name.parts[0].replace("<e>", "0"))
             try:
@@ -304,6 +375,9 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
                 f"{where}: tensor {name} has shape {tuple(raw.shape)}, "
                 f"expected {expected_hf_shape(transform, leaf.shape)}"
             )
+        return _place(arr, leaf, kp)
+
+    def _place(arr, leaf, kp):
         if sharding is None:
             return jnp.asarray(np.asarray(arr), dtype=dtype)
         np_dtype = jnp.dtype(dtype)
@@ -312,6 +386,25 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
         )
 
     return jax.tree_util.tree_map_with_path(load, abstract_state)
+
+
+def _joined(ckpt: Checkpoint, joined: Joined, shape: tuple) -> np.ndarray:
+    """Read and combine a ``Joined`` parameter's tensors, checking each and the result."""
+    where = ckpt.file_of(joined.parts[0])
+    raws = [ckpt.get(n) for n in joined.parts]
+    for n, raw in zip(joined.parts, raws):
+        if not (np.issubdtype(raw.dtype, np.floating) or raw.dtype == jnp.bfloat16):
+            raise CheckpointError(
+                f"{ckpt.file_of(n)}: tensor {n} has dtype {raw.dtype}, expected a float type"
+            )
+    shapes = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(joined.parts, raws))
+    try:
+        arr = np.asarray(joined.combine(*(np.asarray(r) for r in raws)))
+    except ValueError as e:
+        raise CheckpointError(f"{where}: tensors {shapes}: {e}") from e
+    if arr.shape != tuple(shape):
+        raise CheckpointError(f"{where}: tensors {shapes} make {arr.shape}, expected {tuple(shape)}")
+    return arr
 
 
 def _key(k):

@@ -42,7 +42,10 @@ class Attention(nnx.Module):
         # Fewer KV heads than shards: each shard stores a copy of the head it reads.
         self.kv_repeat = kv_heads_on_device(cfg, tp_size(kernels.mesh)) // Hkv
         bias = cfg.attention_bias
-        self.q_proj = Linear(h, H * D, bias=bias, dtype=dtype, rngs=rngs)
+        # With the output gate, q_proj gives per head [query (D) | gate (D)], heads side by
+        # side, so a split of its columns by head keeps each head's gate on its device.
+        self.output_gate = cfg.attention_output_gate
+        self.q_proj = Linear(h, H * D * (2 if self.output_gate else 1), bias=bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(h, Hkv * D, bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(h, Hkv * D, bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(H * D, h, bias=bias, dtype=dtype, rngs=rngs)
@@ -59,6 +62,10 @@ class Attention(nnx.Module):
     def __call__(self, kv: KVPages, x: jax.Array, batch: ForwardBatch) -> tuple[KVPages, jax.Array]:
         T = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.output_gate:  # [T, H, 2D] -> query, gate
+            q, gate = jnp.split(q.reshape(T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+            q = q.reshape(T, -1)
         if self.q_norm is not None and self.qk_norm_over == "all":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -96,4 +103,6 @@ class Attention(nnx.Module):
             batch.num_seqs,
             *sinks,
         )
+        if gate is not None:
+            o = o.astype(x.dtype) * jax.nn.sigmoid(gate)
         return KVPages(k_pages, v_pages), self.o_proj(o.reshape(T, -1))

@@ -29,17 +29,27 @@ class RMSNorm(nnx.Module):
 
 
 class GatedRMSNorm(nnx.Module):
-    """Mamba2's norm: ``x * silu(gate)`` normalised over groups of ``group_size`` channels."""
+    """A norm gated by ``silu(gate)``, over groups of ``group_size`` channels of the last
+    axis (``dim`` channels, one weight each):
 
-    def __init__(self, dim: int, group_size: int, *, eps: float, dtype):
+    - Mamba2: ``w * rms_norm(x * silu(gate))`` (the gate before the norm);
+    - ``norm_before_gate`` (Gated DeltaNet): ``w * rms_norm(x) * silu(gate)``.
+    """
+
+    def __init__(self, dim: int, group_size: int, *, eps: float, dtype, norm_before_gate: bool = False):
         if dim % group_size:
             raise ValueError(f"GatedRMSNorm: dim {dim} is not a multiple of group_size {group_size}")
         self.eps = eps
         self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        h = x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        silu = jax.nn.silu(gate.astype(jnp.float32))
+        h = x.astype(jnp.float32) if self.norm_before_gate else x.astype(jnp.float32) * silu
         *lead, dim = h.shape
         h = rms_normalize(h.reshape(*lead, dim // self.group_size, self.group_size), self.eps)
-        return self.weight[...] * h.reshape(*lead, dim).astype(x.dtype)
+        h = self.weight[...] * h.reshape(*lead, dim).astype(x.dtype)
+        if self.norm_before_gate:  # transformers' Qwen3NextRMSNormGated: the gate in float32
+            h = (h.astype(jnp.float32) * silu).astype(x.dtype)
+        return h

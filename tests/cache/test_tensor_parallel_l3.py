@@ -24,3 +24,21 @@ def test_pages_written_at_tp2_serve_tp1_and_tp4(tmp_path):
         assert_same_as_recompute(hit, fresh)
         assert_same_as_recompute(fresh, first)  # tp sizes agree: greedy tokens, logprobs
         llm.engine.check_integrity()
+
+
+def test_gdn_state_written_at_tp2_serves_tp1(tmp_path):
+    """Gated DeltaNet state snapshots, whose conv state is split by channel over the devices
+    (Mamba's is replicated), are stored whole too: written at tp 2 (and read back there by
+    the two passes), they serve tp 1 with the tokens and logprobs of a recompute."""
+    ids = prompt()
+    gdn = dict(preset="tiny-qwen3.5")
+    first, second = two_pass(hicache_llm(tmp_path / "l3", tp_size=2, **gdn), ids)
+    assert second["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - 2 * P, second["meta_info"]
+    llm = hicache_llm(tmp_path / "l3", tp_size=1, **gdn)
+    hit = run(llm, ids)
+    assert hit["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - 2 * P, hit["meta_info"]
+    fresh = run(llm, ids, cache_salt="recompute at tp 1")
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    assert_same_as_recompute(hit, fresh)
+    assert_same_as_recompute(fresh, first)
+    llm.engine.check_integrity()

@@ -82,9 +82,11 @@ def test_input_logprobs_match_transformers_with_a_cached_prefix(checkpoint_dir):
 # Nemotron-H and Granite 4.0-H: Mamba state carried across the chunks, MLP-free layers,
 # attention without RoPE, Granite's multipliers, shared experts.
 HYBRIDS = ["nemotron_h", "nemotron_h_moe", "granite_h", "granite_h_moe"]
+# Qwen3.5, Qwen3-Next, Qwen3.5-MoE: Gated DeltaNet state across the chunks, gated attention.
+GDN = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss", *HYBRIDS])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss", *HYBRIDS, *GDN])
 def test_prompt_logprobs_match_transformers(checkpoint_dir, family):
     """Every prompt token's logprob through ``LLM`` (chunked prefill over paged windows,
     MoE, sinks) against transformers' log-softmax: at most 1e-4 apart, in float32."""

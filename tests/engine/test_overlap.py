@@ -37,7 +37,7 @@ def same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("preset", ["tiny-mamba"])  # attention layers too, and state snapshots
+@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-qwen3.5"])  # attention too; state snapshots
 def test_overlap_gives_the_same_outputs(preset):
     model, tok = build_preset(preset), Tokenizer(TOKENIZER)
     rng = np.random.RandomState(1)

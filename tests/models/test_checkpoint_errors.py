@@ -120,3 +120,20 @@ def test_nemotron_h_mlp_block_without_a_mixer_is_refused(checkpoint_dir, tmp_pat
     json.dump(cfg | blocks, open(cfg_path, "w"))
     with pytest.raises(CheckpointError, match=rf"config\.json: hybrid_override_pattern {where} follows no"):
         load_hf(str(dst))
+
+
+def test_gated_deltanet_projection_of_wrong_shape_is_named(checkpoint_dir, tmp_path):
+    """A GDN in-projection is read from four tensors and regrouped by key head: one of the
+    wrong width is named with the shapes of all four, not left to fail in a reshape."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir("qwen3_5"), dst)
+    z = "model.layers.0.linear_attn.in_proj_z.weight"
+
+    def shrink(t):
+        t[z] = t[z][:-8]  # one value head fewer
+
+    f = rewrite(str(dst), shrink)
+    with pytest.raises(
+        CheckpointError, match=rf"{f}: tensors .*in_proj_qkv.weight \(192, 64\).*{z} \(56, 64\)"
+    ):
+        load_hf(str(dst))

@@ -8,7 +8,18 @@ from hicache_jax.models import load_hf
 from tests.hf_checkpoints import PAGE
 from tests.models.steps import build_step, jit_forward, kv_groups, logits_of, sequence
 
-FAMILIES = ["mistral", "gemma3", "bamba", "qwen3", "qwen3_moe", "olmo3", "gpt_oss"]
+FAMILIES = [
+    "mistral",
+    "gemma3",
+    "bamba",
+    "qwen3",
+    "qwen3_moe",
+    "olmo3",
+    "gpt_oss",
+    "qwen3_5",
+    "qwen3_next",
+    "qwen3_5_moe",
+]
 LENGTH = 70  # > 3 windows of 20; > 4 SSD chunks
 
 

@@ -38,6 +38,9 @@ FAMILIES = [
     "nemotron_h_moe",
     "granite_h",
     "granite_h_moe",
+    "qwen3_5",
+    "qwen3_next",
+    "qwen3_5_moe",
 ]
 
 
@@ -70,6 +73,61 @@ def test_model_config_reads_architecture_details(checkpoint_dir):
     olmo = load_hf(checkpoint_dir("olmo3")).cfg
     assert olmo.layer_kinds == ("sliding",) * 3 + ("attention",) and not olmo.pre_norms
     assert olmo.yarn("attention").factor == 8.0 and olmo.yarn("sliding") is None
+    qwen35 = load_hf(checkpoint_dir("qwen3_5"))
+    c = qwen35.cfg
+    assert c.layer_kinds == ("gdn", "attention", "gdn", "gdn") and c.attention_output_gate
+    assert c.rotary_dim == 4 and c.norm_offset == 1.0 and c.qk_norm
+    assert (c.gdn.num_k_heads, c.gdn.num_v_heads, c.gdn.head_k_dim, c.gdn.head_v_dim) == (4, 8, 16, 8)
+    nxt = load_hf(checkpoint_dir("qwen3_next")).cfg
+    assert nxt.layer_kinds == c.layer_kinds and nxt.sparse_layers == (0, 1, 3)  # mlp_only_layers=[2]
+    assert (nxt.moe.shared_intermediate, nxt.moe.shared_gate, nxt.moe.norm_topk_prob) == (48, True, True)
+    moe35 = load_hf(checkpoint_dir("qwen3_5_moe")).cfg
+    assert moe35.sparse_layers == (0, 1, 2, 3) and moe35.moe == nxt.moe
+
+
+def _stack_experts(tensors: dict) -> dict:
+    """Per-expert MoE tensors -> transformers 5's stacked ``experts.gate_up_proj [E, 2I, H]``
+    (gate rows, then up) and ``experts.down_proj [E, H, I]``."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = t
+            continue
+        e, proj = tail.split(".")[:2]
+        experts.setdefault(head, {}).setdefault(int(e), {})[proj] = t
+    for head, by_e in experts.items():
+        es = [by_e[e] for e in sorted(by_e)]
+        out[f"{head}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([x["gate_proj"], x["up_proj"]]) for x in es]
+        )
+        out[f"{head}.mlp.experts.down_proj"] = np.stack([x["down_proj"] for x in es])
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_multimodal_checkpoint_reads_its_text_model(checkpoint_dir, tmp_path, family):
+    """The published Qwen3.5 checkpoints are ``Qwen3_5[Moe]ForConditionalGeneration``: the
+    text model's config nested under ``text_config`` and its weights under
+    ``model.language_model`` (MoE experts here in transformers 5's stacked tensors). The
+    same weights, so laid out, give the same logits."""
+    from safetensors.numpy import load_file, save_file
+
+    src = checkpoint_dir(family)
+    hf = json.load(open(os.path.join(src, "config.json")))
+    text = {k: v for k, v in hf.items() if k not in ("architectures", "tie_word_embeddings")}
+    arch = hf["architectures"][0].replace("ForCausalLM", "ForConditionalGeneration")
+    nested = {"architectures": [arch], "text_config": text, "tie_word_embeddings": hf["tie_word_embeddings"]}
+    json.dump(nested, open(tmp_path / "config.json", "w"))
+    tensors = _stack_experts(load_file(os.path.join(src, "model.safetensors")))
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.visual.merger.weight"] = np.zeros((2, 2), np.float32)  # a vision tensor, unread
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ids = np.random.RandomState(3).randint(0, 512, size=(1, 20))
+    want = np.asarray(jax.jit(load_hf(src).forward_full)(ids))
+    model = load_hf(str(tmp_path))
+    assert model.cfg.architecture == arch
+    np.testing.assert_array_equal(np.asarray(jax.jit(model.forward_full)(ids)), want)
 
 
 def test_hybrid_layouts_map_onto_our_layers(checkpoint_dir):
@@ -96,7 +154,9 @@ def test_hybrid_layouts_map_onto_our_layers(checkpoint_dir):
     assert granite_moe.moe.shared_intermediate == 48 and granite_moe.moe.router == "topk_softmax"
 
 
-@pytest.mark.parametrize("family", ["nemotron_h_moe", "granite_h_moe", "gpt_oss", "gemma3"])
+@pytest.mark.parametrize(
+    "family", ["nemotron_h_moe", "granite_h_moe", "gpt_oss", "gemma3", "qwen3_5", "qwen3_next", "qwen3_5_moe"]
+)
 def test_param_count_is_the_models(checkpoint_dir, family):
     """``ModelConfig.num_params`` counts the parameters the model holds (MLP-free layers,
     ungated MLPs, shared experts, correction biases, sinks, sandwich norms)."""
@@ -105,7 +165,18 @@ def test_param_count_is_the_models(checkpoint_dir, family):
     assert model.cfg.num_params() == held
 
 
-@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-gpt-oss", "tiny-nemotron-h", "tiny-granite-h"])
+PRESETS = [
+    "tiny-mamba",
+    "tiny-gpt-oss",
+    "tiny-nemotron-h",
+    "tiny-granite-h",
+    "tiny-qwen3.5",
+    "100m-gdn",
+    "tiny-qwen3-next",
+]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_preset_param_count_is_the_models(preset):
     model = build_preset(preset)
     held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))

@@ -11,6 +11,8 @@ times).
 Costs are compiles (two programs per model, backend and size; Pallas interpret mode the
 most), so each family runs its sizes in a row against one reference."""
 
+import importlib.util
+
 import jax
 import numpy as np
 import pytest
@@ -73,11 +75,18 @@ def assert_same(got, want, what):
         assert not (differ & (top2[:, 1] - top2[:, 0] > ATOL)).any(), f"{what}, step {i}: greedy differs"
 
 
-def kernels(backend, tp):
+# The Gated DeltaNet Pallas kernels land on their own branch; until they do, GDN families
+# run the xla GDN kernel beside Pallas attention in their "pallas" runs.
+GDN_PALLAS = importlib.util.find_spec("hicache_jax.models.kernels.gated_delta_rule.kernel") is not None
+GDN_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+
+
+def kernels(backend, tp, family=None):
     # MoE: the TPU's grouped path beside the Pallas kernels, CPU's gathered one beside xla.
     moe = "grouped" if backend == "pallas" else "gathered"
+    ssd = "xla" if family in GDN_FAMILIES and not GDN_PALLAS else backend
     return KernelConfig(
-        attention=backend, ssd=backend, interpret=True, mesh=make_mesh(tp) if tp > 1 else None, moe=moe
+        attention=backend, ssd=ssd, interpret=True, mesh=make_mesh(tp) if tp > 1 else None, moe=moe
     )
 
 
@@ -94,6 +103,9 @@ SPLITS = {  # family -> its (backend, tp_size) runs split over the mesh
     # they run here (the dense ones cost 4 minutes of compiles more).
     "nemotron_h_moe": [("xla", 2), ("pallas", 4)],  # a shared expert split as a dense MLP is
     "granite_h_moe": [("pallas", 2), ("xla", 4)],
+    "qwen3_5": [("pallas", 2), ("xla", 4)],  # GDN key-head groups (4) split 2 and 1 per device
+    "qwen3_next": [("xla", 2), ("pallas", 4)],  # fused GDN projections regrouped; a dense layer
+    "qwen3_5_moe": [("pallas", 2), ("xla", 4)],  # a gated shared expert split as a dense MLP is
 }
 
 
@@ -102,7 +114,7 @@ def test_families_match_tp1(checkpoint_dir, family):
     path = checkpoint_dir(family)
     want = steps(load_hf(path, kernels=kernels("xla", 1)))
     for backend, tp in [("pallas", 1), *SPLITS[family]]:
-        got = steps(load_hf(path, kernels=kernels(backend, tp)))
+        got = steps(load_hf(path, kernels=kernels(backend, tp, family)))
         assert not any(np.isnan(g).any() for g in got), f"{family} {backend} tp={tp}"
         assert_same(got, want, f"{family} {backend} tp={tp}")
         if tp == 1:  # the kernels against their references: relative to the logits' scale
@@ -130,6 +142,9 @@ def test_undividable_sizes_are_refused():
         check_tp(preset_config("tiny"), 8)
     with pytest.raises(ValueError, match="num_kv_heads=3 must divide or be divided by 2"):
         check_tp(ModelConfig("x", 64, 64, 128, ("attention",), num_heads=6, num_kv_heads=3, head_dim=8), 2)
+    check_tp(preset_config("tiny-qwen3.5"), 2)
+    with pytest.raises(ValueError, match=r"gdn.num_k_heads=2 is not a multiple of 4"):  # whole groups
+        check_tp(preset_config("tiny-qwen3.5"), 4)
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(16)
     moe = preset_config("tiny")

@@ -25,7 +25,9 @@ def per_token_kl(out: dict, ref: dict) -> np.ndarray:
     return np.exp(r) - 1 - r
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmo3", "gpt_oss", "nemotron_h", "granite_h_moe"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "olmo3", "gpt_oss", "nemotron_h", "granite_h_moe", "qwen3_5", "qwen3_next"]
+)
 def test_two_pass_l3_over_http(checkpoint_dir, tmp_path, family):
     server = Server(
         "hicache_l3_cpu.flags",

@@ -25,6 +25,7 @@ hicache_jax.plan``) compiles the real flags at full depth.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -49,7 +50,14 @@ STEPS = {
     "olmo-3-7b": {V5E: "prefill", V6E: "decode"},  # q/k norms over the projections, YaRN
     "nemotron-h-8b": {V5E: "decode", V6E: "prefill"},  # no RoPE, squared-ReLU MLPs
     "granite-4.0-h-small": {V5E: "prefill", V6E: "decode"},  # 72 experts and a shared MLP; multipliers
+    "qwen3-next-80b-a3b": {V5E: "decode", V6E: "prefill"},  # GDN, gated attention, 512 experts
+    "qwen3.5-27b": {V5E: "prefill", V6E: "decode"},  # GDN split by key-head group (16 over 4, 8)
 }
+# Gated DeltaNet families compile the xla GDN kernel beside Pallas attention until the GDN
+# Pallas kernels land (their own branch); the xla chunked scan makes the prefill programs
+# the slowest here (60-80 s).
+GDN_PALLAS = importlib.util.find_spec("hicache_jax.models.kernels.gated_delta_rule.kernel") is not None
+GDN_FAMILIES = ("qwen3-next-80b-a3b", "qwen3.5-27b")
 FULL = os.environ.get("HICACHE_TPU_FULL") == "1"
 SERVING = dict(
     dtype="bfloat16",
@@ -86,7 +94,8 @@ def copy_names(server: AbstractServer) -> set[str]:
 
 
 def compile_chosen(family: str, topology: str):
-    cfg = EngineConfig(tp_size=TP[topology], **SERVING)
+    gdn = {} if GDN_PALLAS or family not in GDN_FAMILIES else {"ssd_backend": "xla"}
+    cfg = EngineConfig(tp_size=TP[topology], **SERVING, **gdn)
     server = AbstractServer.build(real_config(family, num_layers=1), cfg, target(topology))
     kinds = {"decode", "prefill", "rows"} if FULL else {STEPS[family][topology]}
     want = step_names(server, kinds) | copy_names(server)
