@@ -39,7 +39,9 @@ def _params(n, offset):
     ]
 
 
-@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-nemotron-h", "tiny-granite-h"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-mamba", "tiny-nemotron-h", "tiny-granite-h", "tiny-qwen3.5", "tiny-qwen3-next"]
+)
 def test_l2_hits_under_pressure_give_solo_outputs(preset):
     rng = np.random.RandomState(1)
     shared = rng.randint(3, 500, SHARED).tolist()

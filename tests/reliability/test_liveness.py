@@ -72,6 +72,8 @@ CONFIGS = [
     ("tiny-gpt-oss", 8, 16, 2),
     ("tiny-nemotron-h", 16, 32, 4),
     ("tiny-granite-h", 8, 16, 2),
+    ("tiny-qwen3.5", 16, 32, 4),
+    ("tiny-qwen3-next", 8, 16, 2),
 ]
 
 
@@ -91,6 +93,8 @@ def _shared_prefix_trace(seed: int, n: int = 5) -> list[TraceReq]:
 @example(trace=_shared_prefix_trace(12), config=("tiny-moe", 16, 32, 4), tiers="l2", policy="fcfs")
 @example(trace=_shared_prefix_trace(13), config=("tiny-nemotron-h", 16, 32, 4), tiers="l3", policy="fcfs")
 @example(trace=_shared_prefix_trace(14), config=("tiny-granite-h", 8, 16, 2), tiers="l2", policy="lpm")
+@example(trace=_shared_prefix_trace(15), config=("tiny-qwen3.5", 16, 32, 4), tiers="l3", policy="lpm")
+@example(trace=_shared_prefix_trace(16), config=("tiny-qwen3-next", 8, 16, 2), tiers="l2", policy="fcfs")
 @settings(
     max_examples=14,
     deadline=None,
