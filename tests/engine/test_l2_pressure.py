@@ -1,9 +1,8 @@
 """L2 hits under memory pressure, for every recurrent family: requests branch off a shared
 prefix in the middle of a chunk and of a page, the device pool is too small for them, the
 prefix they share is evicted from L1 between two waves and comes back from host memory
-(L2), and every request still ends with the output a recompute gives (an engine without a
-prefix cache, same pool, same waves; that batching does not change outputs is
-test_memory_pressure.py's). (A host-tier hit that
+(L2), and every request still ends with the output it gets alone (one at a time, without a
+prefix cache, on a pool of the same shape). (A host-tier hit that
 returned wrong output for a GDN/Mamba hybrid is a reported bug elsewhere.)"""
 
 import numpy as np
@@ -62,7 +61,7 @@ def test_l2_hits_under_pressure_give_solo_outputs(preset):
         mamba_cache_slots=8,  # snapshots leave L1 too: the hit loads its state from L2
     )
     solo = Engine(EngineConfig(**base, disable_radix_cache=True))
-    alone = [run(solo, *wave, check_every_step=False) for wave in waves]  # no prefix cache: a recompute
+    alone = [[run(solo, [p], [sp], check_every_step=False)[0] for p, sp in zip(*wave)] for wave in waves]
 
     engine = Engine(EngineConfig(**base, enable_hierarchical_cache=True, hicache_ratio=8.0))
     got = [run(engine, *wave) for wave in waves[:2]]
