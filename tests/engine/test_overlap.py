@@ -37,7 +37,8 @@ def same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-qwen3.5"])  # attention too; state snapshots
+@pytest.mark.parametrize("preset", ["tiny-mamba"])  # attention too; state snapshots (every recurrent kind
+# shares them; the GDN presets run the overlap schedule, the default, in the L2 and liveness tests)
 def test_overlap_gives_the_same_outputs(preset):
     model, tok = build_preset(preset), Tokenizer(TOKENIZER)
     rng = np.random.RandomState(1)
