@@ -286,12 +286,9 @@ def gemma3(hf: dict, where: str) -> ModelConfig:
     )
 
 
-def bamba(hf: dict, where: str) -> ModelConfig:
-    """BambaForCausalLM: Mamba2 layers with full attention at ``attn_layer_indices``."""
-    _check(hf, where, hidden_act="silu", attention_bias=False, mlp_bias=False)
-    n = hf["num_hidden_layers"]
-    attn = set(hf.get("attn_layer_indices") or [])
-    kinds = tuple("attention" if i in attn else "mamba" for i in range(n))
+def _bamba_mamba(hf: dict, where: str) -> MambaConfig:
+    """The Mamba2 mixer of Bamba's config fields (``mamba_*``, ``time_step_limit``), which
+    Granite 4.0-H shares."""
     h = hf["hidden_size"]
     expand = hf.get("mamba_expand", 2)
     heads = hf.get("mamba_n_heads", 128)
@@ -301,9 +298,7 @@ def bamba(hf: dict, where: str) -> ModelConfig:
     if d_head * heads != expand * h:
         raise CheckpointError(f"{where}: mamba_d_head * mamba_n_heads != mamba_expand * hidden_size")
     limit = hf.get("time_step_limit") or (0.0, math.inf)
-    rope = hf.get("rope_parameters") or {}
-    theta, factor = _rope(rope, hf.get("rope_theta", 10000.0), where)
-    mamba = MambaConfig(
+    return MambaConfig(
         num_heads=heads,
         head_dim=d_head,
         state_size=hf.get("mamba_d_state", 256),
@@ -315,6 +310,17 @@ def bamba(hf: dict, where: str) -> ModelConfig:
         dt_min=_float(limit[0]),
         dt_max=_float(limit[1]),
     )
+
+
+def bamba(hf: dict, where: str) -> ModelConfig:
+    """BambaForCausalLM: Mamba2 layers with full attention at ``attn_layer_indices``."""
+    _check(hf, where, hidden_act="silu", attention_bias=False, mlp_bias=False)
+    n = hf["num_hidden_layers"]
+    attn = set(hf.get("attn_layer_indices") or [])
+    kinds = tuple("attention" if i in attn else "mamba" for i in range(n))
+    rope = hf.get("rope_parameters") or {}
+    theta, factor = _rope(rope, hf.get("rope_theta", 10000.0), where)
+    mamba = _bamba_mamba(hf, where)
     common = _common(hf, "BambaForCausalLM", kinds, where)
     common["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-5))
     return ModelConfig(
@@ -567,27 +573,7 @@ def granite_moe_hybrid(hf: dict, where: str) -> ModelConfig:
     position = hf.get("position_embedding_type")
     if position not in (None, "rope", "nope"):
         raise CheckpointError(f"{where}: position_embedding_type {position!r} is not supported (rope, nope)")
-    h = hf["hidden_size"]
-    expand = hf.get("mamba_expand", 2)
-    heads = hf.get("mamba_n_heads", 128)
-    d_head = hf.get("mamba_d_head", "auto")
-    if d_head == "auto":
-        d_head = expand * h // heads
-    if d_head * heads != expand * h:
-        raise CheckpointError(f"{where}: mamba_d_head * mamba_n_heads != mamba_expand * hidden_size")
-    limit = hf.get("time_step_limit") or (0.0, math.inf)
-    mamba = MambaConfig(
-        num_heads=heads,
-        head_dim=d_head,
-        state_size=hf.get("mamba_d_state", 256),
-        num_groups=hf.get("mamba_n_groups", 1),
-        conv_kernel=hf.get("mamba_d_conv", 4),
-        chunk_size=hf.get("mamba_chunk_size", 256),
-        conv_bias=bool(hf.get("mamba_conv_bias", True)),
-        proj_bias=bool(hf.get("mamba_proj_bias", False)),
-        dt_min=_float(limit[0]),
-        dt_max=_float(limit[1]),
-    )
+    mamba = _bamba_mamba(hf, where)
     shared = hf.get("shared_intermediate_size", 1024)
     experts = hf.get("num_local_experts", 8) or 0
     moe = None

@@ -29,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hicache_jax.models.kernels.chunk_layout import chunk_layout
 from hicache_jax.models.kernels.gated_delta_rule.reference import F32, HIGHEST, gdn_decode_step
 from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
 
@@ -57,29 +58,6 @@ def ut_inverse(L: jax.Array) -> jax.Array:
         T = T - einsum("...ij,...jk,...kl->...il", T, jnp.where(quadrant, L, 0.0), T)
         b *= 2
     return T
-
-
-def chunk_layout(cu_seqlens: jax.Array, num_seqs: jax.Array, num_rows: int, chunk: int):
-    """Where each row goes in the chunk-aligned layout, and which sequence each chunk is.
-
-    Returns (dest [T]: row in the [NC * Q] layout, NC * Q for padding rows; c_seq [NC];
-    c_first [NC]: the chunk starts its sequence; last [S]: each sequence's last chunk;
-    q_lens [S]; NC)."""
-    T, Q = num_rows, chunk
-    S = cu_seqlens.shape[0] - 1
-    q_lens = jnp.where(jnp.arange(S) < num_seqs, cu_seqlens[1:] - cu_seqlens[:-1], 0)
-    nch = (q_lens + Q - 1) // Q
-    ch_end = jnp.cumsum(nch)
-    ch_start = ch_end - nch
-    NC = -(-T // Q) + S
-    t = jnp.arange(T)
-    seg = jnp.minimum(jnp.searchsorted(cu_seqlens[1:], t, side="right"), S - 1)
-    valid = t < cu_seqlens[num_seqs]
-    dest = jnp.where(valid, ch_start[seg] * Q + (t - cu_seqlens[seg]), NC * Q)
-    c = jnp.arange(NC)
-    c_seq = jnp.minimum(jnp.searchsorted(ch_end, c, side="right"), S - 1)
-    c_first = c == ch_start[c_seq]
-    return dest, c_seq, c_first, jnp.maximum(ch_end - 1, 0), q_lens, NC
 
 
 @functools.partial(jax.jit, static_argnames=("chunk",))

@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hicache_jax.models.kernels.chunk_layout import chunk_layout
 from hicache_jax.models.kernels.mamba2_ssd.reference import expand_groups
 
 
@@ -36,21 +37,13 @@ def ssd_chunked(
     chunk: int = 32,
 ) -> tuple[jax.Array, jax.Array]:  # y [T, H, P], final states [S, H, P, N]
     T, H, P = x.shape
-    S = cu_seqlens.shape[0] - 1
     N = B.shape[-1]
     Q = chunk
     f32 = jnp.float32
 
-    # Chunk-aligned layout.
-    q_lens = jnp.where(jnp.arange(S) < num_seqs, cu_seqlens[1:] - cu_seqlens[:-1], 0)
-    nch = (q_lens + Q - 1) // Q
-    ch_end = jnp.cumsum(nch)
-    ch_start = ch_end - nch
-    NC = -(-T // Q) + S
-    t = jnp.arange(T)
-    seg = jnp.minimum(jnp.searchsorted(cu_seqlens[1:], t, side="right"), S - 1)
-    valid = t < cu_seqlens[num_seqs]
-    dest = jnp.where(valid, ch_start[seg] * Q + (t - cu_seqlens[seg]), NC * Q)
+    # Chunk-aligned layout (shared with the Gated DeltaNet's chunked form).
+    dest, c_seq, c_first, last, q_lens, NC = chunk_layout(cu_seqlens, num_seqs, T, Q)
+    valid = dest < NC * Q
 
     def lay(a):
         z = jnp.zeros((NC * Q,) + a.shape[1:], f32)
@@ -58,9 +51,6 @@ def ssd_chunked(
 
     xc, dtc = lay(x), lay(dt)  # [NC, Q, H, P], [NC, Q, H]
     Bc, Cc = lay(expand_groups(B, H)), lay(expand_groups(C, H))  # [NC, Q, H, N]
-    c = jnp.arange(NC)
-    c_seq = jnp.minimum(jnp.searchsorted(ch_end, c, side="right"), S - 1)
-    c_first = c == ch_start[c_seq]
 
     a = dtc * A  # [NC, Q, H], <= 0
     cum = jnp.cumsum(a, axis=1)
@@ -88,7 +78,6 @@ def ssd_chunked(
     y = y + D[:, None] * xc
     y = y.reshape(NC * Q, H, P).at[jnp.minimum(dest, NC * Q - 1)].get()
     y = jnp.where(valid[:, None, None], y, 0.0)
-    last = jnp.maximum(ch_end - 1, 0)
     finals = jnp.where((q_lens > 0)[:, None, None, None], ends[last], h0)
     return y, finals
 
