@@ -9,11 +9,13 @@ an overflow inside an engine step, which would fail every request in the batch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOP_K = 2**31 - 1  # packed as int32; anything above the vocabulary means "off" anyway
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64, as clients send them; used modulo 2**32
 
 
@@ -47,6 +49,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    # Structured output (SGLang's names; ``hicache_jax/grammar``): at most one is set.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -97,12 +104,28 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of integers")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        grammars = [f for f in GRAMMARS if getattr(self, f) is not None]
+        for f in grammars:
+            if not isinstance(getattr(self, f), str) or not getattr(self, f):
+                bad(f, "must be a non-empty string")
+        if len(grammars) > 1:
+            raise InvalidRequest(f"sampling_params: {' and '.join(grammars)} are both set; send at most one")
+        if grammars and self.min_new_tokens:
+            bad(
+                "min_new_tokens",
+                f"is not supported with {grammars[0]} (the grammar decides when the output ends)",
+            )
 
     @property
     def penalised(self) -> bool:
         """Whether the request needs penalty counts on the device (``min_new_tokens``
         alone does not: the batch builder knows how many tokens it has)."""
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output."""
+        return any(getattr(self, f) is not None for f in GRAMMARS)
 
     @property
     def greedy(self) -> bool:
@@ -135,6 +158,9 @@ class SamplingParams:
                 why = "must be a list of integers"
                 raise InvalidRequest(f"sampling_params.stop_token_ids: {why} (got {show(ids)})")
             d["stop_token_ids"] = tuple(ids)
+        for f in ("json_schema", "structural_tag"):  # SGLang takes them as JSON text; objects too
+            if isinstance(d.get(f), dict):
+                d[f] = json.dumps(d[f])
         d = {k: v for k, v in d.items() if v is not None or k == "seed"}
         try:
             return cls(**d)

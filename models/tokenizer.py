@@ -59,6 +59,10 @@ class Tokenizer:
         """One token's text (for logprob triples), None without a tokenizer."""
         return None if self._tok is None else self._tok.decode([token_id], skip_special_tokens=False)
 
+    def to_json(self) -> str | None:
+        """The tokenizer as ``tokenizer.json`` text (for llguidance), None without one."""
+        return None if self._tok is None else self._tok.to_str()
+
     @property
     def vocab_size(self) -> int | None:
         return None if self._tok is None else self._tok.get_vocab_size()

@@ -129,6 +129,7 @@ def make_builder(cfg: EngineConfig, mc: ModelConfig, context_len: int) -> BatchB
         max_running=cfg.max_running_requests,
         max_prefill=cfg.chunked_prefill_size,
         max_pages=-(-context_len // cfg.page_size),
+        vocab_size=mc.vocab_size,
     )
 
 

@@ -10,6 +10,11 @@ each running request (no eviction of running state, no retraction), and room bel
 context length. A request that finishes at N (a stop token, a stop string) has then been
 run once more at N+1; that extra token is discarded, so outputs are the same as without
 overlap. ``disable_overlap_schedule`` reads every step before scheduling the next.
+
+A batch with a grammar-constrained request does not look ahead: the request's next token
+mask (``hicache_jax/grammar``) depends on the token step N samples, so step N+1 is built
+once N is read. (The alternative, a forward launched ahead with the sampling split off to
+wait for the mask, would double the step programs; the host's mask work is a millisecond.)
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from hicache_jax.engine.outputs import OutputDelta, OutputStream, format_output,
 from hicache_jax.engine.step_results import ENGINE_COUNTERS, append_token, record_input_logprobs, stop_reason
 from hicache_jax.engine.validation import validate_cache_salt, validate_prompt, validate_rid
 from hicache_jax.engine.warmup import WarmupReport, warmup
+from hicache_jax.grammar.compiler import GrammarCompiler
+from hicache_jax.grammar.constraint import Constraint, dead_end
+from hicache_jax.grammar.spec import spec_of
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
@@ -84,6 +92,7 @@ class Engine:
         self.adapter, self.scheduler = side.adapter, side.scheduler
         self.builder = make_builder(cfg, mc, self.context_len)
         self.penalty_slots = penalties.Slots(self.runner.num_penalty_slots)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.requests: dict[str, Req] = {}
         self._keys = itertools.count()
         self._idle_steps = 0
@@ -132,6 +141,8 @@ class Engine:
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
             raise InvalidRequest(f"rid {rid!r} is already in use")
+        spec = spec_of(sp)  # compiled already when the server queued it (``GrammarCompiler``)
+        grammar = Constraint(self.grammars.matcher(spec)) if spec is not None else None
         limit = self.cfg.queued_token_limit
         if self.scheduler.queued_tokens + len(input_ids) > limit:
             raise QueueFull(
@@ -150,6 +161,7 @@ class Engine:
             stream=stream,
             prefetch_key=f"{rid}#{next(self._keys)}",
             after=None if self.cfg.disable_radix_cache else self.requests.get(after),
+            grammar=grammar,
         )
         self.requests[rid] = req
         self.scheduler.add(req)  # and its L3 prefetch starts
@@ -223,6 +235,8 @@ class Engine:
         if len(prev.plan.items) != len(running) or any(i.req not in running for i in prev.plan.items):
             return False
         if any(r.seq_len + 1 >= self.context_len for r in running):
+            return False
+        if any(r.grammar is not None for r in running):  # its next mask needs the token in flight
             return False
         return self.prefix_cache.has_free_pages(len(running))
 
@@ -323,10 +337,14 @@ class Engine:
                 req.pending -= 1
                 if len(req.output_ids) >= req.sampling.max_new_tokens:
                     finished = {"type": "length", "length": req.sampling.max_new_tokens}
+                elif req.grammar is not None and req.grammar.dead:  # no token was allowed
+                    finished = dead_end(req.grammar.dead)
                 else:
                     tok = append_token(req, out, s, now)
                     self.stats["generated_tokens"] += 1
                     finished = self._stop_reason(req, tok)
+                    if req.grammar is not None and not finished:
+                        finished = req.grammar.accept(tok)
                 touched.append(req)
             if finished:
                 req.num_computed, req.pending = item.end, 0  # a step after this one is void

@@ -5,7 +5,9 @@ Shapes come from a few buckets so steady-state serving never recompiles:
 - decode-only steps: ``S`` = the next power of two >= the number of sequences, ``T = S``;
 - steps with prefill: ``T`` from a short geometric list, ``S = max_running_requests``;
 - logits rows: one per sequence, or one per token when a request wants input logprobs;
-- top logprobs: none, or ``MAX_TOP_LOGPROBS`` when a request wants any.
+- top logprobs: none, or ``MAX_TOP_LOGPROBS`` when a request wants any;
+- grammar bitmasks: always ``[S, ceil(V / 32)]`` (all ones for unconstrained rows), so a
+  constrained row never changes the program.
 
 ``warmup_programs`` lists every combination, so warm-up can compile them all.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hicache_jax.grammar.constraint import fill_masks
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.request import Req
 from hicache_jax.runtime.penalties import PenaltyInputs, held_back
@@ -24,9 +27,17 @@ from hicache_jax.scheduler.plan import TOP_WIDTHS, StepPlan, token_buckets
 
 class BatchBuilder:
     def __init__(
-        self, *, page_size: int, groups: tuple[str, ...], max_running: int, max_prefill: int, max_pages: int
+        self,
+        *,
+        page_size: int,
+        groups: tuple[str, ...],
+        max_running: int,
+        max_prefill: int,
+        max_pages: int,
+        vocab_size: int,
     ):
         self.P = page_size
+        self.mask_words = -(-vocab_size // 32)  # a row's grammar bitmask (``hicache_jax/grammar``)
         self.groups = groups
         self.max_running = max_running
         self.buckets = token_buckets(max_prefill + max_running)
@@ -97,6 +108,9 @@ class BatchBuilder:
             "counters": np.zeros(S, np.int32),
         }
         last_rows = np.zeros(S, np.int32)
+        allowed = np.full((S, self.mask_words), -1, np.int32)
+        constrained = np.zeros(S, bool)
+        grammar_rows = []
         first_rows = []
         t = 0
         for s, item in enumerate(plan.items):
@@ -126,6 +140,9 @@ class BatchBuilder:
             s_inputs["min_p"][s] = sp.min_p
             s_inputs["seeds"][s] = r.seed
             s_inputs["counters"][s] = len(r.output_ids) + r.pending
+            if r.grammar is not None and item.samples:
+                constrained[s] = True
+                grammar_rows.append((r.grammar, s))
             last_rows[s] = (t + n - 1) if R == T else s
             if R == T:
                 nxt = fill[item.start + 1 : item.end + 1]  # row q scores token q+1
@@ -153,7 +170,10 @@ class BatchBuilder:
             feed_rows=feed,
             decode_only=decode_only,
         )
-        sampling = SamplingInputs(last_rows=last_rows, targets=targets, **s_inputs)
+        fill_masks(grammar_rows, allowed)
+        sampling = SamplingInputs(
+            last_rows=last_rows, targets=targets, allowed=allowed, constrained=constrained, **s_inputs
+        )
         copies = self._copies(plan)
         wants_top = any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items)
         top = TOP_WIDTHS[wants_top]

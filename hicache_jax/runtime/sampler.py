@@ -67,6 +67,10 @@ class SamplingInputs:
     seeds: jax.Array  # [S] uint32
     counters: jax.Array  # [S] int32: tokens generated so far
     targets: jax.Array  # [R] int32: token whose logprob each row reports (-1: none)
+    # Structured output (``hicache_jax/grammar``): a row's allowed tokens as a bitmask (bit
+    # t % 32 of word t // 32) and whether the row is constrained at all. None: no masking.
+    allowed: jax.Array | None = None  # [S, ceil(V / 32)] int32
+    constrained: jax.Array | None = None  # [S] bool
 
 
 jax.tree_util.register_dataclass(
@@ -193,6 +197,20 @@ def next_tokens(logits_s: jax.Array, s: SamplingInputs, keys: jax.Array) -> jax.
     return jax.lax.cond(greedy_row.all(), lambda: greedy, draw)
 
 
+def masked(x: jax.Array, allowed: jax.Array, constrained: jax.Array) -> jax.Array:
+    """x [S, V] with the tokens a constrained row's bitmask does not allow set to -inf. A
+    batch without a constrained row returns ``x`` untouched (``lax.cond``): unconstrained
+    steps pay one predicate."""
+
+    def apply(x):
+        S, V = x.shape
+        bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+        ok = bits.reshape(S, -1)[:, :V] != 0
+        return jnp.where(constrained[:, None] & ~ok, -jnp.inf, x)
+
+    return jax.lax.cond(constrained.any(), apply, lambda x: x, x)
+
+
 def _row_logprobs(logits: jax.Array, targets: jax.Array, K: int):
     """Per logits row: the target token's logprob and the K largest logprobs, ``ROW_BLOCK``
     rows at a time. A step that reports every prompt row's logprobs then holds [ROW_BLOCK, V]
@@ -230,7 +248,8 @@ def sample(
 
     ``penalty``: the rows' penalty settings and the device's penalty counts
     (``penalties.py``); tokens are then chosen from the penalised logits, while logprobs
-    stay those of the raw ones."""
+    stay those of the raw ones. A constrained row (``s.allowed``) chooses among the tokens
+    its grammar allows; its logprobs too stay those of the raw distribution."""
     logits_s = logits[s.last_rows]  # [S, V]
     if rows_sharding is not None:
         logits_s = jax.lax.with_sharding_constraint(logits_s, rows_sharding)
@@ -239,6 +258,10 @@ def sample(
     if penalty is not None:
         chosen_from = penalties.penalised(logits_s, *penalty, s.counters)
         if rows_sharding is not None:  # split as the logits are (a cond's output is left free)
+            chosen_from = jax.lax.with_sharding_constraint(chosen_from, rows_sharding)
+    if s.allowed is not None:
+        chosen_from = masked(chosen_from, s.allowed, s.constrained)
+        if rows_sharding is not None:
             chosen_from = jax.lax.with_sharding_constraint(chosen_from, rows_sharding)
     next_ids = next_tokens(chosen_from, s, row_keys(s))
     next_lp = jnp.take_along_axis(logp_s, next_ids[:, None], axis=-1)[:, 0]

@@ -170,10 +170,6 @@ GENERATE = (
 SAMPLING = (
     ignored("stream_interval", int | None),  # how often a stream sends: every step here
     default_only("stop_regex", None, []),
-    default_only("json_schema"),
-    default_only("regex"),
-    default_only("ebnf"),
-    default_only("structural_tag"),
     default_only("spaces_between_special_tokens", True, None),
     default_only("no_stop_trim", False, None),
     default_only("custom_params"),
@@ -189,11 +185,8 @@ OPENAI_COMMON = (
     default_only("routed_experts_start_len", 0),
     default_only("return_cached_tokens_details", False),  # details are always in usage here
     default_only("return_token_ids", False),
-    default_only("regex"),
-    default_only("ebnf"),
     default_only("stop_regex", None, []),
     default_only("no_stop_trim", False),
-    default_only("response_format", None, {"type": "text"}),
     default_only("lora_path"),
     default_only("session_params"),
     default_only("custom_params"),
@@ -210,8 +203,6 @@ OPENAI_COMMON = (
     default_only("ngram_corpus_id"),
     default_only("priority"),
 )
-
-COMPLETION = (default_only("json_schema"),)
 
 CHAT = (
     # SGLang's.

@@ -16,6 +16,7 @@ step costs O(new tokens) whatever the output's length. Other requests get one wh
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import queue
@@ -27,7 +28,7 @@ from hicache_jax.engine.flush_result import FlushResult
 from hicache_jax.engine.interface import EngineAPI
 from hicache_jax.engine.outputs import OutputDelta, OutputStream
 from hicache_jax.metric_kinds import Metrics
-from hicache_jax.sampling_params import InvalidRequest
+from hicache_jax.sampling_params import GRAMMARS, InvalidRequest, SamplingParams
 from hicache_jax.server.errors import ApiError
 from hicache_jax.server.latency import RequestLatency
 from hicache_jax.server.messages import (
@@ -50,6 +51,12 @@ from hicache_jax.server.profiler import ProfileError, Profiler
 log = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 10.0
+
+
+def _has_grammar(params) -> bool:
+    if isinstance(params, dict):
+        return any(params.get(f) is not None for f in GRAMMARS)
+    return isinstance(params, SamplingParams) and params.constrained
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -88,7 +95,14 @@ class EngineLoop:
         self._queue.put(msg)
 
     async def generate(self, requests: list[dict]) -> list[Sink]:
-        """Queue requests (each dict has a ``rid``); raises InvalidRequest if any is refused."""
+        """Queue requests (each dict has a ``rid``); raises InvalidRequest if any is refused.
+        A request's grammar is compiled first, on a worker thread (``GrammarCompiler``): the
+        engine thread then finds it compiled, and no step waits for it."""
+        grammars = getattr(self.engine, "grammars", None)
+        for r in requests:
+            params = r.get("sampling_params")
+            if grammars is not None and _has_grammar(params):
+                await asyncio.to_thread(grammars.compile_params, params)
         sinks = [Sink(r["rid"]) for r in requests]
         reply = Reply()
         self.submit(Generate(requests, sinks, reply))

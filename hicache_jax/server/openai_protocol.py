@@ -11,12 +11,13 @@ SGLang's other extensions and OpenAI's other fields are in ``compat_fields``.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest
-from hicache_jax.server import choices, compat_fields
+from hicache_jax.server import choices, compat_fields, response_format
 from hicache_jax.server.protocol import MAX_BATCH, StrictModel
 
 
@@ -50,6 +51,10 @@ class _Common(StrictModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
+    # Structured output (``hicache_jax/grammar``): OpenAI's, and SGLang's extensions.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def check_supported(self) -> None:
         for name in ("max_tokens", "max_completion_tokens"):
@@ -82,7 +87,21 @@ class _Common(StrictModel):
             sp["stop"] = list(self.stop_strings())
         if self.stop_token_ids:
             sp["stop_token_ids"] = self.stop_token_ids
+        sp.update(self.grammar_params())
         return sp
+
+    def grammar_params(self) -> dict:
+        """The output's grammar as SGLang sampling params (at most one source)."""
+        sources = {
+            "response_format": response_format.grammar_params(self.response_format),
+            "regex": {"regex": self.regex} if self.regex is not None else {},
+            "ebnf": {"ebnf": self.ebnf} if self.ebnf is not None else {},
+            "json_schema": _json_schema(getattr(self, "json_schema", None)),
+        }
+        given = [name for name, params in sources.items() if params]
+        if len(given) > 1:
+            raise InvalidRequest(f"{' and '.join(given)} both constrain the output; send one")
+        return next((p for p in sources.values() if p), {})
 
     @property
     def include_usage(self) -> bool:
@@ -96,8 +115,9 @@ class _Common(StrictModel):
 
 
 class CompletionRequest(_Common):
-    compat = compat_fields.OPENAI_COMMON + compat_fields.COMPLETION
+    compat = compat_fields.OPENAI_COMMON
     prompt: Any  # str | list[str] | list[int] | list[list[int]]
+    json_schema: str | dict[str, Any] | None = None  # SGLang's extension
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -190,6 +210,12 @@ class ChatCompletionRequest(_Common):
             if limit is not None:
                 return limit
         return max(context_len - prompt_len, 0)
+
+
+def _json_schema(schema) -> dict:
+    if schema is None:
+        return {}
+    return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
 
 
 def _is_int(x) -> bool:

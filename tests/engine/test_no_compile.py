@@ -3,6 +3,8 @@ buckets, 1 to max_running_requests sequences, input and top logprobs, Mamba stat
 L2 loads and backups, L3 hits, penalties, a rebuild after a failed step) compiles nothing. Compiles
 are counted through JAX's public monitoring events (``hicache_jax.runtime.compiles``)."""
 
+import re
+
 import numpy as np
 
 from hicache_jax.config import EngineConfig
@@ -40,7 +42,12 @@ def test_warmup_shapes_cover_every_plan():
     rng = np.random.RandomState(0)
     for max_running, max_prefill in [(1, 16), (3, 16), (8, 64), (32, 512)]:
         b = BatchBuilder(
-            page_size=P, groups=("full",), max_running=max_running, max_prefill=max_prefill, max_pages=8
+            page_size=P,
+            groups=("full",),
+            max_running=max_running,
+            max_prefill=max_prefill,
+            max_pages=8,
+            vocab_size=512,
         )
         warm = set(b.warmup_shapes())
         assert len(warm) == len(b.warmup_shapes())
@@ -104,6 +111,10 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
             outs += _run(engine, _requests(rng, [30, 60], penalised), sizes)  # penalty rows written
             outs += _run(engine, _requests(rng, [70, 9], **logprobs), sizes)  # input and top logprobs
             outs += _run(engine, _requests(rng, [45], return_logprob=True), sizes)  # output logprobs only
+            regex = {"regex": "[a-c]{2,5}", "max_new_tokens": 8}  # grammar-constrained rows
+            mixed = list(_requests(rng, [35, 20], regex)) + list(_requests(rng, [25, 15], {"temperature": 0}))
+            outs += _run(engine, mixed, sizes)  # beside unconstrained greedy and sampled rows
+            constrained = outs[-4:-2]
             outs += _run(engine, _requests(rng, [100, 80, 70]), sizes)  # evicts `first` from the device
             outs += _run(engine, first[:3], sizes)  # L2 hits: host -> device loads
             host_hits = engine.stats["cached_tokens_host"]
@@ -119,4 +130,5 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
     assert engine.prefix_cache.counters["host_backups"] > 0
     assert 0 < engine.stats["host_loads_layerwise"] < engine.prefix_cache.counters["host_loads"]
     assert {1, 2} <= sizes, sizes
+    assert all(re.fullmatch("[a-c]{2,5}", o["text"]) for o in constrained), constrained
     assert any(o["meta_info"].get("input_top_logprobs") for o in outs)

@@ -61,7 +61,7 @@ def build_step(
     S = len(plan.items)
     T = num_tokens or plan.num_tokens
     builder = BatchBuilder(
-        page_size=page_size, groups=groups, max_running=S, max_prefill=T, max_pages=max_pages
+        page_size=page_size, groups=groups, max_running=S, max_prefill=T, max_pages=max_pages, vocab_size=512
     )
     shape = (T, S, T if all_logits else S, plan.decode_only)
     batch, _, _, _, first = builder.build(plan, shape=shape)

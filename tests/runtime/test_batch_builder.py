@@ -21,7 +21,12 @@ MAX_PAGES = 12
 
 def builder(groups=("full", "swa")) -> BatchBuilder:
     return BatchBuilder(
-        page_size=P, groups=groups, max_running=MAX_RUNNING, max_prefill=MAX_PREFILL, max_pages=MAX_PAGES
+        page_size=P,
+        groups=groups,
+        max_running=MAX_RUNNING,
+        max_prefill=MAX_PREFILL,
+        max_pages=MAX_PAGES,
+        vocab_size=512,
     )
 
 

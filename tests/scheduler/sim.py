@@ -93,6 +93,7 @@ class Sim:
             max_running=s.max_running,
             max_prefill=s.chunk,
             max_pages=s.max_pages,
+            vocab_size=512,
         )
         self.finished: list[Req] = []
         self.aborted: list[Req] = []
