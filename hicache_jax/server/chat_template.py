@@ -41,16 +41,18 @@ def _raise(message: str):
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, source: str | None = None):
+        """``source``: a template's text, in place of the model's (``--chat_template``)."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.tokenizer = tokenizer
         cfg = tokenizer.config or {}
-        source = cfg.get("chat_template")
+        source = source or cfg.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default") or next(iter(named.values()), None)
         self.from_model = bool(source)
+        self.source = source  # the template's text (``tools.formats.detect`` reads it)
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )

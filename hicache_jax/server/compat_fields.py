@@ -223,9 +223,6 @@ CHAT = (
     ignored("prompt_cache_key", str | None),  # a routing hint; the radix cache needs none
     ignored("safety_identifier", str | None),
     ignored("service_tier", str | None),
-    ignored("parallel_tool_calls", bool | None),  # no tools: nothing to call in parallel
-    default_only("tools", None, []),
-    default_only("tool_choice", None, "none", "auto"),
     default_only("functions"),
     default_only("function_call"),
     default_only("audio"),

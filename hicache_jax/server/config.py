@@ -8,6 +8,7 @@ import os
 import tempfile
 
 from hicache_jax.config import check_fields, setting
+from hicache_jax.server.tools.formats import PARSER_NAMES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
@@ -57,6 +58,20 @@ class ServerConfig:
         "Where POST /start_profile writes jax.profiler traces; a body's output_dir must be a "
         "directory under it.",
         shown_default="<tmp>/hicache-jax-profile",
+    )
+
+    chat_template: str | None = setting(
+        None,
+        "A jinja chat template file for /v1/chat/completions, in place of the model's.",
+        (lambda v, c: v is None or os.path.isfile(v), "must be a readable file"),
+        shown_default="the model's (tokenizer_config.json or chat_template.jinja)",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "How /v1/chat/completions reads tool calls in the output of tool_choice=auto: "
+        "SGLang's and vLLM's parser names (llama3, mistral, qwen25, hermes, gpt-oss, ...).",
+        (lambda v, c: v is None or v in PARSER_NAMES, f"must be one of {sorted(PARSER_NAMES)}"),
+        shown_default="guessed from the chat template",
     )
 
     def profile_output_dir(self) -> str:

@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from hicache_jax.sampling_params import show
-from hicache_jax.server import choices
+from hicache_jax.server import choices, tool_choice
 from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hicache_jax.server.protocol import MAX_BATCH, parse_body
@@ -238,10 +238,23 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     body, s = await _accept(request, ChatCompletionRequest)
+    tools = tool_choice.plan(body.tools, body.tool_choice, body.parallel_tool_calls, s.tool_format)
     messages = [m.as_template_input() for m in body.messages]
-    ids = await asyncio.to_thread(s.chat.encode, messages, True, body.chat_template_kwargs)
+    variables = dict(body.chat_template_kwargs or {})
+    if body.tools:
+        variables["tools"] = body.tools
+    ids = await asyncio.to_thread(s.chat.encode, messages, True, variables)
     max_tokens = body.max_new_tokens(len(ids), s.max_request_tokens)
     req = _engine_request({"input_ids": ids}, "chatcmpl", body, max_tokens, body.logprobs, body.top_logprobs)
+    if tools is not None:
+        extra = tools.sampling_params()
+        if "json_schema" in extra and body.grammar_params():
+            raise ApiError(
+                400,
+                f"tool_choice={tools.mode!r} and a grammar (response_format, regex, ebnf) both "
+                "constrain the output; send one",
+            )
+        req["sampling_params"].update(extra)
     rid = req["rid"]
     n = body.n or 1
     reqs = choices.expand([req], n)
@@ -265,37 +278,59 @@ async def chat_completions(request: Request) -> Response:
                 yield sse(frame([role(i)], "chat.completion.chunk"))
             unannounced.clear()
         finals: list[dict] = [{}] * n
+        streams = [tools.stream() if tools is not None else None for _ in range(n)]
         async for i, upd in watch.interleaved():
             delta = upd.out  # what is new since the choice's previous update
+            running = _running_usage(body, delta.meta)
+
+            def chunk(c: dict, running=running) -> bytes:
+                return sse(frame([c], "chat.completion.chunk", **running))
+
             if i in unannounced:
-                yield sse(frame([role(i)], "chat.completion.chunk", **_running_usage(body, delta.meta)))
+                yield chunk(role(i))
                 unannounced.discard(i)
             text = delta.text or ""
-            if text or upd.finished or (body.logprobs and delta.output_ids):
-                c = {
-                    "index": i,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": chat_logprobs(delta.logprobs or [], delta.top_logprobs)
-                    if body.logprobs
-                    else None,
-                    "finish_reason": finish_reason(delta.meta) if upd.finished else None,
-                }
-                yield sse(frame([c], "chat.completion.chunk", **_running_usage(body, delta.meta)))
+            pieces = [{"content": text}] if text else []
+            if streams[i] is not None:
+                pieces = streams[i].feed(text) + (streams[i].close() if upd.finished else [])
+            lp = chat_logprobs(delta.logprobs or [], delta.top_logprobs) if body.logprobs else None
+            if not pieces and (upd.finished or (body.logprobs and delta.output_ids)):
+                pieces = [{}]
+            for k, piece in enumerate(pieces):
+                last = upd.finished and k == len(pieces) - 1
+                reason = finish_reason(delta.meta) if last else None
+                if last and streams[i] is not None:
+                    reason = tools.finish_reason(reason, streams[i].calls > 0)
+                c = {"index": i, "delta": piece, "logprobs": lp if k == 0 else None, "finish_reason": reason}
+                yield chunk(c)
             if upd.finished:
                 finals[i] = delta.meta
         if body.include_usage:
             yield sse(frame([], "chat.completion.chunk", usage=usage(finals, n)))
 
+    def message(out: dict) -> tuple[dict, str | None]:
+        reason = finish_reason(out["meta_info"])
+        content = out["text"] or ""
+        if tools is None:
+            return {"role": "assistant", "content": content}, reason
+        content, calls = tools.split(content)
+        msg = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        return msg, tools.finish_reason(reason, bool(calls))
+
     async def whole(outs: list[dict]) -> dict:
-        cs = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": out["text"] or ""},
-                "logprobs": chat_logprobs(*_logprobs(out["meta_info"])) if body.logprobs else None,
-                "finish_reason": finish_reason(out["meta_info"]),
-            }
-            for i, out in enumerate(outs)
-        ]
+        cs = []
+        for i, out in enumerate(outs):
+            msg, reason = message(out)
+            cs.append(
+                {
+                    "index": i,
+                    "message": msg,
+                    "logprobs": chat_logprobs(*_logprobs(out["meta_info"])) if body.logprobs else None,
+                    "finish_reason": reason,
+                }
+            )
         return frame(cs, "chat.completion", usage=usage([o["meta_info"] for o in outs], n))
 
     return await _respond(s, request, reqs, body.stream, chunks, whole)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest
-from hicache_jax.server import choices, compat_fields, response_format
+from hicache_jax.server import choices, compat_fields, response_format, tool_choice
 from hicache_jax.server.protocol import MAX_BATCH, StrictModel
 
 
@@ -168,6 +168,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -176,7 +178,15 @@ class ChatMessage(BaseModel):
         out = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
-        return out
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidRequest(
+                    f"tool_calls in a {self.role!r} message: only assistant messages make calls"
+                )
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return tool_choice.template_message(out)
 
 
 class ChatCompletionRequest(_Common):
@@ -187,12 +197,15 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
             raise InvalidRequest("messages is empty")
-        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
         clash = sorted(reserved & set(self.chat_template_kwargs or {}))
         if clash:
             raise InvalidRequest(f"chat_template_kwargs may not set {clash}")

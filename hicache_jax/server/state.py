@@ -13,6 +13,7 @@ from hicache_jax.config import EngineConfig
 from hicache_jax.server.chat_template import ChatTemplate
 from hicache_jax.server.config import ServerConfig
 from hicache_jax.server.engine_loop import EngineLoop
+from hicache_jax.server.tools.formats import ToolFormat, detect, from_name
 
 
 @dataclasses.dataclass
@@ -26,6 +27,7 @@ class ServerState:
     context_len: int
     max_request_tokens: int  # prompt + completion: min(context, device KV pool)
     devices: list[str]
+    tool_format: ToolFormat | None = None  # how tool_choice=auto output is parsed
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -55,7 +57,11 @@ class ServerState:
             "eos_token_ids": list(mc.eos_token_ids),
             "kv_bytes_per_token": engine.runner.kv_bytes_per_token(),  # attention layers, every head
         }
-        chat = ChatTemplate(engine.tokenizer)
+        source = None
+        if server_cfg.chat_template:
+            with open(server_cfg.chat_template, encoding="utf-8") as f:
+                source = f.read()
+        chat = ChatTemplate(engine.tokenizer, source)
         info["has_chat_template"] = chat.from_model
         return cls(
             loop=loop,
@@ -67,4 +73,7 @@ class ServerState:
             context_len=engine.context_len,
             max_request_tokens=min(engine.context_len, cfg.max_total_tokens),
             devices=[str(d) for d in jax.devices()],
+            tool_format=from_name(server_cfg.tool_call_parser)
+            if server_cfg.tool_call_parser
+            else detect(chat.source),
         )
