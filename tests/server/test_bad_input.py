@@ -191,9 +191,9 @@ CASES = [
     (
         "chat-tools",
         "/v1/chat/completions",
-        {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f g"}}]},
         400,
-        "tools",
+        "tools[0].function.name",
     ),
     ("oai-unknown-model-card", "/v1/models/gpt-9", None, 404, "gpt-9"),
     # Admin routes.

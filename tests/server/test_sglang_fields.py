@@ -194,7 +194,7 @@ def test_no_op_values_leave_the_output_alone(server, route):
     "path,body,field",
     [
         ("/generate", {"text": "a", "return_hidden_states": True}, "return_hidden_states"),
-        ("/generate", {"text": "a", "sampling_params": {"regex": "a+"}}, "regex"),
+        ("/generate", {"text": "a", "sampling_params": {"stop_regex": "a+"}}, "stop_regex"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "no_stop_trim": True}, "no_stop_trim"),
         (
             "/v1/chat/completions",
