@@ -410,6 +410,7 @@ class Engine:
     def metrics(self) -> Metrics:
         """Counters and gauges for /metrics and /get_server_info (plain numbers)."""
         out = self.stats.copy().counters({"num_retractions": self.scheduler.num_retractions})
+        out.counters(dict(self.grammars.stats))  # grammar_compiles, grammar_cache_hits
         out.gauges(
             {"num_running_reqs": len(self.scheduler.running), "num_waiting_reqs": len(self.scheduler.waiting)}
         )

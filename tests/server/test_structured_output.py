@@ -211,3 +211,15 @@ def test_bad_generate_grammars_are_400s(server, params, named):
     )
     assert r.status_code == 400, r.text
     assert named in r.text, r.text
+
+
+def test_a_schema_compiles_once(server):
+    schema = {"type": "object", "properties": {"q": {"enum": [1, 2, 3]}}, "required": ["q"]}
+    sp = {"max_new_tokens": 30, "json_schema": json.dumps(schema), "temperature": 0}
+    before = server.metrics()
+    outs = [server.generate(text="x", sampling_params=sp) for _ in range(2)]
+    after = server.metrics()
+    assert all(json.loads(o["text"])["q"] in (1, 2, 3) for o in outs)
+    assert after["hicache_grammar_compiles_total"] - before.get("hicache_grammar_compiles_total", 0) == 1
+    # the handler's compile (off the engine thread) and the engine's copy: the rest hit
+    assert after["hicache_grammar_cache_hits_total"] - before.get("hicache_grammar_cache_hits_total", 0) == 3
