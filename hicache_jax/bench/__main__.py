@@ -4,6 +4,8 @@
     hicache-jax-bench --server_flags="--flagfile=configs/cpu.flags --preset=100m" \\
         --workloads=multi_turn,trace --trace_file=benchmarks/traces/conversations_small.jsonl
     hicache-jax-bench --url=http://127.0.0.1:30000 --workloads=multi_turn   # a running server
+    python -m hicache_jax.bench --workloads=agent \\
+        --server_flags="--flagfile=configs/cpu.flags --chat_template=tests/data/tool_templates/hermes.jinja"
 
 Starts a fresh server (``python -m hicache_jax.serve`` with ``--server_flags``) per
 configuration in ``--configs``: ``none`` (``--disable_radix_cache``), ``l1``, ``l1l2``
@@ -26,16 +28,20 @@ import time
 from absl import app, flags
 
 from hicache_jax.bench import plots, report
-from hicache_jax.bench.runner import CACHE_CONFIGS, WORKLOADS, BenchConfig, Runner
+from hicache_jax.bench.runner import CACHE_CONFIGS, DEFAULT_WORKLOADS, BenchConfig, Runner
 from hicache_jax.bench.server_process import REPO_CONFIGS
-from hicache_jax.bench.workloads import ChatConfig, DocQAConfig, TraceConfig
+from hicache_jax.bench.workloads import TOOL_CHOICES, AgentConfig, ChatConfig, DocQAConfig, TraceConfig
 
 _TRACE = os.path.join(os.path.dirname(REPO_CONFIGS), "benchmarks", "traces", "conversations_small.jsonl")
 
 F = flags.FLAGS
 flags.DEFINE_string("out_dir", "bench-out", "where results.json, the plots, logs and L3 go")
 flags.DEFINE_list("configs", list(CACHE_CONFIGS), "cache configurations: none, l1, l1l2, l1l2l3")
-flags.DEFINE_list("workloads", list(WORKLOADS), "multi_turn, doc_qa, trace, warm_restart")
+flags.DEFINE_list(
+    "workloads",
+    list(DEFAULT_WORKLOADS),
+    "multi_turn, doc_qa, trace, warm_restart, agent (agent: a server with a tokenizer; not by default)",
+)
 flags.DEFINE_string(
     "server_flags",
     f"--flagfile={os.path.join(REPO_CONFIGS, 'cpu.flags')}",
@@ -89,6 +95,20 @@ flags.DEFINE_string("trace_file", _TRACE, "Mooncake-format JSONL trace")
 flags.DEFINE_integer("trace_block_tokens", 16, "tokens per trace block when replayed (512 in the trace)")
 flags.DEFINE_float("trace_time_scale", 1.0, "multiplies the trace's timestamps (0: send at once)")
 flags.DEFINE_integer("max_requests", 0, "replay at most this many trace requests (0: all)")
+# agent: function calling under a shared system prompt and tool list (/v1/chat/completions)
+flags.DEFINE_integer("agent_requests", 32, "requests, each one user turn under the shared prefix")
+flags.DEFINE_integer("agent_concurrency", 8, "requests in flight at most")
+flags.DEFINE_float("agent_rate", 4.0, "requests per second (Poisson)")
+flags.DEFINE_integer("agent_tools", 16, "function tools in every request")
+flags.DEFINE_integer("agent_system_words", 150, "words in the system prompt")
+flags.DEFINE_integer("agent_user_words", 12, "words in each user turn")
+flags.DEFINE_integer("agent_output_tokens", 8, "max_tokens of each request")
+flags.DEFINE_enum(
+    "agent_tool_choice",
+    "auto",
+    list(TOOL_CHOICES),
+    "tool_choice of every request (required: output held by the tools' JSON-schema grammar)",
+)
 
 
 def _from_flags(cls, prefix: str):
@@ -118,6 +138,7 @@ def config_from_flags() -> BenchConfig:
         qa=qa,
         restart=dataclasses.replace(qa, questions=F.restart_questions, zipf=0.0, pool_multiple=0.0),
         trace=trace,
+        agent=_from_flags(AgentConfig, "agent_"),
         server_flags=tuple(shlex.split(F.server_flags)),
         server_env=tuple(env.items()),
         url=F.url,

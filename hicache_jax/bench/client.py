@@ -5,6 +5,14 @@ Any server speaking SGLang's ``/generate`` with ``input_ids`` works: TTFT is the
 the first streamed event that carries an output token, and cached prompt tokens are read
 from ``meta_info`` (``cached_tokens``, and per tier ``cached_tokens_details``) when the
 server reports them.
+
+Chat requests (the agent workload) go to ``/v1/chat/completions``, streamed with
+``stream_options.continuous_usage_stats`` so that every chunk carries the usage so far:
+TTFT is the time to the first chunk whose ``completion_tokens`` is at least 1 (content
+alone would not do: tool calls under ``tool_choice="required"`` arrive whole at the end,
+and an ``auto`` parser holds back text that may open a call), and the prompt and cached
+tokens are the usage's (``prompt_tokens_details.cached_tokens``, per tier in its
+``cached_tokens_details``).
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ class Record:
     server_timing: dict = dataclasses.field(default_factory=dict)  # meta_info "timing", seconds
     server_ttft: float | None = None  # meta_info "ttft": arrival at the engine to first token
     error: str | None = None
+    # False where ``prompt`` stands in for ids the benchmark does not know (a chat request it
+    # could not render as the server did): as many ids as the server counted, shared with no
+    # other request's, so that token counts hold but no maximum can be computed. A chat
+    # request's ``output`` is always such a stand-in (the route returns text).
+    exact_ids: bool = True
 
     @property
     def ok(self) -> bool:
@@ -124,6 +137,7 @@ class BenchClient:
         self.http = httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits)
         self.t0 = time.perf_counter()
         self.on_done = on_done or (lambda: None)
+        self._next_stand_in = -1
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -173,6 +187,53 @@ class BenchClient:
             rec.server_timing = dict(meta.get("timing") or {})
             if meta.get("ttft") is not None:
                 rec.server_ttft = float(meta["ttft"])
+
+    async def chat(self, body: dict, round_idx: int, prompt: list[int] | None = None) -> Record:
+        """One streamed ``/v1/chat/completions`` request. ``prompt``: the ids the benchmark
+        expects the server to render; kept when the server's prompt token count agrees."""
+        body = dict(body, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+        rec = Record(round_idx, (), int(body.get("max_tokens") or 0), sent=self.now())
+        usage: dict = {}
+        try:
+            async with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    rec.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                else:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        event = json.loads(data)
+                        if "error" in event:
+                            rec.error = str(event["error"])[:300]
+                            break
+                        if event.get("usage"):
+                            usage = event["usage"]
+                            if usage.get("completion_tokens") and rec.first_token is None:
+                                rec.first_token = self.now()
+        except httpx.HTTPError as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        rec.done = self.now()
+        if rec.error is None and rec.first_token is None:
+            rec.error = "no chunk reported a completion token"
+        n_prompt, n_out = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        rec.cached = int(details.get("cached_tokens") or 0)
+        tiers = details.get("cached_tokens_details") or {}
+        rec.cached_tiers = {t: int(tiers.get(t) or 0) for t in TIERS}
+        rec.exact_ids = prompt is not None and len(prompt) == n_prompt
+        rec.prompt = tuple(prompt) if rec.exact_ids else self._stand_in(n_prompt)
+        rec.output = self._stand_in(n_out)  # the chat route returns text: output ids are never known
+        self.on_done()
+        return rec
+
+    def _stand_in(self, n: int) -> tuple[int, ...]:
+        """``n`` ids no other stand-in shares (negative: no vocabulary has them)."""
+        out = tuple(range(self._next_stand_in, self._next_stand_in - n, -1))
+        self._next_stand_in -= n
+        return out
 
     async def post(self, path: str) -> None:
         r = await self.http.post(path)

@@ -3,7 +3,9 @@
 Throughput is tokens over the phase's wall time (first send to last reply). The hit rate
 is cached prompt tokens over prompt tokens; ``max_hit_rate`` is the theoretical maximum
 (``theoretical.py``) and ``capacity_max_hit_rate`` the one under the server's configured
-capacity; ``achieved_over_max`` is cached tokens over the theoretical maximum.
+capacity; ``achieved_over_max`` is cached tokens over the theoretical maximum. A phase
+whose prompt ids are not all known (chat requests the benchmark could not render as the
+server did: ``Record.exact_ids``) has hit rates but no maximum (``None``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def _quantiles_ms(values: list[float]) -> dict[str, float | None]:
 
 
 def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+    return a / b if a is not None and b else None
 
 
 def summarize(
@@ -40,12 +42,15 @@ def summarize(
     ``seen_capacity``: those the configured cache still holds (L3 across a restart)."""
     ok = [r for r in records if r.ok]
     seqs = [r.seq() for r in ok]
-    best = theoretical_max(seqs, info.rules, info.chunk, seen=seen)
-    best_cap = capacity_max(seqs, info.rules, info.chunk, info.capacity_pages, seen=seen_capacity)
+    exact = all(r.exact_ids for r in ok)
+    if exact:
+        best = theoretical_max(seqs, info.rules, info.chunk, seen=seen)
+        best_cap = capacity_max(seqs, info.rules, info.chunk, info.capacity_pages, seen=seen_capacity)
     prompt = sum(len(r.prompt) for r in ok)
     cached = sum(r.cached for r in ok)
     rounds = sorted({r.round for r in ok})
-    return {
+    lengths = [len(r.prompt) for r in ok]
+    out = {
         "phase": phase,
         "requests": len(records),
         "errors": [r.error for r in records if not r.ok][:5],
@@ -61,14 +66,13 @@ def summarize(
         "tpot_ms": _quantiles_ms([t for r in ok if (t := r.tpot) is not None]),
         "cached_tokens": cached,
         "cached_tokens_per_tier": {t: sum(r.cached_tiers[t] for r in ok) for t in TIERS},
-        "max_cached_tokens": sum(best),
-        "capacity_max_cached_tokens": sum(best_cap),
+        "prompt_tokens_per_request": {
+            "min": min(lengths, default=None),
+            "p50": float(np.median(lengths)) if lengths else None,
+            "max": max(lengths, default=None),
+        },
+        "exact_ids": exact,
         "hit_rate": _ratio(cached, prompt),
-        "max_hit_rate": _ratio(sum(best), prompt),
-        "capacity_max_hit_rate": _ratio(sum(best_cap), prompt),
-        "achieved_over_max": _ratio(cached, sum(best)),
-        "achieved_over_capacity_max": _ratio(cached, sum(best_cap)),
-        "requests_over_max": sum(r.cached > b for r, b in zip(ok, best)),
         "per_round": [
             {
                 "round": k,
@@ -80,6 +84,22 @@ def summarize(
             for k in rounds
         ],
     }
+    if exact:
+        out |= {
+            "max_cached_tokens": sum(best),
+            "capacity_max_cached_tokens": sum(best_cap),
+            "max_hit_rate": _ratio(sum(best), prompt),
+            "capacity_max_hit_rate": _ratio(sum(best_cap), prompt),
+            "achieved_over_max": _ratio(cached, sum(best)),
+            "achieved_over_capacity_max": _ratio(cached, sum(best_cap)),
+            "requests_over_max": sum(r.cached > b for r, b in zip(ok, best)),
+        }
+    else:
+        out |= dict.fromkeys(
+            ("max_cached_tokens", "capacity_max_cached_tokens", "max_hit_rate", "capacity_max_hit_rate")
+            + ("achieved_over_max", "achieved_over_capacity_max", "requests_over_max")
+        )
+    return out
 
 
 # Where a request's time to first token went, from the server's meta_info "timing" (medians
@@ -136,7 +156,33 @@ def markdown(results: dict, workload: str) -> str:
                 f"| {_fmt(ph['capacity_max_hit_rate'], 1, True)} | {_fmt(ph['achieved_over_max'], 2)} |"
             )
     lines += _restart_lines(results) if workload == "warm_restart" else []
+    lines += _agent_lines(results) if workload == "agent" else []
     return "\n".join(lines)
+
+
+def _agent_lines(results: dict, baseline: str = "none") -> list[str]:
+    """The prompt each request sent, and each configuration's TTFT against no cache's."""
+    out = []
+    for cfg in results.values():
+        for ph in cfg.get("agent", []):
+            n = ph["prompt_tokens_per_request"]
+            ids = "rendered here as the server did" if ph["exact_ids"] else "not known here: no maximum"
+            out.append(
+                f"- {cfg['label']}: prompt tokens per request {_fmt(n['min'])} / {_fmt(n['p50'])} / "
+                f"{_fmt(n['max'])} (min / median / max; ids {ids})"
+            )
+    base = (results.get(baseline) or {}).get("agent")
+    if base:
+        b = base[0]["ttft_ms"]
+        for name, cfg in results.items():
+            if name == baseline or not cfg.get("agent"):
+                continue
+            t = cfg["agent"][0]["ttft_ms"]
+            out.append(
+                f"- {cfg['label']} over {results[baseline]['label']}: TTFT p50 "
+                f"{_fmt(_ratio(t['p50'], b['p50']), 2)}x, p90 {_fmt(_ratio(t['p90'], b['p90']), 2)}x"
+            )
+    return ["", *out] if out else []
 
 
 def _restart_lines(results: dict) -> list[str]:

@@ -7,8 +7,11 @@ L3 directory between its two phases; a configuration without L3 keeps nothing ac
 restart, so there it only flushes (the same empty cache, without a second start-up).
 
 With ``warmup_pass`` each measured phase is preceded by the same workload on other tokens
-(another seed), then a flush: programs are compiled, or loaded from JAX's persistent
-compilation cache, before anything is timed.
+(another seed), then a flush (of L1 and L2; for the agent workload L3 too): programs are
+compiled, or loaded from JAX's persistent compilation cache, before anything is timed.
+
+The agent workload sends chat requests (text): it needs a server with a tokenizer, so it is
+not among the default workloads (``DEFAULT_WORKLOADS``).
 """
 
 from __future__ import annotations
@@ -22,11 +25,22 @@ import time
 import httpx
 
 from hicache_jax.bench import report
+from hicache_jax.bench.agent_prompts import LocalChat
 from hicache_jax.bench.client import BenchClient, Record, ServerInfo, fetch_info
 from hicache_jax.bench.server_process import ServerProcess
-from hicache_jax.bench.workloads import ChatConfig, DocQAConfig, TraceConfig, doc_qa, multi_turn, trace_replay
+from hicache_jax.bench.workloads import (
+    AgentConfig,
+    ChatConfig,
+    DocQAConfig,
+    TraceConfig,
+    agent,
+    doc_qa,
+    multi_turn,
+    trace_replay,
+)
 
-WORKLOADS = ("multi_turn", "doc_qa", "trace", "warm_restart")
+WORKLOADS = ("multi_turn", "doc_qa", "trace", "warm_restart", "agent")
+DEFAULT_WORKLOADS = WORKLOADS[:4]  # the agent workload needs a tokenizer (chat takes text)
 WARMUP_SEED = 7919  # added to the seed: other tokens, same shapes
 
 
@@ -58,11 +72,12 @@ CACHE_CONFIGS = {
 class BenchConfig:
     out_dir: str
     configs: tuple[str, ...] = tuple(CACHE_CONFIGS)
-    workloads: tuple[str, ...] = WORKLOADS
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
     chat: ChatConfig = ChatConfig()
     qa: DocQAConfig = DocQAConfig()
     restart: DocQAConfig = DocQAConfig(questions=2)
     trace: TraceConfig | None = None
+    agent: AgentConfig = AgentConfig()
     server_flags: tuple[str, ...] = ()
     server_env: tuple[tuple[str, str], ...] = ()
     url: str | None = None  # drive this server instead of starting them
@@ -90,6 +105,8 @@ class BenchConfig:
             return self.qa.num_requests
         if workload == "warm_restart":
             return 2 * self.restart.num_requests
+        if workload == "agent":
+            return self.agent.num_requests
         return len(self.trace.requests())
 
     def total_requests(self) -> int:
@@ -103,6 +120,7 @@ class Runner:
         self.progress = progress
         self.starts = 0
         self.startup_s: dict[str, list[float]] = {}  # per configuration, each server start
+        self._chat: tuple[str, LocalChat | None] | None = None  # the server's model name and rendering
 
     def run(self) -> dict:
         """``{config: {"label", "server", workload: [phase summaries]}}``."""
@@ -149,6 +167,8 @@ class Runner:
         url = self.cfg.url or server[0].url
         info = fetch_info(url, page_size=self.cfg.page_size)
         self._size(info)
+        if "agent" in self.cfg.workloads:
+            self._chat = self._chat_target(url)
         out = {"label": cc.label, "server": dataclasses.asdict(info), "sizes": self._sizes()}
         for k, w in enumerate(self.cfg.workloads):
             if k:
@@ -190,6 +210,19 @@ class Runner:
             self.progress.total += (after - before) * (2 if self.cfg.warmup_pass else 1) * configs
             self.progress.refresh()
 
+    def _chat_target(self, url: str) -> tuple[str, LocalChat | None]:
+        """The served model's name, and its prompt rendering on this machine (None: unknown)."""
+        with httpx.Client(base_url=url, timeout=30) as c:
+            r = c.get("/get_model_info")
+            model = r.json() if r.status_code == 200 else {}
+            if not model.get("served_model_name"):
+                r = c.get("/v1/models")
+                data = r.json().get("data") if r.status_code == 200 else None
+                if not data:
+                    raise RuntimeError(f"{url}: neither /get_model_info nor /v1/models names the model")
+                model["served_model_name"] = data[0]["id"]
+        return model["served_model_name"], LocalChat.find(model, self.cfg.server_flags)
+
     def _sizes(self) -> dict:
         """The sizes each workload ran at."""
         out = {}
@@ -197,13 +230,18 @@ class Runner:
             out["multi_turn"] = dataclasses.asdict(self.cfg.chat)
         if "doc_qa" in self.cfg.workloads:
             out["doc_qa"] = dataclasses.asdict(self.cfg.qa)
+        if "agent" in self.cfg.workloads:
+            out["agent"] = dataclasses.asdict(self.cfg.agent)
         return out
 
     def _measured(self, url: str, w: str, info: ServerInfo, name: str, phase: str = "run"):
         if self.cfg.warmup_pass:
             self._desc(f"{name}: {w} (warm-up pass)")
             self._pass(url, w, info, self.cfg.seed + WARMUP_SEED, phase)
-            self._empty(url, info, storage_too=False)
+            # L3 too after the agent's warm-up: its prompts open with the chat template's
+            # header (one page on the tiny preset's tokenizer), the same whatever the text,
+            # which L3 would serve to the measured pass's first request.
+            self._empty(url, info, storage_too=w == "agent")
         self._desc(f"{name}: {w}" + ("" if phase == "run" else f" ({phase})"))
         return self._pass(url, w, info, self.cfg.seed, phase)
 
@@ -219,6 +257,9 @@ class Runner:
                     recs = await doc_qa(client, cfg.qa, vocab, seed)
                 elif w == "trace":
                     recs = await trace_replay(client, cfg.trace, vocab, seed)
+                elif w == "agent":
+                    model, local = self._chat
+                    recs = await agent(client, cfg.agent, model, seed, local)
                 else:  # warm restart: the same documents, other questions after the restart
                     q = seed + (1 if phase == "warm" else 0)
                     recs = await doc_qa(client, cfg.restart, vocab, seed, question_seed=q)

@@ -17,6 +17,12 @@ that decides what L2 and L3 buy.
 - Trace replay: a Mooncake JSONL trace (``hicache_jax.bench.traces``), each 512-token block
   scaled to ``block_tokens`` tokens, sent at its timestamp times ``time_scale``.
 
+- Agent: ``requests`` single-turn chat requests under one long system prompt and one tool
+  list (``agent_prompts.py``), each with its own short user turn, sent to
+  ``/v1/chat/completions`` with ``tools`` as a Poisson stream, at most ``concurrency`` in
+  flight. The system prompt and tools are the shared prefix: what an agent framework sends
+  with every call.
+
 ``seed`` picks every token, so a warm-up pass with another seed runs the same shapes on
 content that cannot hit the measured run.
 """
@@ -29,7 +35,7 @@ import math
 
 import numpy as np
 
-from hicache_jax.bench import traces
+from hicache_jax.bench import agent_prompts, traces
 from hicache_jax.bench.client import BenchClient, Record
 
 FIRST_ID = 3  # ids below are special in this project's presets (pad, bos, eos)
@@ -217,3 +223,89 @@ async def trace_replay(client: BenchClient, cfg: TraceConfig, vocab: int, seed: 
         return await client.generate(ids, out, i // per_round)
 
     return list(await asyncio.gather(*(send(i, r) for i, r in enumerate(reqs))))
+
+
+AGENT_ROUNDS = 4  # the agent run is cut into this many parts, in arrival order, for per-round counts
+TOOL_CHOICES = ("auto", "required", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Every text is made of words (``agent_prompts.WORDS``); how many tokens a word takes is
+    the tokenizer's affair (about 3 on the tiny preset's, 1.3 on a production one): the
+    report gives the prompt tokens per request."""
+
+    requests: int = 32
+    concurrency: int = 8  # requests in flight at most; an arrival waits for a free slot
+    rate: float = 4.0  # arrivals per second (Poisson)
+    tools: int = 16
+    system_words: int = 150
+    user_words: int = 12
+    output_tokens: int = 8
+    tool_choice: str = "auto"  # "required": held by the tools' JSON-schema grammar
+
+    def __post_init__(self):
+        positive(self, "requests", "concurrency", "rate", "system_words", "user_words", "output_tokens")
+        _not_negative(self, "tools")
+        if self.tool_choice not in TOOL_CHOICES:
+            raise ValueError(
+                f"AgentConfig.tool_choice must be one of {TOOL_CHOICES}, got {self.tool_choice!r}"
+            )
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("AgentConfig.tool_choice='required' needs tools > 0")
+
+    @property
+    def num_requests(self) -> int:
+        return self.requests
+
+
+def agent_texts(cfg: AgentConfig, seed: int) -> tuple[str, list[dict], list[str], np.ndarray]:
+    """The system prompt, the tools, the user turns and the arrival times that ``seed`` picks."""
+    rng = np.random.default_rng([seed, 3])
+    system = agent_prompts.system_prompt(rng, cfg.system_words)
+    tools = agent_prompts.tool_list(rng, cfg.tools)
+    users = [agent_prompts.user_turn(rng, cfg.user_words) for _ in range(cfg.requests)]
+    arrivals = np.cumsum(rng.exponential(1 / cfg.rate, cfg.requests))
+    return system, tools, users, arrivals
+
+
+async def agent(
+    client: BenchClient, cfg: AgentConfig, model: str, seed: int, local: agent_prompts.LocalChat | None = None
+) -> list[Record]:
+    """Function-calling requests under one shared system prompt and tool list.
+
+    ``seed`` picks everything, the shared prefix included: the warm-up pass (another seed)
+    runs on *another* system prompt and tool list, as the other workloads' warm-ups run on
+    other tokens. It compiles the programs of these shapes, and leaves nothing the measured
+    pass can use: its first request is a genuine miss in every configuration (the runner
+    flushes every tier after this warm-up, L3 included: all prompts open with the chat
+    template's header, whatever their text), and every later hit on the shared prefix is
+    one this pass made. Sharing the tools with the warm-up would change one thing more:
+    with ``tool_choice="required"`` the server compiles a grammar per tool list (and keeps
+    it), so the measured pass's first request would skip that compilation. With other
+    tools it pays it, as a deployment's first call with a new tool list does.
+
+    ``local``: the server's rendering on this machine, for each prompt's ids (the
+    theoretical maximum); without it the report has hit rates but no maximum. A request's
+    TTFT runs from its send, after the wait for a slot (``concurrency``).
+    """
+    system, tools, users, arrivals = agent_texts(cfg, seed)
+    messages = [[{"role": "system", "content": system}, {"role": "user", "content": u}] for u in users]
+    prompts = [local.encode(m, tools or None) if local is not None else None for m in messages]
+    slots = asyncio.Semaphore(cfg.concurrency)
+
+    async def ask(k: int) -> Record:
+        body = {
+            "model": model,
+            "messages": messages[k],
+            "max_tokens": cfg.output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        if tools:
+            body |= {"tools": tools, "tool_choice": cfg.tool_choice}
+        await client.sleep_until(float(arrivals[k]))
+        async with slots:
+            return await client.chat(body, k * AGENT_ROUNDS // cfg.requests, prompts[k])
+
+    return list(await asyncio.gather(*(ask(k) for k in range(cfg.requests))))

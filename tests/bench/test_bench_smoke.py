@@ -1,8 +1,8 @@
 """The benchmark end to end, as a user runs it (``python -m hicache_jax.bench``): every
-workload, trace replay included, on every cache configuration, each on a real server of
-the tiny preset, at the smallest sizes that still share prefixes (one-page chunks and two
-running requests keep the programs to compile few). The child servers share
-the run's JAX compilation cache, so only the first compiles."""
+workload, trace replay and the agent workload included, on every cache configuration, each
+on a real server of the tiny preset, at the smallest sizes that still share prefixes
+(one-page chunks and two running requests keep the programs to compile few). The child
+servers share the run's JAX compilation cache, so only the first compiles."""
 
 import json
 import os
@@ -11,19 +11,25 @@ import sys
 
 from tests.server.conftest import ROOT, server_env
 
-WORKLOADS = ("multi_turn", "doc_qa", "trace", "warm_restart")
+WORKLOADS = ("multi_turn", "doc_qa", "trace", "warm_restart", "agent")
 CACHED = ("l1", "l1l2", "l1l2l3")
+# The Hermes template writes the agent workload's tools into the prompt (the tiny preset's
+# fallback template has no place for them); the other workloads send ids and never use it.
 SERVER_FLAGS = (
     "--flagfile=configs/cpu.flags --chunked_prefill_size=16 --max_running_requests=2 "
     "--max_total_tokens=2048 --hicache_prefetch_threshold=16 "
-    "--hicache_storage_prefetch_policy=wait_complete --log_level=warning"
+    "--hicache_storage_prefetch_policy=wait_complete --log_level=warning "
+    "--chat_template=tests/data/tool_templates/hermes.jinja"
 )
 SIZES = (
     "--chat_clients=2 --chat_rounds=2 --chat_system_tokens=32 --chat_user_tokens=8 "
     "--chat_output_tokens=3 --chat_arrival_rate=10 --chat_think_s=0.02 "
     "--qa_documents=2 --qa_questions=2 --qa_doc_tokens=48 --qa_question_tokens=8 "
     "--qa_output_tokens=2 --qa_rate=10 --restart_questions=1 "
-    "--max_requests=6 --trace_block_tokens=16 --trace_time_scale=0.01"
+    "--max_requests=6 --trace_block_tokens=16 --trace_time_scale=0.01 "
+    # one tool: ~300 prompt tokens; tool_choice=required runs the tools' JSON-schema grammar
+    "--agent_requests=3 --agent_concurrency=2 --agent_rate=20 --agent_tools=1 "
+    "--agent_system_words=8 --agent_user_words=4 --agent_output_tokens=3 --agent_tool_choice=required"
 )
 
 
@@ -38,6 +44,7 @@ def test_every_workload_on_every_configuration(tmp_path):
         f"--server_flags={SERVER_FLAGS}",
         f"--compilation_cache_dir={env['JAX_COMPILATION_CACHE_DIR']}",
         "--warmup_pass=false",
+        f"--workloads={','.join(WORKLOADS)}",
         *SIZES.split(),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -69,6 +76,13 @@ def test_every_workload_on_every_configuration(tmp_path):
             elif w != "warm_restart":
                 assert phases[0]["cached_tokens"] > 0, (name, w)
                 assert phases[0]["achieved_over_max"] > 0
+    for name, cfg in results.items():
+        (p,) = cfg["agent"]
+        # The benchmark rendered every prompt as the server did (the maximum needs the ids),
+        # and the tool's JSON schema is in it: far more than the 8 + 4 words of text.
+        assert p["exact_ids"] and p["max_hit_rate"] is not None, (name, p)
+        assert p["prompt_tokens_per_request"]["min"] > 200, p["prompt_tokens_per_request"]
+    assert "L1 over no prefix cache: TTFT p50" in proc.stdout
     warm = results["l1l2l3"]["warm_restart"][1]
     assert warm["restart"] == "process"
     assert warm["cached_tokens_per_tier"]["storage"] > 0
