@@ -17,7 +17,9 @@ binary, every tier on (jax.distributed over gloo on 127.0.0.1; HTTP on process 0
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,9 +38,13 @@ from tests._diverging_follower import DIVERGE_TOKEN
 from tests.server.conftest import ROOT, server_env
 from tests.xla_env import with_device_count
 
+TINY_TOKENIZER = os.path.join(ROOT, "hicache_jax", "assets", "tiny_tokenizer.json")
+
 # Four prompts of 3-5 pages with 8 new tokens each, on 8 pages of KV: retraction is forced.
 PROMPTS = [[(11 * i + 5 * j) % 500 + 3 for j in range(40 + 9 * i)] for i in range(4)]
 SAMPLING = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+# The last prompt's output is held by a grammar: each process compiles it and fills its masks.
+SAMPLINGS = [SAMPLING] * (len(PROMPTS) - 1) + [dict(SAMPLING, regex="[a-e]{3,12}")]
 ENGINE = dict(
     dtype="float32",
     page_size=16,
@@ -75,7 +81,9 @@ def env4() -> dict:
 def checkpoint(tmp_path_factory) -> str:
     """gemma3 (sliding and full attention) with 8 query heads, so tp_size 8 splits them."""
     out = str(tmp_path_factory.mktemp("heads8"))
-    return hf_checkpoints.make("gemma3", out, overrides={"num_attention_heads": 8, "head_dim": 8})
+    path = hf_checkpoints.make("gemma3", out, overrides={"num_attention_heads": 8, "head_dim": 8})
+    shutil.copy(TINY_TOKENIZER, os.path.join(path, "tokenizer.json"))  # 512 tokens: grammars need text
+    return path
 
 
 class Pair:
@@ -118,11 +126,11 @@ class Pair:
         return self.log1.read_text()
 
     def generate(self, prompts: list[list[int]]) -> list[httpx.Response]:
-        def post(prompt):
-            return self.client.post("/generate", json={"input_ids": prompt, "sampling_params": SAMPLING})
+        def post(prompt, sp):
+            return self.client.post("/generate", json={"input_ids": prompt, "sampling_params": sp})
 
         with ThreadPoolExecutor(len(prompts)) as pool:
-            return list(pool.map(post, prompts))
+            return list(pool.map(post, prompts, SAMPLINGS))
 
     def wait_exit(self, timeout: float) -> tuple[int, int]:
         deadline = time.monotonic() + timeout
@@ -146,7 +154,7 @@ class Pair:
 def reference(checkpoint: str) -> list[list[int]]:
     """One process, tp_size 1, no L2/L3: the same prompts at once, on the same small pool."""
     engine = Engine(EngineConfig(model_path=checkpoint, **ENGINE))
-    rids = [engine.add_request(input_ids=p, sampling_params=SAMPLING) for p in PROMPTS]
+    rids = [engine.add_request(input_ids=p, sampling_params=sp) for p, sp in zip(PROMPTS, SAMPLINGS)]
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.num_retractions > 0
@@ -170,6 +178,7 @@ def test_two_processes_serve_tp8_over_http_like_one_process(tmp_path, checkpoint
         first = pair.generate(PROMPTS)
         assert [r.status_code for r in first] == [200] * len(PROMPTS), [r.text for r in first]
         assert [r.json()["output_ids"] for r in first] == want
+        assert re.fullmatch(SAMPLINGS[-1]["regex"], first[-1].json()["text"]), first[-1].json()
         metrics = pair.client.get("/get_server_info").json()["metrics"]
         assert metrics["num_retractions"] > 0, metrics
 
