@@ -164,13 +164,7 @@ class BenchClient:
         return rec
 
     async def _read(self, r: httpx.Response, rec: Record) -> None:
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
+        async for event in _sse_events(r):
             if "error" in event:
                 rec.error = str(event["error"])
                 return
@@ -199,13 +193,7 @@ class BenchClient:
                 if r.status_code != 200:
                     rec.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 else:
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            break
-                        event = json.loads(data)
+                    async for event in _sse_events(r):
                         if "error" in event:
                             rec.error = str(event["error"])[:300]
                             break
@@ -241,3 +229,14 @@ class BenchClient:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+async def _sse_events(r: httpx.Response):
+    """The JSON events of a Server-Sent Events response, up to ``data: [DONE]``."""
+    async for line in r.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
