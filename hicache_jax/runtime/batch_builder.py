@@ -38,6 +38,7 @@ class BatchBuilder:
     ):
         self.P = page_size
         self.mask_words = -(-vocab_size // 32)  # a row's grammar bitmask (``hicache_jax/grammar``)
+        self._masks: dict[int, np.ndarray] = {}
         self.groups = groups
         self.max_running = max_running
         self.buckets = token_buckets(max_prefill + max_running)
@@ -108,7 +109,6 @@ class BatchBuilder:
             "counters": np.zeros(S, np.int32),
         }
         last_rows = np.zeros(S, np.int32)
-        allowed = np.full((S, self.mask_words), -1, np.int32)
         constrained = np.zeros(S, bool)
         grammar_rows = []
         first_rows = []
@@ -170,7 +170,10 @@ class BatchBuilder:
             feed_rows=feed,
             decode_only=decode_only,
         )
-        fill_masks(grammar_rows, allowed)
+        allowed = self._all_allowed(S)
+        if grammar_rows:
+            allowed = allowed.copy()
+            fill_masks(grammar_rows, allowed)
         sampling = SamplingInputs(
             last_rows=last_rows, targets=targets, allowed=allowed, constrained=constrained, **s_inputs
         )
@@ -178,6 +181,14 @@ class BatchBuilder:
         wants_top = any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items)
         top = TOP_WIDTHS[wants_top]
         return batch, sampling, copies, top, first_rows
+
+    def _all_allowed(self, S: int) -> np.ndarray:
+        """[S, W] int32 bitmask allowing every token, kept per S (read-only: copy to fill)."""
+        if S not in self._masks:
+            mask = np.full((S, self.mask_words), -1, np.int32)
+            mask.flags.writeable = False
+            self._masks[S] = mask
+        return self._masks[S]
 
     @staticmethod
     def penalties(plan: StepPlan, S: int, eos_token_ids=()) -> PenaltyInputs:

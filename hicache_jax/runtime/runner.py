@@ -123,13 +123,15 @@ class ModelRunner:
         # Penalty counts (``penalties.py``): one row per slot, split by vocabulary as logits are.
         self.num_penalty_slots = max_seqs
         self._counts_sharding = sharding.vocab_rows(sharding.replicated(self.mesh), self.cfg.vocab_size)
+        self._abstract_on = None if abstract_on is None else sharding.replicated(self.mesh or abstract_on)
+        self._all_allowed: dict[tuple[int, int], jax.Array] = {}  # grammar bitmasks, by shape
         if abstract_on is None:
             self.cache = self._new_cache()
             self._no_ids = jax.device_put(jnp.zeros((max_seqs,), jnp.int32), self._placed())
             self.counts = self._new_counts()
         else:
             self.cache = model.cache_shapes(placement=abstract_on, **self._cache_shape)
-            on = sharding.replicated(self.mesh or abstract_on)
+            on = self._abstract_on
             self._no_ids = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=on)
             vocab_on = self._counts_sharding or on
             self.counts = jax.ShapeDtypeStruct((max_seqs, self.cfg.vocab_size), jnp.int32, sharding=vocab_on)
@@ -151,7 +153,7 @@ class ModelRunner:
         args = self._step_args(batch, sampling, copies, prev_ids, penalty)
         if self._multiprocess:  # every process must launch this same step
             self._launched += 1
-            plan = distributed.digest((args[2:5], args[6], top_logprobs))
+            plan = distributed.digest(((args[2], sampling, args[4]), args[6], top_logprobs))  # host arrays
             distributed.check_same_plan(self._launched, plan)
         self.cache, out, ids, self.counts = _step_jit(*args, **self._static(top_logprobs))
         return out, ids
@@ -195,10 +197,28 @@ class ModelRunner:
             batch = dataclasses.replace(batch, feed_rows=np.full(batch.input_ids.shape, -1, np.int32))
         prev_ids = self._no_ids if prev_ids is None else prev_ids
         penalty = PenaltyInputs.neutral(sampling.last_rows.shape[0]) if penalty is None else penalty
+        if sampling.allowed is not None:
+            sampling = dataclasses.replace(sampling, allowed=self._placed_mask(sampling))
         return self._leaves, self.cache, batch, sampling, copies, prev_ids, penalty, self.counts
 
     def _static(self, top_logprobs: int) -> dict:
         return {"structure": self._structure, "top_logprobs": top_logprobs}
+
+    def _placed_mask(self, sampling: SamplingInputs):
+        """The step's grammar bitmask where the step's state lives. Without a constrained row
+        it is a device array kept per shape (all tokens allowed), so an unconstrained step
+        moves no mask; with one, the host's masks are copied over. Either way the program
+        sees the same placement, so it is one program."""
+        shape = sampling.allowed.shape
+        if self._abstract_on is not None:
+            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._abstract_on)
+        if self._multiprocess:  # host arrays, as every other input there
+            return sampling.allowed
+        if np.any(sampling.constrained):
+            return jax.device_put(sampling.allowed, self._placed())
+        if shape not in self._all_allowed:
+            self._all_allowed[shape] = jax.device_put(np.full(shape, -1, np.int32), self._placed())
+        return self._all_allowed[shape]
 
     def reset_cache(self) -> None:
         """Fresh device cache arrays and penalty counts (after a failed step consumed the
