@@ -91,7 +91,8 @@ def configs_from_flags(fv: flags.FlagValues = flags.FLAGS) -> tuple[EngineConfig
         raise FlagError(_name_flags(str(e))) from None
     try:
         server_kwargs = {f.name: fv[f.name].value for f in dataclasses.fields(ServerConfig)}
-        server_kwargs["profile_dir"] = server_kwargs["profile_dir"] or None
+        for name in ("profile_dir", "allowed_hosts"):  # empty: unset (never --api_key: that is refused)
+            server_kwargs[name] = server_kwargs[name] or None
         server_cfg = ServerConfig(**server_kwargs)
     except ServerConfigError as e:
         raise FlagError(str(e)) from None

@@ -62,12 +62,29 @@ class GrammarCompiler:
             raise InvalidRequest(
                 f"sampling_params.{spec.kind}: invalid grammar: {_first_lines(matcher.get_error())}"
             )
+        why = self._cannot_start(matcher)
+        if why is not None:
+            raise InvalidRequest(f"sampling_params.{spec.kind}: the grammar allows no output ({why})")
         with self._lock:
             self._compiled[spec] = matcher
             self.stats["grammar_compiles"] += 1
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return matcher
+
+    def _cannot_start(self, matcher) -> str | None:
+        """Why no token (EOS included) can begin the output, or None when one can. A grammar
+        that parses but matches nothing (``{"$ref": "#"}``, a rule defined only by itself) is
+        found here, at compile time, rather than as a dead end at the request's first step.
+        On a copy: the check leaves a failed matcher in error."""
+        import llguidance.numpy
+
+        probe = matcher.deep_copy()
+        mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(probe, mask, 0)
+        if probe.is_error():
+            return _first_lines(probe.get_error(), 1) or "the grammar is in error"
+        return None if mask.any() else "no token can start it"
 
     def compile_params(self, sp) -> None:
         """Compile the grammar of sampling params ``sp`` (a ``SamplingParams`` or SGLang's

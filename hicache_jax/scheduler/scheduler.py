@@ -43,6 +43,13 @@ it too (``_held``), so it finds those pages in the tree when it is admitted. The
 bounded (``hold_limit``: twice the chunks the shared part needs, plus ``HOLD_SLACK``
 steps) and ends as soon as the running request has computed the shared part, is
 retracted or ends: nothing waits on a request that is not advancing.
+
+Fairness between clients: the choices of one ``n > 1`` request share a ``group``. While a
+request of another group waits, a group is not admitted past ``GROUP_SHARE`` of
+``max_running_requests`` (at least one row); its next choice is passed over and the others
+go first. With nobody else waiting the group takes the whole batch, so the rule costs
+nothing when there is no one to be fair to, and a passed-over choice is admitted as soon
+as its group's rows end.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from hicache_jax.scheduler.l3_prefetch import NOTHING, PrefetchDecisions, Prefet
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
 HOLD_SLACK = 4  # steps a request may wait for a shared prefix beyond what its chunks need
+GROUP_SHARE = 0.5  # of the running batch, the most one group (a request's n choices) holds while others wait
 LPM_AGE_STEPS = 64  # lpm: a request waiting this many scheduling rounds goes first
 LPM_MAX_QUEUE = 128  # lpm: longer queues are taken in queue order
 
@@ -188,11 +196,14 @@ class Scheduler:
                 budget -= end - req.num_computed
         for req in self.waiting:
             req.queued_steps += 1
+        share = _GroupShare(self.running, self.waiting, self.cfg.max_running_requests)
         for req in self._queue_order():
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
             if not self.prefetch.ready(req) or not _prompt_ready(req):
                 continue  # still prefetching from L3, or waiting for its prompt: others may go first
+            if share.full(req):
+                continue  # its group holds its share while others wait: they go first
             match = self.adapter.match(req)
             if self._held(req, match.end):
                 continue  # a running request is computing its prefix: others may go first
@@ -205,6 +216,7 @@ class Scheduler:
             req.timing.setdefault("admitted_s", time.monotonic() - req.arrival)
             req.status = Status.RUNNING
             self.running.append(req)
+            share.admitted(req)
             self._add(plan, req, end)
             budget -= end - match.end
         return plan if plan.items else None
@@ -285,6 +297,27 @@ class Scheduler:
             if slot is not None:
                 plan.copies_after.append((held.state_slot, slot))
         plan.items.append(item)
+
+
+class _GroupShare:
+    """One step's admission counts per group (see the module docstring: fairness)."""
+
+    def __init__(self, running: list[Req], waiting, max_running: int):
+        self.limit = max(1, int(max_running * GROUP_SHARE))
+        self.running = collections.Counter(r.group for r in running if r.group is not None)
+        self.waiting = collections.Counter(r.group for r in waiting)  # None: a lone request
+        self.total_waiting = len(waiting)
+
+    def full(self, req: Req) -> bool:
+        """Whether ``req``'s group holds its share and a request of another group waits."""
+        g = req.group
+        return g is not None and self.running[g] >= self.limit and self.total_waiting > self.waiting[g]
+
+    def admitted(self, req: Req) -> None:
+        self.total_waiting -= 1
+        self.waiting[req.group] -= 1
+        if req.group is not None:
+            self.running[req.group] += 1
 
 
 def _prompt_ready(req: Req) -> bool:

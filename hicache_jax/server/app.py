@@ -1,8 +1,8 @@
 """The HTTP app: SGLang's native routes here, OpenAI's in ``openai_api``.
 
 POST /generate          text | input_ids (single or batched), sampling_params, stream, ...
-GET|POST /flush_cache   wait for idle, clear L1 + L2 (L3 stays)
-POST /clear_storage     clear L3
+POST /flush_cache       wait (at most --flush_cache_wait_s) for idle, clear L1 + L2 (L3 stays)
+POST /clear_storage     clear this model's L3 pages ({"all_namespaces": true}: every model's)
 POST /pause_generation  stop stepping (requests are still accepted; aborts still free pages)
 POST /continue_generation  step again
 POST /start_profile     start a jax.profiler trace ({output_dir?, num_steps?}: a directory under
@@ -10,7 +10,9 @@ POST /start_profile     start a jax.profiler trace ({output_dir?, num_steps?}: a
 GET  /health  /model_info  /server_info  /metrics (Prometheus); /get_model_info and
      /get_server_info are the older names
 
-With --api_key every route but /health needs it, the admin routes above included.
+With --api_key every route but /health needs it, the admin routes above included. Every route
+that changes state is POST only; ``request_guard.py`` says what else is refused before a route
+runs (browser-only Content-Types; without a key, foreign Host and Origin headers).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import hicache_jax
 from hicache_jax.server import errors, metrics
 from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_api import router as openai_router
-from hicache_jax.server.profiler import ProfileError, confine
-from hicache_jax.server.protocol import GenerateRequest, ProfileRequest, parse_body
+from hicache_jax.server.profiler import ProfileError, check_quota, confine
+from hicache_jax.server.prompt_size import tokenize_texts
+from hicache_jax.server.protocol import ClearStorageRequest, GenerateRequest, ProfileRequest, parse_body
+from hicache_jax.server.request_guard import RequestGuard, allowed_hosts
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import (
     CumulativeStream,
@@ -68,8 +72,11 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="hicache-jax", version=hicache_jax.__version__, lifespan=lifespan)
     app.state.server = state
     errors.install(app)
-    if state.server_cfg.api_key:
-        app.add_middleware(ApiKeyAuth, api_key=state.server_cfg.api_key)
+    cfg = state.server_cfg
+    if cfg.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)
+    hosts = allowed_hosts(cfg.host, cfg.allowed_hosts)
+    app.add_middleware(RequestGuard, hosts=hosts, check_hosts=not cfg.api_key)  # outermost: runs first
 
     @app.get("/health")
     async def health() -> Response:
@@ -94,18 +101,17 @@ def create_app(state: ServerState) -> FastAPI:
         text = metrics.render(await state.loop.metrics(), model_name=state.served_model_name)
         return Response(text, media_type="text/plain; version=0.0.4")
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")
     async def flush_cache() -> dict:
         result = await state.loop.flush()
         if not result.success:
-            if result.failed:
-                raise ApiError(500, result.message)
-            raise ApiError(400, "flush_cache refused: requests are still in flight")
+            raise ApiError(500 if result.failed else 400, result.message)
         return result.to_dict()  # with what the L3 drain did (writes drained / left queued)
 
     @app.post("/clear_storage")
-    async def clear_storage() -> dict:
-        ok, message = await state.loop.clear_storage()
+    async def clear_storage(request: Request) -> dict:
+        body = await parse_body(request, ClearStorageRequest, optional=True)
+        ok, message = await state.loop.clear_storage(body.all_namespaces)
         if not ok:
             raise ApiError(400, message)
         return {"success": True, "message": message}
@@ -124,7 +130,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def start_profile(request: Request) -> dict:
         body = await parse_body(request, ProfileRequest, optional=True)
         try:
-            output_dir = confine(state.server_cfg.profile_output_dir(), body.output_dir)
+            root = cfg.profile_output_dir()
+            output_dir = confine(root, body.output_dir)
+            check_quota(root, cfg.profile_max_traces, int(cfg.profile_max_mb * 2**20))
             await state.loop.start_profile(output_dir, body.num_steps)
         except ProfileError as e:
             raise ApiError(400, str(e)) from None
@@ -141,7 +149,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
-        reqs, batched = body.to_engine_requests()
+        reqs, batched = body.to_engine_requests(cfg.max_n)
+        await tokenize_texts(reqs, state.chat.tokenizer, state.max_text_bytes)
         watch = Watch(state.loop, await state.loop.generate(reqs), request)
         if body.stream:
             return stream_response(watch, _events(watch, indexed=batched))
@@ -160,6 +169,7 @@ def server_info(state: ServerState, metrics: dict) -> dict:
     nested as before."""
     server = dataclasses.asdict(state.server_cfg)
     server["api_key"] = "<set>" if server["api_key"] else None  # never echo the secret
+    server["max_request_body_bytes"] = state.max_body_bytes
     engine = dataclasses.asdict(state.engine_cfg)
     flat = {
         **engine,

@@ -38,6 +38,13 @@ class ServerConfig:
         shown_default="unset",
         show_value=False,  # a secret
     )
+    allowed_hosts: str | None = setting(
+        None,
+        "Without --api_key: the host names (comma-separated) the server answers to. A request whose "
+        "Host header, or whose browser Origin, names another gets 403 (DNS rebinding, cross-site "
+        "pages). With --api_key the key alone decides.",
+        shown_default="localhost, 127.0.0.1 and ::1 when --host is a loopback address; any otherwise",
+    )
     served_model_name: str | None = setting(
         None, "Model name in the OpenAI API.", shown_default="--model_path or --preset"
     )
@@ -58,6 +65,28 @@ class ServerConfig:
         "Where POST /start_profile writes jax.profiler traces; a body's output_dir must be a "
         "directory under it.",
         shown_default="<tmp>/hicache-jax-profile",
+    )
+    profile_max_traces: int = setting(
+        16,
+        "Most traces kept under --profile_dir; /start_profile is refused (400) at the limit.",
+        (lambda v, c: v >= 1, "must be >= 1"),
+    )
+    profile_max_mb: float = setting(
+        2048.0,
+        "Most MB of traces under --profile_dir; /start_profile is refused (400) past it.",
+        (lambda v, c: v > 0, "must be > 0"),
+    )
+    max_n: int = setting(
+        128,
+        "Most choices (n) one request may ask for (OpenAI's limit); under load a request's "
+        "choices hold at most half the running batch while others wait.",
+        (lambda v, c: v >= 1, "must be >= 1"),
+    )
+    flush_cache_wait_s: float = setting(
+        30.0,
+        "How long POST /flush_cache waits for the requests in flight to end (new ones are admitted "
+        "meanwhile) before it is refused with 400.",
+        (lambda v, c: v >= 0, "must be >= 0"),
     )
 
     chat_template: str | None = setting(

@@ -61,13 +61,13 @@ def _has_grammar(params) -> bool:
 
 # ---- the loop --------------------------------------------------------------------------------
 class EngineLoop:
-    def __init__(self, engine: EngineAPI) -> None:
+    def __init__(self, engine: EngineAPI, flush_wait_s: float = 30.0) -> None:
         self.engine = engine
+        self.flush_wait_s = flush_wait_s  # how long a flush waits for the requests in flight
         self._queue: queue.Queue[Message] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._streams: dict[str, OutputStream] = {}  # streaming requests, by rid
         self._flushes: list[Flush] = []
-        self._held: list[Generate] = []  # arrived while a flush waits
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._tokens: collections.deque[tuple[float, int]] = collections.deque()
@@ -118,14 +118,15 @@ class EngineLoop:
             self.submit(Abort(sink.rid, sink))
 
     async def flush(self) -> FlushResult:
-        """The engine's flush result (``success``, ``failed`` when it raised)."""
+        """The engine's flush result (``success``, ``failed`` when it raised), once nothing is
+        in flight; refused if requests are still in flight after ``flush_wait_s``."""
         reply = Reply()
-        self.submit(Flush(reply))
+        self.submit(Flush(reply, time.monotonic() + self.flush_wait_s))
         return await reply
 
-    async def clear_storage(self) -> tuple[bool, str]:
+    async def clear_storage(self, all_namespaces: bool = False) -> tuple[bool, str]:
         reply = Reply()
-        self.submit(ClearStorage(reply))
+        self.submit(ClearStorage(reply, all_namespaces))
         return await reply
 
     async def metrics(self) -> dict:
@@ -197,8 +198,8 @@ class EngineLoop:
                 self._recover()
             elif self.engine.has_unfinished() and not self.paused:
                 progressed = self._step()
-            if self._flushes and not self.engine.has_unfinished():
-                self._flush()
+            if self._flushes:
+                self._flush_or_expire()
 
     def _drain(self, timeout: float | None) -> None:
         """Handle every queued message; wait up to ``timeout`` s for the first (None: don't)."""
@@ -219,16 +220,14 @@ class EngineLoop:
 
     def _handle(self, msg: Message) -> None:
         match msg:
-            case Generate() if self._flushes:
-                self._held.append(msg)
             case Generate():
                 self._add(msg)
             case Abort(rid, sink):
                 self._abort(rid, sink)
             case Flush():
                 self._flushes.append(msg)
-            case ClearStorage(reply):
-                reply.set(self._clear_storage())
+            case ClearStorage(reply, all_namespaces):
+                reply.set(self._clear_storage(all_namespaces))
             case GetMetrics(reply):
                 reply.set(self._metrics())
             case Pause(paused, reply):
@@ -244,7 +243,7 @@ class EngineLoop:
     def _answer_failure(self, msg: Message, why: str) -> None:
         """Unblock whoever waits on a message whose handling raised."""
         match msg:
-            case ClearStorage(reply):
+            case ClearStorage(reply, _):
                 reply.set((False, f"clear_storage failed: {why}"))
             case GetMetrics(reply):
                 reply.set(Metrics().counters({"engine_errors": self.stats["engine_errors"]}))
@@ -371,6 +370,30 @@ class EngineLoop:
         self._sinks.clear()
         self._streams.clear()
 
+    def _flush_or_expire(self) -> None:
+        """Flush once nothing is in flight; refuse the flushes whose wait is over. New requests
+        are never held for a flush (SGLang refuses a flush at once while requests run; this one
+        waits a bounded time for them)."""
+        if not self.engine.has_unfinished():
+            self._flush()
+            return
+        now = time.monotonic()
+        for f in [f for f in self._flushes if now >= f.deadline]:
+            self._flushes.remove(f)
+            running, waiting = self._in_flight()
+            f.reply.set(
+                FlushResult(
+                    False,
+                    f"flush_cache refused: after {now - f.received:.1f}s {running} requests are still "
+                    f"running and {waiting} waiting (it waits --flush_cache_wait_s="
+                    f"{self.flush_wait_s:g}s for them to end); retry when the server is idle",
+                )
+            )
+
+    def _in_flight(self) -> tuple[int, int]:
+        m = self.engine.metrics()
+        return int(m.get("num_running_reqs", 0)), int(m.get("num_waiting_reqs", 0))
+
     def _flush(self) -> None:
         t0 = time.perf_counter()
         try:
@@ -382,19 +405,17 @@ class EngineLoop:
         for f in self._flushes:
             f.reply.set(result)
         self._flushes.clear()
-        held, self._held = self._held, []
-        for msg in held:
-            self._add(msg)
 
-    def _clear_storage(self) -> tuple[bool, str]:
+    def _clear_storage(self, all_namespaces: bool) -> tuple[bool, str]:
         if not self.engine.cfg.hicache_storage_backend:
             return False, "no L3 storage configured (--hicache_storage_backend)"
         try:
-            cleared = self.engine.clear_storage()
+            cleared = self.engine.clear_storage(all_namespaces=all_namespaces)
         except Exception as e:
             log.exception("clear_storage failed")
             return False, f"clear_storage failed: {e}"
-        return cleared, "L3 storage cleared" if cleared else "clear_storage refused"
+        what = "every model's L3 pages" if all_namespaces else "this model's L3 pages"
+        return cleared, f"{what} cleared" if cleared else "clear_storage refused"
 
     def _metrics(self) -> Metrics:
         out = Metrics().add(self.engine.metrics()).add(self.stats)

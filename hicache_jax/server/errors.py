@@ -19,7 +19,12 @@ from hicache_jax.sampling_params import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+}
 
 
 class ApiError(Exception):
@@ -44,6 +49,8 @@ def describe_validation_errors(errors) -> str:
         kind = e.get("type", "")
         if kind == "json_invalid":
             reason = (e.get("ctx") or {}).get("error", "invalid JSON")
+            if reason.startswith("recursion limit exceeded"):
+                reason = f"nested deeper than JSON bodies may nest ({reason})"
             parts.append(f"malformed JSON body: {reason}")
         elif kind == "extra_forbidden":
             parts.append(f"unknown field {where!r}")

@@ -20,7 +20,7 @@ def run_server(engine, server_cfg: ServerConfig) -> BaseException | None:
     from hicache_jax.server.engine_loop import EngineLoop
     from hicache_jax.server.state import ServerState
 
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, flush_wait_s=server_cfg.flush_cache_wait_s)
     state = ServerState.from_engine(engine, loop, server_cfg)
     app = create_app(state)
     if server_cfg.host not in ("127.0.0.1", "localhost", "::1") and not server_cfg.api_key:

@@ -107,15 +107,19 @@ class Abort:
 
 @dataclasses.dataclass
 class Flush:
-    """Wait until no request is running or waiting, then ``engine.flush_cache()``. Requests
-    that arrive meanwhile are held back until the flush is done, so it cannot starve."""
+    """Wait until no request is running or waiting, then ``engine.flush_cache()``; refused
+    (a ``FlushResult`` saying so) if that has not happened by ``deadline`` (monotonic time).
+    Requests that arrive meanwhile are admitted as usual: a flush never holds them."""
 
     reply: Reply
+    deadline: float
+    received: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
 class ClearStorage:
     reply: Reply  # gets (ok, message)
+    all_namespaces: bool = False  # every model's pages, not only this server's
 
 
 @dataclasses.dataclass

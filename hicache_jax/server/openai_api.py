@@ -29,6 +29,7 @@ from hicache_jax.sampling_params import show
 from hicache_jax.server import choices, tool_choice
 from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from hicache_jax.server.prompt_size import check_text, tokenize_texts, utf8_len
 from hicache_jax.server.protocol import MAX_BATCH, parse_body
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import Watch, sse, stream_response, wait_whole
@@ -50,7 +51,7 @@ async def _accept(request: Request, protocol: type[Body]) -> tuple[Body, ServerS
     s = _state(request)
     if body.model != s.served_model_name:
         raise ApiError(404, f"model {show(body.model)} not found; this server serves {s.served_model_name!r}")
-    body.check_supported()
+    body.check_supported(s.server_cfg.max_n)
     return body, s
 
 
@@ -176,11 +177,12 @@ async def completions(request: Request) -> Response:
     prompts = body.prompts()
     if body.stream and len(prompts) > 1:
         raise ApiError(400, "stream=true takes a single prompt; send one request per prompt")
-    n = choices.check_n(body.n, len(prompts), MAX_BATCH)
+    n = choices.check_n(body.n, len(prompts), MAX_BATCH, s.server_cfg.max_n)
     want_lp = body.logprobs is not None
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     lsl = 0 if body.echo else -1  # echo: the prompt's logprobs from its first token
     reqs = [_engine_request(p, "cmpl", body, max_tokens, want_lp, body.logprobs, lsl) for p in prompts]
+    await tokenize_texts(reqs, s.chat.tokenizer, s.max_text_bytes)
     rid = reqs[0]["rid"]
     reqs = choices.expand(reqs, n)  # choice k: prompt k // n
     created = int(time.time())
@@ -239,7 +241,8 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     body, s = await _accept(request, ChatCompletionRequest)
     tools = tool_choice.plan(body.tools, body.tool_choice, body.parallel_tool_calls, s.tool_format)
-    messages = [m.as_template_input() for m in body.messages]
+    messages = [m.as_template_input(f"messages[{i}]") for i, m in enumerate(body.messages)]
+    check_text(sum(utf8_len(m["content"]) for m in messages), s.max_text_bytes, "messages")
     variables = dict(body.chat_template_kwargs or {})
     if body.tools:
         variables["tools"] = body.tools

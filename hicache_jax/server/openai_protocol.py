@@ -56,14 +56,14 @@ class _Common(StrictModel):
     regex: str | None = None
     ebnf: str | None = None
 
-    def check_supported(self) -> None:
+    def check_supported(self, max_n: int = 128) -> None:
         for name in ("max_tokens", "max_completion_tokens"):
             limit = getattr(self, name, None)
             if limit is not None and limit < 0:
                 raise InvalidRequest(f"{name} must be >= 0, got {limit}")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed with stream=true")
-        choices.check_n(self.n, 1, MAX_BATCH)  # and per prompt count, where the prompts are known
+        choices.check_n(self.n, 1, MAX_BATCH, max_n)  # and per prompt count, where the prompts are known
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported")
 
@@ -124,8 +124,8 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, max_n: int = 128) -> None:
+        super().check_supported(max_n)
         if self.echo and self.stream:
             raise InvalidRequest("echo with stream=true is not supported; send stream=false")
         if self.suffix:
@@ -171,7 +171,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result's call
 
-    def as_template_input(self) -> dict:
+    def as_template_input(self, where: str = "message") -> dict:
+        """The message as the chat template reads it; ``where`` names it in errors."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -181,8 +182,9 @@ class ChatMessage(BaseModel):
         if self.tool_calls:
             if self.role != "assistant":
                 raise InvalidRequest(
-                    f"tool_calls in a {self.role!r} message: only assistant messages make calls"
+                    f"{where}.tool_calls in a {self.role!r} message: only assistant messages make calls"
                 )
+            tool_choice.check_tool_calls(self.tool_calls, where)
             out["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
@@ -201,8 +203,8 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, max_n: int = 128) -> None:
+        super().check_supported(max_n)
         if not self.messages:
             raise InvalidRequest("messages is empty")
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}

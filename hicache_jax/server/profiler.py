@@ -7,7 +7,9 @@ plugin (``tensorboard --logdir=<output_dir>``) and ``perfetto_trace.json.gz`` fo
 https://ui.perfetto.dev. ``num_steps`` stops it by itself after that many engine steps.
 
 The client names the directory, and the server writes there with its own rights, so
-``confine`` keeps it under ``--profile_dir``.
+``confine`` keeps it under ``--profile_dir`` (a name of at most ``MAX_NAME_CHARS`` characters
+and ``MAX_NAME_PARTS`` parts), and ``check_quota`` refuses a new trace once the directory holds
+``--profile_max_traces`` traces or ``--profile_max_mb`` MB: each trace is tens of MB.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import os
 import time
 
 log = logging.getLogger(__name__)
+
+MAX_NAME_CHARS = 255
+MAX_NAME_PARTS = 16
 
 
 class ProfileError(RuntimeError):
@@ -30,6 +35,11 @@ def confine(root: str, name: str | None) -> str:
     base = os.path.realpath(root)
     if not name:
         return base
+    if len(name) > MAX_NAME_CHARS or len(name.split(os.sep)) > MAX_NAME_PARTS:
+        raise ProfileError(
+            f"output_dir: at most {MAX_NAME_CHARS} characters and {MAX_NAME_PARTS} path parts, "
+            f"got {len(name)} and {len(name.split(os.sep))}"
+        )
     try:
         path = os.path.realpath(os.path.join(base, name))  # an absolute name replaces base
     except (ValueError, OSError) as e:  # a NUL byte, say
@@ -39,6 +49,38 @@ def confine(root: str, name: str | None) -> str:
             f"output_dir {name!r} is outside --profile_dir ({base}): give a relative name inside it"
         )
     return path
+
+
+def traces(root: str) -> list[str]:
+    """The trace runs under ``root``: ``<dir>/plugins/profile/<timestamp>`` directories."""
+    runs = []
+    for path, dirs, _ in os.walk(root):
+        if os.path.basename(path) == "profile" and os.path.basename(os.path.dirname(path)) == "plugins":
+            runs += [os.path.join(path, d) for d in dirs]
+            dirs.clear()
+    return runs
+
+
+def used_bytes(root: str) -> int:
+    total = 0
+    for path, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(path, f)).st_size
+            except OSError:  # removed meanwhile
+                pass
+    return total
+
+
+def check_quota(root: str, max_traces: int, max_bytes: int) -> None:
+    """ProfileError when ``root`` already holds ``max_traces`` traces or ``max_bytes``."""
+    count, size = len(traces(root)), used_bytes(root)
+    if count >= max_traces or size >= max_bytes:
+        raise ProfileError(
+            f"the profile directory {root} holds {count} traces ({size / 2**20:.0f} MB); the quota is "
+            f"{max_traces} traces and {max_bytes / 2**20:.0f} MB (--profile_max_traces, --profile_max_mb): "
+            "delete old traces first"
+        )
 
 
 class Profiler:

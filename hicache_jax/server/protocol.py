@@ -20,7 +20,7 @@ from hicache_jax.server.compat_fields import Compat
 from hicache_jax.server.errors import ApiError, describe_validation_errors
 
 MAX_BATCH = 1024  # prompts per /generate or /v1/completions call
-MAX_BODY_BYTES = 64 << 20  # a request body is read into memory: bound it
+MAX_BODY_BYTES = 64 << 20  # a request body is read into memory: bound it (ServerState narrows it)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -37,7 +37,8 @@ class StrictModel(BaseModel):
 async def parse_body(request: Request, model: type[M], optional: bool = False) -> M:
     """The JSON body as ``model``, whatever the Content-Type (``curl -d`` sends form-encoded);
     InvalidRequest with a readable message otherwise. ``optional``: no body is ``model()``."""
-    raw = await read_body(request)
+    state = getattr(request.app.state, "server", None)
+    raw = await read_body(request, MAX_BODY_BYTES if state is None else state.max_body_bytes)
     if not raw.strip() and optional:
         return model()
     if not raw.strip():
@@ -50,7 +51,9 @@ async def parse_body(request: Request, model: type[M], optional: bool = False) -
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The body, or a 413 as soon as it passes ``limit`` bytes (whatever Content-Length says)."""
-    too_big = ApiError(413, f"the request body is larger than {limit} bytes")
+    too_big = ApiError(
+        413, f"the request body is larger than {limit} bytes, more prompt than this server's queue can hold"
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_big
@@ -61,6 +64,12 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
             raise too_big
         parts.append(chunk)
     return b"".join(parts)
+
+
+class ClearStorageRequest(StrictModel):
+    """``POST /clear_storage``'s optional body."""
+
+    all_namespaces: bool = False  # every model's pages on the store, not only this server's
 
 
 class ProfileRequest(StrictModel):
@@ -109,7 +118,7 @@ class GenerateRequest(StrictModel):
                 raise InvalidRequest(f"{where} is empty")
         return [{"input_ids": s} for s in seqs], batched
 
-    def to_engine_requests(self) -> tuple[list[dict], bool]:
+    def to_engine_requests(self, max_n: int = 128) -> tuple[list[dict], bool]:
         """``Engine.add_request`` keyword arguments per prompt (each with a rid), and whether
         the response is a list. With ``sampling_params.n`` > 1 that is n per prompt, in
         order (``choices``: rids ``<rid>_<j>``), and always a list, as in SGLang."""
@@ -125,7 +134,7 @@ class GenerateRequest(StrictModel):
                 raise InvalidRequest(f"{len(params)} sampling_params for {n} prompts")
         else:
             params = [params] * n
-        params, n_choices = choices.take_n(params, MAX_BATCH)
+        params, n_choices = choices.take_n(params, MAX_BATCH, max_n)
         params = [compat_fields.sglang_sampling_params(p) for p in params]
         for p in params:
             SamplingParams.from_dict(p)  # fail fast, before the engine thread

@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 from hicache_jax.config import EngineConfig
+from hicache_jax.server import prompt_size
 from hicache_jax.server.chat_template import ChatTemplate
 from hicache_jax.server.config import ServerConfig
 from hicache_jax.server.engine_loop import EngineLoop
@@ -27,6 +28,8 @@ class ServerState:
     context_len: int
     max_request_tokens: int  # prompt + completion: min(context, device KV pool)
     devices: list[str]
+    max_body_bytes: int = prompt_size.MAX_BODY_BYTES  # a request body (prompt_size.py)
+    max_text_bytes: int | None = None  # a prompt's text, before it is tokenized (None: no bound)
     tool_format: ToolFormat | None = None  # how tool_choice=auto output is parsed
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -73,6 +76,8 @@ class ServerState:
             context_len=engine.context_len,
             max_request_tokens=min(engine.context_len, cfg.max_total_tokens),
             devices=[str(d) for d in jax.devices()],
+            max_body_bytes=prompt_size.body_limit(cfg.queued_token_limit),
+            max_text_bytes=prompt_size.text_limit(engine.context_len, engine.tokenizer),
             tool_format=from_name(server_cfg.tool_call_parser)
             if server_cfg.tool_call_parser
             else detect(chat.source),

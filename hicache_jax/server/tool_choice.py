@@ -24,11 +24,14 @@ import json
 import re
 import uuid
 
+from hicache_jax.grammar.spec import MAX_GRAMMAR_BYTES, MAX_JSON_DEPTH, json_depth
 from hicache_jax.sampling_params import InvalidRequest, show
 from hicache_jax.server.tools.formats import ToolFormat, needs_special_tokens
 from hicache_jax.server.tools.parsers import CallDelta, ContentDelta, StreamParser, ToolCall, parse
 
 NAME = re.compile(r"[a-zA-Z0-9_.-]{1,64}")
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools
+MAX_TOOLS_BYTES = MAX_GRAMMAR_BYTES  # their JSON: what a required/named grammar is built from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +163,12 @@ def plan(tools, tool_choice, parallel, fmt: ToolFormat | None) -> ToolPlan | Non
         if tool_choice not in (None, "none", "auto"):
             raise InvalidRequest(f"tool_choice={show(tool_choice)} needs tools")
         return None
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"tools: {len(tools)} tools; at most {MAX_TOOLS}")
     tools = tuple(_check_tool(i, t) for i, t in enumerate(tools))
+    size = len(json.dumps(tools).encode())
+    if size > MAX_TOOLS_BYTES:
+        raise InvalidRequest(f"tools: {size} bytes of JSON; at most {MAX_TOOLS_BYTES}")
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise InvalidRequest(f"tools: function names must be unique, got {names}")
@@ -170,7 +178,10 @@ def plan(tools, tool_choice, parallel, fmt: ToolFormat | None) -> ToolPlan | Non
     if tool_choice is None or tool_choice in ("none", "auto", "required"):
         return ToolPlan(mode=tool_choice or "auto", **kw)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequest(f'tool_choice.function must be an object {{"name": ...}}, got {show(fn)}')
+        name = fn.get("name")
         if name not in names:
             raise InvalidRequest(f"tool_choice names function {show(name)}, which is not in tools {names}")
         return ToolPlan(mode="named", named=name, **kw)
@@ -200,9 +211,35 @@ def _check_tool(i: int, tool) -> dict:
         )
     if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
         raise InvalidRequest(f"{where}.function.parameters must be a JSON schema object")
+    if json_depth(fn.get("parameters") or {}) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"{where}.function.parameters: nested more than {MAX_JSON_DEPTH} levels deep")
     if fn.get("description") is not None and not isinstance(fn["description"], str):
         raise InvalidRequest(f"{where}.function.description must be a string")
     return tool
+
+
+def check_tool_calls(calls: list, where: str) -> None:
+    """An assistant message's ``tool_calls`` (history) in OpenAI's shape, or InvalidRequest
+    naming the entry: ``{"id": str, "type": "function", "function": {"name": str,
+    "arguments": str | object}}`` (``id`` and ``type`` may be left out)."""
+    for j, c in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(c, dict):
+            raise InvalidRequest(f"{at} must be an object, got {show(c)}")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise InvalidRequest(f"{at}.id must be a string, got {show(c['id'])}")
+        if c.get("type", "function") != "function":
+            raise InvalidRequest(f'{at}.type must be "function", got {show(c.get("type"))}')
+        fn = c.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(
+                f'{at}.function must be an object {{"name": str, "arguments": ...}}, got {show(fn)}'
+            )
+        args = fn.get("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            raise InvalidRequest(
+                f"{at}.function.arguments must be a JSON string or an object, got {show(args)}"
+            )
 
 
 def template_message(m: dict) -> dict:
@@ -225,4 +262,4 @@ def template_message(m: dict) -> dict:
     return {**m, "tool_calls": out}
 
 
-__all__ = ["ToolCall", "ToolPlan", "ToolStream", "plan", "template_message"]
+__all__ = ["ToolCall", "ToolPlan", "ToolStream", "check_tool_calls", "plan", "template_message"]

@@ -39,7 +39,7 @@ class FakeEngine:
     def flush_cache(self) -> FlushResult:
         return FlushResult(True, "nothing cached")
 
-    def clear_storage(self) -> bool:
+    def clear_storage(self, all_namespaces: bool = False) -> bool:
         return False
 
     def metrics(self) -> Metrics:
