@@ -2,7 +2,8 @@
 
 An L3 store maps string keys to immutable byte values. It knows nothing of
 tokens, pages or models: keys come from `hicache_jax.storage.keys` and values
-from `hicache_jax.storage.codec`.
+from `hicache_jax.storage.codec`. One exception: `clear` asks `clearing.py` which keys
+are this project's, so that it deletes nothing else.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class L3Store(abc.ABC):
         a no-op by default; two writers racing on one key both succeed.
       * Many processes (and many hosts, for a shared backend) may use one store at
         once; no call takes a lock that spans processes for longer than one key.
-      * `delete` of a missing key and `clear` of an empty store are no-ops.
+      * `delete` of a missing key and `clear` of an empty store are no-ops; `clear` deletes
+        only this project's keys (see `clear`).
       * Every method is safe to call from several threads of one process.
       * A call may be abandoned by its caller at a deadline (`StoreGuard`) and keep running
         on its own thread: it must not leave the store inconsistent when it later finishes.
@@ -56,9 +58,21 @@ class L3Store(abc.ABC):
     def delete(self, keys: Sequence[str]) -> None:
         """Remove keys (missing keys are ignored)."""
 
-    @abc.abstractmethod
-    def clear(self) -> None:
-        """Remove every key of this store (only under its own prefix)."""
+    def clear(self, scope: str = "", deadline: float | None = None) -> int:
+        """Delete the keys this project wrote under this store's path, and nothing else.
+
+        `scope` "<model>/<fields>": that namespace's pages, every cache_salt tenant;
+        "" (the default): every namespace's pages, and the meta records the evictor rebuilds
+        (journal, index, usage), not the lease or the layout marker. A key is deleted only if
+        its name is one this project writes (`clearing.owned_keys`): another program's files
+        beside the pages survive, wherever they sit. It lists, then deletes in batches, each
+        call within the store's own deadline; past `deadline` (monotonic) it stops between
+        batches and raises TimeoutError (what was deleted stays deleted). Returns the keys
+        deleted. Needs `list_keys`. Never a range delete of the whole path.
+        """
+        from hicache_jax.storage.clearing import clear
+
+        return clear(self, scope, deadline)
 
     @abc.abstractmethod
     def close(self) -> None:

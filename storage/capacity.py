@@ -43,7 +43,7 @@ import numpy as np
 
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.storage.guard import GuardConfig, StoreGuard
-from hicache_jax.storage.journal import JOURNAL, RecencyLog, Segment
+from hicache_jax.storage.journal import JOURNAL, RecencyLog, Segment, is_journal_key
 from hicache_jax.storage.layout import META
 from hicache_jax.storage.lease import Lease
 from hicache_jax.storage.lru_index import LruIndex
@@ -53,6 +53,7 @@ from hicache_jax.storage.stats import Counters
 log = logging.getLogger(__name__)
 INDEX = META + "index"
 USAGE = META + "usage.json"
+RECORDS = (INDEX, USAGE)  # the meta objects besides the lease and the journal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +206,8 @@ class Capacity:
 
     def _fold_journal(self) -> None:
         keys = sorted(self._call("read", self._store().list_keys, JOURNAL, what="list"))
-        new = [k for k in keys if k not in self._folded_set]
+        # Only objects named as journals are ours: folded ones are deleted after a checkpoint.
+        new = [k for k in keys if k not in self._folded_set and is_journal_key(k)]
         for i in range(0, len(new), 64):
             batch = new[i : i + 64]
             values = self._call("read", self._store().get, batch, what="journal")
@@ -284,11 +286,22 @@ class Capacity:
         self._used = idx.total_bytes
         return removed
 
-    def forget(self) -> None:
-        """The store was cleared: drop the index (the next tick reloads it from the store)."""
+    def forget(self, ns_prefix: str = "") -> None:
+        """Pages under `ns_prefix` (a namespace dir or its start) were cleared; "": the whole
+        store (pages and the meta records) was. Touches not yet journaled of those pages are
+        dropped. As the evictor, a namespace's rows leave the index (the next checkpoint
+        stores that); a whole clear drops the index, reloaded from the emptied store next
+        tick. Another server's index keeps rows of the cleared pages until its eviction
+        reaches them (deleting a missing page is a no-op) or ``gc --rebuild``."""
+        self.journal.drop(ns_prefix)
         with self._lock:
-            self.index, self._folded, self._folded_set = None, [], set()
-            self._used = self._since = 0
+            if not ns_prefix:
+                self.index, self._folded, self._folded_set = None, [], set()
+                self._used = self._since = 0
+            elif self.index is not None:
+                self.index.remove(self.index.select(ns_prefix))
+                self._dirty = True
+                self._used, self._since = self.index.total_bytes, 0
 
     def checkpoint(self) -> None:
         with self._lock:

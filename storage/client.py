@@ -17,6 +17,8 @@ Invariants:
   * `_stored` (keys this client believes are in L3, so it need not write them again) only
     holds keys L3 confirmed; a read or probe that finds a key gone removes it, so a cleared
     or evicted L3 fills again on the next backup.
+  * With an `auth_key`, every page written carries a MAC and every page read must pass it
+    (codec.py); the namespace's `auth_id` is that key's id. The key lives only here.
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from hicache_jax.metric_kinds import Metrics
+from hicache_jax.storage.auth import key_id
 from hicache_jax.storage.base import L3Store
 from hicache_jax.storage.breaker import BreakerConfig
 from hicache_jax.storage.capacity import Capacity, CapacityConfig
+from hicache_jax.storage.clearing import own_scope
 from hicache_jax.storage.codec import CorruptPage, decode_page, encode_page
 from hicache_jax.storage.guard import GuardConfig, L3Unavailable, StoreGuard
 from hicache_jax.storage.keys import Namespace
@@ -46,8 +51,11 @@ from hicache_jax.storage.write_queue import DrainReport, WriteItem, WriteQueue
 log = logging.getLogger(__name__)
 
 # Damaged bytes: the page is deleted (every reader would reject it) and rewritten by the
-# next backup of it.
-_DAMAGED = ("truncated", "checksum", "bad_magic", "format")
+# next backup of it. A page failing its MAC ("auth") is handled the same way: under our
+# auth_id path no holder of the key wrote it (they write valid MACs) and no server without
+# the key reads there (its namespace differs), so nobody loses a page they could use; and
+# deleting it gives its writer nothing (who can write the store can delete from it).
+_DAMAGED = ("truncated", "checksum", "bad_magic", "format", "auth")
 # A whole, valid page of another namespace or key: misplaced or swapped, since keys hash the
 # namespace digest and the whole prefix -- or the reader asked with the wrong namespace. Not
 # deleted (that reader may be the one in error), but our next backup of the key overwrites it.
@@ -93,9 +101,18 @@ class StorageClient:
         config: ClientConfig | None = None,
         *,
         free_bytes=None,
+        auth_key: bytes | None = None,
         **overrides,
     ):
-        """`free_bytes`: a free-space probe for the capacity floor (default: the store's)."""
+        """`free_bytes`: a free-space probe for the capacity floor (default: the store's).
+        `auth_key`: the page-auth key (auth.py); `namespace.auth_id` must be its id."""
+        want = None if auth_key is None else key_id(auth_key)
+        if namespace.auth_id != want:
+            raise ValueError(
+                f"Namespace.auth_id={namespace.auth_id!r} does not match the auth key given "
+                f"(its id: {want!r}; None: no key)"
+            )
+        self._auth_key = auth_key
         cfg = dataclasses.replace(config or ClientConfig(), **overrides)
         self.cfg = cfg
         self.store = store
@@ -248,7 +265,7 @@ class StorageClient:
                 self._forget([key])
                 return False
             try:
-                page = decode_page(value, fingerprint, expected_key=key)
+                page = decode_page(value, fingerprint, expected_key=key, auth_key=self._auth_key)
             except CorruptPage as e:
                 self.ratelog.warning("corrupt", "L3 page %s unusable: %s", key, e)
                 self._stats.add(checksum_failures=1, **{f"corrupt_{e.reason}": 1})
@@ -320,7 +337,9 @@ class StorageClient:
         errors: dict[str, BaseException] = {}
         for item in batch:
             try:
-                encoded.append((item.key, encode_page(item.arrays, item.fingerprint, item.key)))
+                encoded.append(
+                    (item.key, encode_page(item.arrays, item.fingerprint, item.key, auth_key=self._auth_key))
+                )
             except Exception as e:  # noqa: BLE001 - reported through the caller's future
                 errors[item.key] = e
                 self.ratelog.warning("encode", "cannot encode L3 page %s: %s", item.key, e)
@@ -392,15 +411,23 @@ class StorageClient:
         with self._lock:
             return key in self._stored
 
-    def clear(self) -> None:
-        """Drain, then delete every page of the store (all namespaces); bounded by ten
-        call deadlines. Raises if the store could not be cleared."""
+    def clear(self, all_namespaces: bool = False) -> int:
+        """Drain, then delete this client's namespace's pages, for every cache_salt tenant
+        (`clearing.own_scope`); with `all_namespaces`, every namespace's pages and the
+        evictor's records. Only keys this project wrote (`L3Store.clear`): other files in the
+        store survive. Bounded by ten call deadlines in all; raises if the store could not
+        be cleared (what was deleted stays deleted). Returns the keys deleted."""
         self.drain(self.cfg.timeout_s)
-        self.guard.run("write", self.store.clear, what="clear", timeout=10 * self.cfg.timeout_s)
-        with self._lock:
-            self._stored.clear()
-        if self.capacity is not None:
-            self.capacity.forget()
+        scope = "" if all_namespaces else own_scope(self.namespace)
+        limit = 10 * self.cfg.timeout_s
+        deadline = time.monotonic() + limit
+        try:
+            return self.guard.run("write", self.store.clear, scope, deadline, what="clear", timeout=limit)
+        finally:  # even a partial clear may have deleted any page we remember
+            with self._lock:
+                self._stored.clear()
+            if self.capacity is not None:
+                self.capacity.forget(scope)
 
     def stats(self) -> Metrics:
         """Counters plus the gauges `pending_writes` and `pending_write_bytes` (queued or

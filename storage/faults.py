@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from hicache_jax.storage.base import L3Store
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.codec import decode_page, encode_page
@@ -49,6 +51,17 @@ def restamp(value: bytes, fingerprint: str, new_fingerprint: str, key: str) -> b
     """The same arrays written by another namespace (e.g. another model) under `key`: a
     page with a valid checksum that this namespace must not use."""
     return encode_page(decode_page(value, fingerprint, key), new_fingerprint, key)
+
+
+def forge(
+    value: bytes, fingerprint: str, key: str, *, read_key: bytes | None = None, write_key: bytes | None = None
+) -> bytes:
+    """The page at `key` with every array zeroed, re-encoded by a writer holding `write_key`
+    (None: no key): what someone who can write the store, but lacks the servers' key, can
+    craft. Its checksum is valid; only a MAC can refuse it."""
+    arrays = decode_page(value, fingerprint, key, auth_key=read_key)
+    zeroed = {name: np.zeros_like(arr) for name, arr in arrays.items()}
+    return encode_page(zeroed, fingerprint, key, auth_key=write_key)
 
 
 class FaultyStore(L3Store):
@@ -159,9 +172,9 @@ class FaultyStore(L3Store):
         self._enter("delete")
         self.inner.delete(keys)
 
-    def clear(self) -> None:
+    def clear(self, scope: str = "", deadline: float | None = None) -> int:
         self._enter("clear")
-        self.inner.clear()
+        return super().clear(scope, deadline)  # through this wrapper's list and delete
 
     def list_keys(self, prefix: str = "", end: str | None = None) -> list[str]:
         return self.inner.list_keys(prefix, end)

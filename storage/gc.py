@@ -6,6 +6,9 @@
     python -m hicache_jax.storage.gc --spec=/data/l3 --namespace=<model>[/<fields>/<salt>]
     python -m hicache_jax.storage.gc --spec=/data/l3 --drop_legacy      # old flat pages
 
+Every sweep deletes only keys named as this project names pages (layout.py): other files in
+the store are never listed for deletion.
+
 It works from the same recency index the servers' evictor keeps (``meta/index`` plus the
 journal) and takes the same lease, so it never runs beside a server's eviction pass (it
 waits up to --lease_wait_s for a live server's lease). ``--rebuild`` re-creates the index
@@ -34,7 +37,7 @@ from tqdm import tqdm
 
 from hicache_jax.storage.capacity import Capacity, CapacityConfig
 from hicache_jax.storage.journal import encode_records
-from hicache_jax.storage.layout import LEGACY_RANGE, PAGES, is_legacy_key, namespace_prefix
+from hicache_jax.storage.layout import LEGACY_RANGE, PAGES, is_legacy_key, namespace_prefix, parse_page_path
 from hicache_jax.storage.lru_index import LruIndex
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
 
@@ -92,9 +95,10 @@ class Collector:
         idx = self.index
         pages, nbytes = len(at), idx.bytes_of(at)
         extra: list[str] = []
-        if namespace:
+        if namespace:  # pages only: another program's files under the prefix stay
             indexed = set(idx.paths(at))
-            extra = [k for k in self.store.list_keys(namespace_prefix(namespace)) if k not in indexed]
+            listed = self.store.list_keys(namespace_prefix(namespace))
+            extra = [k for k in listed if k not in indexed and parse_page_path(k) is not None]
         out = {"pages": pages + len(extra), "bytes": nbytes, "unindexed_pages": len(extra)}
         out["dry_run"] = dry_run
         if dry_run:
@@ -117,8 +121,9 @@ class Collector:
         return {"pages": len(keys), "dry_run": dry_run}
 
     def rebuild(self) -> dict:
-        """Re-create the index from a listing of every page."""
-        keys = self.store.list_keys(PAGES)
+        """Re-create the index from a listing of every page (keys of the page layout only:
+        another program's files under ``pages/`` are neither indexed nor ever evicted)."""
+        keys = [k for k in self.store.list_keys(PAGES) if parse_page_path(k) is not None]
         root = self.store.spec.get("path") if self.store.spec.get("driver") == "file" else None
         idx = LruIndex()
         for i in tqdm(range(0, len(keys), 1024), disable=self.quiet, desc="rebuild"):

@@ -12,6 +12,7 @@ Segment format: a u32 length, a JSON header (time, namespace dirs), then fixed-s
 from __future__ import annotations
 
 import json
+import re
 import struct
 import threading
 import time
@@ -22,6 +23,8 @@ from hicache_jax.storage.keys import KINDS
 from hicache_jax.storage.layout import META, PagePath, parse_page_path
 
 JOURNAL = META + "journal/"
+# The name `RecencyLog.take` gives an object: ms since the epoch, server id, sequence number.
+_NAME = re.compile(r"^" + re.escape(JOURNAL) + r"\d{15}-[A-Za-z0-9._-]+-\d{8}$")
 RECORD = np.dtype([("hash", "u1", (32,)), ("kind", "u1"), ("ns", "u2"), ("size", "u4")])
 _LEN = struct.Struct("<I")
 
@@ -72,6 +75,16 @@ class RecencyLog:
         with self._lock:
             return len(self._pending)
 
+    def drop(self, ns_prefix: str = "") -> None:
+        """Forget touches of pages under `ns_prefix` (a namespace dir or its start; "": all):
+        those pages were cleared, a record of them would bring them back into the index."""
+        p = ns_prefix.strip("/")
+        with self._lock:
+            for key in list(self._pending):
+                page = parse_page_path(key)
+                if not p or page is None or page.ns_dir == p or page.ns_dir.startswith(p + "/"):
+                    del self._pending[key]
+
     def take(self) -> tuple[str, Segment] | None:
         """The buffer as one journal object (key, segment), emptying it; None if empty."""
         with self._lock:
@@ -92,6 +105,11 @@ class RecencyLog:
             older = dict(zip(segment_keys(segment), segment.records["size"].tolist()))
             older.update(self._pending)
             self._pending = older
+
+
+def is_journal_key(key: str) -> bool:
+    """Whether `key` is named as this project names journal objects."""
+    return bool(_NAME.match(key))
 
 
 def encode_records(t: float, items) -> Segment:

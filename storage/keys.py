@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ from hicache_jax.kinds import L3_SUFFIX
 HASH_BYTES = 32  # SHA-256 digest size
 KINDS = tuple(L3_SUFFIX.values())  # object suffixes: full-attention KV, sliding KV, state snapshot
 _U32_LIMIT = 2**32
+_HEX_ID = re.compile(r"^[0-9a-f]{16}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +34,9 @@ class Namespace:
     """Everything that must match for a stored page to be reusable.
 
     Invariant: any change to any field changes `digest`, hence every page key.
-    `cache_salt=None` (no salt) and `cache_salt=""` are different namespaces.
+    `cache_salt=None` (no salt) and `cache_salt=""` are different namespaces. `auth_id=None`
+    is left out of `canonical_bytes`, so a namespace without a key keeps the digest it had
+    before the field existed (existing stores still hit).
     """
 
     model_fingerprint: str  # identity of the weights (e.g. a hash of the checkpoint)
@@ -44,6 +48,9 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     cache_salt: str | None = None  # per-tenant / per-request isolation
+    # The page-auth key's one-way id (`auth.key_id`; never the key): servers with different
+    # keys, or with and without one, never share a page key. None: pages carry no MAC.
+    auth_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -56,10 +63,14 @@ class Namespace:
             raise ValueError(f"Namespace.layout_version must be >= 0, got {self.layout_version}")
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
+        if self.auth_id is not None and not _HEX_ID.match(self.auth_id):
+            raise ValueError(f"Namespace.auth_id must be 16 lowercase hex chars, got {self.auth_id!r}")
 
     def canonical_bytes(self) -> bytes:
         """A stable, unambiguous encoding of all fields (sorted-key JSON, ASCII only)."""
         fields = dataclasses.asdict(self)
+        if fields["auth_id"] is None:
+            del fields["auth_id"]  # no key: the digest (every page key) of a store from before keys
         body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return b"hicache-jax/namespace/v1\x00" + body.encode("ascii")
 

@@ -5,12 +5,18 @@
     meta/lease                                         the evictor's lease (lease.py)
     meta/journal/<ms>-<server>-<seq>                   batched recency records (journal.py)
     meta/index                                         the folded recency index (lru_index.py)
+    meta/usage.json                                    the store's size, as the evictor saw it
+
+Only these names are this project's: clear and gc delete nothing else (clearing.py), so
+another program's files under the same path survive.
 
 `<model>` is the namespace's model fingerprint, `<fields>` every other namespace field but the
 salt (``kv_dtype=bfloat16,page_size=16,...``, so a field added to `Namespace` shows up here
-without a change), `<salt>` is ``nosalt`` or a hash of the tenant's salt (user text never
-reaches a path). ``ab/cd`` are the first two bytes of the page hash: 65,536 leaf directories,
-so 10 million pages put ~150 entries in each and no directory ever grows past a few thousand.
+without a change; a field that is None is left out, so ``auth_id=<key id>`` appears only with
+a page-auth key and keyless paths are those of a store from before keys), `<salt>` is
+``nosalt`` or a hash of the tenant's salt (user text never reaches a path). ``ab/cd`` are the
+first two bytes of the page hash: 65,536 leaf directories, so 10 million pages put ~150
+entries in each and no directory ever grows past a few thousand.
 A whole model's (or tenant's) pages sit under one prefix, to list or drop together.
 
 Layout 1 put every page flat at the root (``<hash>.<kind>``). A store without the marker
@@ -34,6 +40,7 @@ MARKER = "hicache-l3.json"
 PAGES = "pages/"
 META = "meta/"
 _SAFE = re.compile(r"^[A-Za-z0-9._=,+-]{1,96}$")
+_SALT = re.compile(r"^(nosalt|salt-[0-9a-f]{24})$")
 _LEGACY = re.compile(r"^[0-9a-f]{64}\.(" + "|".join(KINDS) + r")$")
 # Layout-1 keys are 64 hex chars at the root; every layout-2 key starts with h, m or p.
 LEGACY_RANGE = ("0", "g")
@@ -54,7 +61,7 @@ def namespace_dir(ns: Namespace) -> str:
     fields = [
         f"{f.name}={getattr(ns, f.name)}"
         for f in dataclasses.fields(ns)
-        if f.name not in ("model_fingerprint", "cache_salt")
+        if f.name not in ("model_fingerprint", "cache_salt") and getattr(ns, f.name) is not None
     ]
     salt = "nosalt"
     if ns.cache_salt is not None:
@@ -80,13 +87,16 @@ class PagePath:
 
 
 def parse_page_path(key: str) -> PagePath | None:
-    """Inverse of `page_path`; None for a key that is not a page of this layout."""
+    """Inverse of `page_path`; None for a key that `page_path` cannot produce (clear and gc
+    delete only keys this returns a path for: another program's files are never touched)."""
     if not key.startswith(PAGES):
         return None
     parts = key[len(PAGES) :].split("/")
     if len(parts) != 6:
         return None
     *ns, a, b, leaf = parts
+    if not (_SAFE.match(ns[0]) and _SAFE.match(ns[1]) and _SALT.match(ns[2])):
+        return None
     hex_part, _, kind = leaf.partition(".")
     if kind not in KINDS or len(hex_part) != 2 * HASH_BYTES or hex_part[:2] != a or hex_part[2:4] != b:
         return None

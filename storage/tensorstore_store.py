@@ -175,13 +175,6 @@ class TensorStoreL3(L3Store):
         _await_all((kv.write(_check_key(k), None) for k in keys), self._deadline())
         self._stats.add(deletes=len(keys))
 
-    def clear(self) -> None:
-        # The range is relative to this store's path: only our prefix is removed. Deleting a
-        # whole store may legitimately take long: it gets ten call deadlines.
-        deadline = self._deadline()
-        deadline = None if deadline is None else deadline + 9 * self.timeout_s
-        _await_all([self._store().delete_range(ts.KvStore.KeyRange())], deadline)
-
     def list_keys(self, prefix: str = "", end: str | None = None) -> list[str]:
         """Keys under this store's path that start with `prefix` (or, with `end`, lie in
         [prefix, end)). Costs time in the size of that range, not of the store."""

@@ -327,8 +327,10 @@ class StorageTier:
             )
         return StorageDrain(abandoned, writes.written, writes.pending, time.monotonic() - t0)
 
-    def clear(self) -> None:
-        self.client.clear()
+    def clear(self, all_namespaces: bool = False) -> int:
+        """Delete this namespace's L3 pages (every tenant), or every namespace's; only keys
+        this project wrote (``StorageClient.clear``). Returns the keys deleted."""
+        return self.client.clear(all_namespaces)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop reading and close the client (its queued writes get up to `timeout`); the

@@ -59,8 +59,10 @@ class EngineAPI(Protocol):
         """Clear L1 and L2, keep L3; ``success`` is False while requests are in flight."""
         ...
 
-    def clear_storage(self) -> bool:
-        """Clear L3; False when none is configured."""
+    def clear_storage(self, all_namespaces: bool = False) -> bool:
+        """Delete this server's L3 pages (its namespace, every cache_salt tenant), or with
+        ``all_namespaces`` every model's; only keys this project wrote. False when no L3 is
+        configured."""
         ...
 
     def metrics(self) -> Metrics: ...

@@ -136,8 +136,10 @@ class LeaderEngine:
     def flush_cache(self, *args, **kwargs) -> FlushResult:
         return self._device_call("flush_cache", self._engine.flush_cache, args, kwargs)
 
-    def clear_storage(self, *args, **kwargs) -> bool:
-        return self._device_call("clear_storage", self._engine.clear_storage, args, kwargs)
+    def clear_storage(self, all_namespaces: bool = False) -> bool:
+        return self._device_call(
+            "clear_storage", self._engine.clear_storage, (), {"all_namespaces": all_namespaces}
+        )
 
     def recover(self, *args, **kwargs) -> None:
         return self._device_call("recover", self._engine.recover, args, kwargs)

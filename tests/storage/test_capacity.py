@@ -176,13 +176,15 @@ def test_bad_capacity_config(bad):
         CapacityConfig(**bad)
 
 
-def test_cleared_store_starts_a_fresh_index(tmp_path):
+@pytest.mark.parametrize("all_namespaces", [False, True])
+def test_cleared_store_starts_a_fresh_index(tmp_path, all_namespaces):
     c = _client(str(tmp_path), max_bytes=10**9)
     c.write_async(pages(0, 4))
     assert c.flush(10)
     c.capacity.tick()
     assert c.capacity.index.pages == 4
-    c.clear()  # the admin route: every page and the meta area go
+    # The admin route: this namespace's rows leave the index; or every page and the records go.
+    c.clear(all_namespaces=all_namespaces)
     c.write_async(pages(1, 2))
     assert c.flush(10)
     c.capacity.tick()

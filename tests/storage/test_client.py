@@ -10,7 +10,8 @@ import pytest
 from hicache_jax.storage.base import L3Store
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.codec import encode_page
-from hicache_jax.storage.keys import Namespace, page_hashes, page_keys
+from hicache_jax.storage.keys import Namespace, page_hashes, page_keys, parse_key
+from hicache_jax.storage.layout import page_path
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
 
 NS = Namespace("tiny", "bfloat16", 4, 1)
@@ -159,8 +160,8 @@ class _SlowStore(L3Store):
     def delete(self, keys):
         self.inner.delete(keys)
 
-    def clear(self):
-        self.inner.clear()
+    def clear(self, scope="", deadline=None):
+        return self.inner.clear(scope, deadline)
 
     def close(self):
         self.inner.close()
@@ -215,7 +216,9 @@ def test_close_flushes_pending_writes(tmp_path):
 
 
 def test_clear_forgets_stored_keys(client):
-    items = _pages(2)
+    items = [
+        (page_path(NS, parse_key(k)[0], "kv"), arrays) for k, arrays in _pages(2)
+    ]  # as the tier keys them
     client.write_async(items)
     client.flush()
     client.clear()

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from hicache_jax.storage.base import make_store
+from hicache_jax.storage.keys import Namespace, page_hashes
+from hicache_jax.storage.layout import page_path
 from hicache_jax.storage.tensorstore_store import InvalidStoreSpec, TensorStoreL3, resolve_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,21 +45,28 @@ def test_put_skips_existing_unless_forced(store):
     assert store.get(["a.kv"]) == [b"two"]
 
 
-def test_clear(store):
-    store.put([(f"{i}.kv", b"x") for i in range(5)])
-    store.clear()
-    assert store.exists([f"{i}.kv" for i in range(5)]) == [False] * 5
-    store.clear()  # clearing an empty store is a no-op
+def _pages(n):
+    ns = Namespace("tiny", "bfloat16", 4, 1)
+    return [page_path(ns, h, "kv") for h in page_hashes(range(4 * n), 4, ns)]
+
+
+def test_clear_deletes_only_pages_of_the_layout(store):
+    pages, foreign = _pages(5), [f"{i}.kv" for i in range(5)]
+    store.put([(k, b"x") for k in pages + foreign])
+    assert store.clear() == 5
+    assert store.exists(pages) == [False] * 5 and store.exists(foreign) == [True] * 5
+    assert store.clear() == 0  # clearing an empty store is a no-op
 
 
 def test_clear_removes_only_its_prefix(tmp_path):
     outer = TensorStoreL3(str(tmp_path))
     inner = TensorStoreL3(str(tmp_path / "inner"))
-    outer.put([("keep.kv", b"1")])
-    inner.put([("drop.kv", b"2")])
+    keep, drop = _pages(2)
+    outer.put([(keep, b"1")])
+    inner.put([(drop, b"2")])
     inner.clear()
-    assert outer.get(["keep.kv"]) == [b"1"]
-    assert inner.get(["drop.kv"]) == [None]
+    assert outer.get([keep]) == [b"1"]
+    assert inner.get([drop]) == [None]
 
 
 def test_closed_store_refuses_calls(store):
