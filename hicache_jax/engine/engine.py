@@ -393,11 +393,14 @@ class Engine:
         """Clear L1 and L2, L3 kept (``engine/flush_result.py``); refused while requests run."""
         return flush_tiers(self.side, self.cfg.hicache_write_policy == "write_back", self.check_integrity)
 
-    def clear_storage(self) -> bool:
-        """Clear L3 (shared by every server on it). False when no L3 is configured."""
+    def clear_storage(self, all_namespaces: bool = False) -> bool:
+        """Delete this server's L3 pages: its namespace (model, KV layout, auth key), every
+        cache_salt tenant; with ``all_namespaces``, every model's pages on the store. Only
+        keys this project wrote go: other files in the store survive. False when no L3 is
+        configured; raises if the store could not be cleared."""
         if self.storage is None:
             return False
-        self.storage.clear()
+        self.storage.clear(all_namespaces)
         return True
 
     def heartbeat(self) -> None:
