@@ -197,13 +197,11 @@ class Scheduler:
         for req in self.waiting:
             req.queued_steps += 1
         share = _GroupShare(self.running, self.waiting, self.cfg.max_running_requests)
-        for req in self._queue_order():
+        for req in share.order(self._queue_order()):
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
             if not self.prefetch.ready(req) or not _prompt_ready(req):
                 continue  # still prefetching from L3, or waiting for its prompt: others may go first
-            if share.full(req):
-                continue  # its group holds its share while others wait: they go first
             match = self.adapter.match(req)
             if self._held(req, match.end):
                 continue  # a running request is computing its prefix: others may go first
@@ -312,6 +310,18 @@ class _GroupShare:
         """Whether ``req``'s group holds its share and a request of another group waits."""
         g = req.group
         return g is not None and self.running[g] >= self.limit and self.total_waiting > self.waiting[g]
+
+    def order(self, queue: list[Req]):
+        """``queue`` lazily (each check sees the admissions before it), a request whose group is
+        full passed over; then, once the others had their turn, the passed-over ones whose
+        group is no longer full (nobody else left waiting)."""
+        passed = []
+        for req in queue:
+            if self.full(req):
+                passed.append(req)
+            else:
+                yield req
+        yield from (r for r in passed if not self.full(r))
 
     def admitted(self, req: Req) -> None:
         self.total_waiting -= 1
