@@ -5,6 +5,9 @@ flags and ``LLM(**kwargs)`` both end up here, under the same names. Each field i
 from __future__ import annotations
 
 import dataclasses
+import os
+
+from hicache_jax.storage.auth import MAX_KEY_BYTES, MIN_KEY_BYTES, BadAuthKey, read_auth_key
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -21,6 +24,16 @@ def _positive_pow2(v: int) -> bool:
 
 def _unset_or(check):
     return lambda v, c: v is None or check(v, c)
+
+
+def _usable_key_file(path: str) -> bool:
+    """Whether the page-auth key file holds a usable key (read here to check it, then dropped;
+    ``engine/build.py`` reads it again for the storage tier, and nothing else keeps it)."""
+    try:
+        read_auth_key(path)
+    except BadAuthKey:
+        return False
+    return True
 
 
 def setting(default, help: str, *checks, shown_default: str | None = None, choices=None, show_value=True):
@@ -69,6 +82,10 @@ COMBINATION_RULES = (
     (
         lambda c: bool(c.hicache_storage_spec) and not c.hicache_storage_backend,
         "hicache_storage_spec is set but hicache_storage_backend is not",
+    ),
+    (
+        lambda c: bool(c.hicache_storage_auth_key_file) and not c.hicache_storage_backend,
+        "hicache_storage_auth_key_file is set but hicache_storage_backend is not",
     ),
 )
 
@@ -272,6 +289,22 @@ class EngineConfig:
         "Eviction goes down to this share of --hicache_storage_max_gb (and up to "
         "--hicache_storage_min_free_gb / this ratio free).",
         _SHARE,
+    )
+    hicache_storage_auth_key_file: str | None = setting(
+        None,
+        "File holding a secret key (>= 16 bytes; surrounding whitespace ignored): every L3 page "
+        "carries an HMAC-SHA256 under it, and a page that fails it is a miss (l3_corrupt_auth). "
+        "Servers with other keys or none never share pages with this one. Unset: the store is trusted.",
+        (
+            lambda v, c: v is None or (os.path.isfile(v) and os.access(v, os.R_OK)),
+            "must be a readable file (holding the L3 page-auth key)",
+        ),
+        (
+            lambda v, c: v is None or _usable_key_file(v),
+            f"must hold a key of {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes, surrounding whitespace "
+            "ignored (e.g. openssl rand -hex 32 > FILE)",
+        ),
+        shown_default="unset",
     )
 
     def __post_init__(self):

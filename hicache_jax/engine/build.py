@@ -145,12 +145,15 @@ def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:
 
 def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: PrefixCache):
     """L3: a TensorStore store under a namespace that pins the weights, KV dtype, page size
-    and layout (whole pages, whatever ``tp_size`` runs)."""
+    and layout (whole pages, whatever ``tp_size`` runs), and the page-auth key's id when
+    ``hicache_storage_auth_key_file`` is set. The key itself is read here, once, and handed
+    to the storage client only: no config holds it and nothing echoes it."""
     import jax
 
     from hicache_jax.cache.storage_tier import StorageTier
     from hicache_jax.models.fingerprint import params_fingerprint
     from hicache_jax.models.loader import model_fingerprint
+    from hicache_jax.storage.auth import BadAuthKey, key_id, read_auth_key
     from hicache_jax.storage.base import make_store
     from hicache_jax.storage.capacity import CapacityConfig
     from hicache_jax.storage.client import ClientConfig, StorageClient
@@ -158,6 +161,15 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
 
     fp = model_fingerprint(resolve_model_path(cfg.model_path, cfg.revision)) if cfg.model_path else None
     fp = fp or params_fingerprint(params, label=model.cfg.architecture)
+    auth_key = None
+    if cfg.hicache_storage_auth_key_file:
+        path = cfg.hicache_storage_auth_key_file
+        try:
+            auth_key = read_auth_key(path)
+        except BadAuthKey as e:  # checked by the config; the file changed since
+            raise ConfigError(f"hicache_storage_auth_key_file={path!r}: {e}") from None
+        if os.stat(path).st_mode & 0o077:
+            log.warning("L3: the page-auth key file %s is readable by other users (chmod 600 it)", path)
     namespace = Namespace(
         model_fingerprint=fp,
         kv_dtype=str(model.dtype),
@@ -167,10 +179,17 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         # whole-page layout, so servers at any tp_size share them.
         tp_rank=0,
         tp_size=1,
+        auth_id=None if auth_key is None else key_id(auth_key),
     )
     spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
     store = make_store(cfg.hicache_storage_backend, spec, timeout_s=cfg.hicache_storage_timeout_s)
-    log.info("L3: %s store at %s (namespace %s)", cfg.hicache_storage_backend, spec, namespace.fingerprint)
+    log.info(
+        "L3: %s store at %s (namespace %s, %s)",
+        cfg.hicache_storage_backend,
+        spec,
+        namespace.fingerprint,
+        "pages authenticated" if auth_key else "no auth key: the store is trusted",
+    )
     client_cfg = ClientConfig(
         timeout_s=cfg.hicache_storage_timeout_s,
         max_queue_bytes=int(cfg.hicache_storage_write_queue_mb * 2**20),
@@ -183,7 +202,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         ),
     )
     return StorageTier(
-        StorageClient(store, namespace, client_cfg),
+        StorageClient(store, namespace, client_cfg, auth_key=auth_key),
         namespace,
         prefix_cache,
         writer=(jax.process_index(), jax.process_count()),

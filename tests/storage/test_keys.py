@@ -6,6 +6,7 @@ import struct
 import numpy as np
 import pytest
 
+from hicache_jax.storage.auth import key_id
 from hicache_jax.storage.keys import Namespace, page_hashes, page_key, page_keys, parse_key
 
 NS = Namespace("model-a", "bfloat16", 4, 1)
@@ -59,6 +60,7 @@ def test_numpy_and_list_inputs_agree():
         Namespace("model-a", "bfloat16", 4, 1, tp_rank=1, tp_size=2),
         Namespace("model-a", "bfloat16", 4, 1, cache_salt="tenant-1"),
         Namespace("model-a", "bfloat16", 4, 1, cache_salt=""),
+        Namespace("model-a", "bfloat16", 4, 1, auth_id="0123456789abcdef"),
     ],
 )
 def test_every_namespace_field_changes_keys(other):
@@ -107,3 +109,22 @@ def test_namespace_validation():
         Namespace("m", "bfloat16", 0, 1)
     with pytest.raises(ValueError):
         Namespace("m", "bfloat16", 4, 1, tp_rank=2, tp_size=2)
+
+
+def test_keyless_namespaces_keep_the_digest_of_stores_from_before_keys():
+    """auth_id=None leaves the encoding as it was: existing stores' page keys still hit."""
+    assert NS.digest.hex() == "53ea1eceb797f25e5d6e85b7daf9c0b63002770d5214bb866313c9632558af4c"
+    assert (
+        NS.with_salt("t").digest.hex() == "3615e603fbfea5cc6fb9615552fd88c696f3c39016c5eef059ebe2b10752b87d"
+    )
+
+
+def test_auth_ids_isolate_keys_and_survive_a_salt():
+    k1 = Namespace("model-a", "bfloat16", 4, 1, auth_id=key_id(b"k1" * 16))
+    k2 = Namespace("model-a", "bfloat16", 4, 1, auth_id=key_id(b"k2" * 16))
+    assert len({NS.digest, k1.digest, k2.digest}) == 3
+    assert k1.with_salt("t").auth_id == k1.auth_id and k1.with_salt("t").digest != k1.digest
+    assert key_id(b"k1" * 16) == k1.auth_id and (b"k1" * 16).hex() not in k1.auth_id  # one-way
+    for bad in ("", "XYZ", "0123456789ABCDEF", "0123456789abcdef0"):
+        with pytest.raises(ValueError, match="auth_id"):
+            Namespace("m", "bfloat16", 4, 1, auth_id=bad)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hicache_jax.storage import gc
+from hicache_jax.storage.auth import key_id
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.faults import FaultyStore
 from hicache_jax.storage.keys import Namespace, page_hashes
@@ -48,6 +49,18 @@ def test_namespace_dir_names_every_field_and_hides_the_salt():
     wide = Wider("tiny", "bfloat16", 4, 1)
     assert "tp_layout=heads" in namespace_dir(wide) and namespace_dir(wide) != namespace_dir(NS)
     assert namespace_dir(Namespace("weird model/..", "f32", 4, 1)).startswith("h-")
+
+
+def test_an_auth_key_shows_in_the_path_and_no_key_keeps_the_old_one():
+    keyed = dataclasses.replace(NS, auth_id=key_id(b"k" * 32))
+    fields = "kv_dtype=bfloat16,page_size=4,layout_version=1,tp_rank=0,tp_size=1"
+    assert namespace_dir(NS) == f"tiny/{fields}/nosalt"  # what stores from before keys hold
+    assert namespace_dir(keyed) == f"tiny/{fields},auth_id={keyed.auth_id}/nosalt"
+    # The server's usual config (bfloat16, 16-token pages) keeps a readable path with a key.
+    usual = Namespace("m", "bfloat16", 16, 1, auth_id=keyed.auth_id)
+    assert "auth_id=" in namespace_dir(usual)
+    (h,) = page_hashes(np.arange(4), 4, keyed)
+    assert parse_page_path(page_path(keyed, h, "kv")).ns_dir == namespace_dir(keyed)
 
 
 def test_no_directory_holds_more_than_a_few_thousand_entries(tmp_path):
