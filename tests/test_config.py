@@ -35,6 +35,7 @@ BAD = {  # one value per field that its rule must refuse (the other fields at th
     "hicache_storage_max_gb": -2.0,
     "hicache_storage_min_free_gb": -2.0,
     "hicache_storage_evict_ratio": 0.0,
+    "hicache_storage_auth_key_file": "/nonexistent/l3.key",
     "max_queued_tokens": 0,
     "mamba_cache_slots": 1,
 }
@@ -66,12 +67,15 @@ def test_layerwise_loads_are_refused_over_several_processes():
         EngineConfig(hicache_layerwise_pages=4, **many)
 
 
-def test_contradictions_are_refused():
-    assert len(COMBINATION_RULES) == 3
+def test_contradictions_are_refused(tmp_path):
+    assert len(COMBINATION_RULES) == 4
+    key = tmp_path / "l3.key"
+    key.write_bytes(b"0123456789abcdef0123")
     for kwargs, words in (
         ({"hicache_storage_backend": "tensorstore"}, "requires enable_hierarchical_cache"),
         ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "contradicts"),
         ({"hicache_storage_spec": "/tmp/x"}, "hicache_storage_backend is not"),
+        ({"hicache_storage_auth_key_file": str(key)}, "hicache_storage_backend is not"),
     ):
         with pytest.raises(ConfigError, match=words):
             EngineConfig(**kwargs)
