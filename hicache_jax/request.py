@@ -62,6 +62,9 @@ class Req:
     # Another choice of the same prompt (n > 1): this one is admitted only once that one has
     # computed the prompt, so it finds the prompt's pages in the tree (``Scheduler``).
     after: Req | None = None
+    # The parent request of the n choices of one ``n > 1`` request (its rid as the server
+    # names it); None for a request of its own.
+    group: str | None = None
     grammar: object = None  # its ``grammar.constraint.Constraint``, when the output is constrained
 
     output_ids: list[int] = dataclasses.field(default_factory=list)

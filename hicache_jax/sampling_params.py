@@ -1,9 +1,23 @@
 """Per-request sampling settings, with SGLang's field names.
 
-Invariant: a ``SamplingParams`` that exists holds only values the batch builder can pack
-into its fixed-width arrays (int32 ``top_k``, uint32 seed, finite float32-able floats) and
-the output formatter can use (real bools): a bad value is an ``InvalidRequest`` here, never
-an overflow inside an engine step, which would fail every request in the batch.
+Invariant: a ``SamplingParams`` that exists holds only values an engine step can hold
+(``runtime/batch_builder.py`` packs them into fixed-width arrays; ``runtime/sampler.py`` and
+``runtime/penalties.py`` compute with them in float32) and the output formatter can use:
+
+- integers that fit the int32 they are packed into: ``top_k``, ``max_new_tokens``,
+  ``min_new_tokens``, and ``stop_token_ids`` (each in [0, 2**31));
+- ``seed`` as the sampler's uint32 key (taken modulo 2**32);
+- floats whose float32 value is finite and inside the field's range: where the range is
+  open at 0 it stays away from 0 on the device: ``top_p`` at least float32's smallest
+  normal number (neither rounding nor a device that flushes subnormals to zero makes it 0,
+  which keeps no token), ``repetition_penalty`` at least ``MIN_REPETITION_PENALTY`` (a
+  logit divided by it stays finite);
+- real bools.
+
+A bad value is an ``InvalidRequest`` naming the field, never an overflow inside an engine
+step. What depends on the model (stop ids inside its vocabulary, how many stop tokens
+``min_new_tokens`` can hold back, prompt + ``max_new_tokens`` inside the context) is checked
+when the request is added (``engine/validation.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +25,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 
 MAX_TOP_LOGPROBS = 20
-MAX_TOP_K = 2**31 - 1  # packed as int32; anything above the vocabulary means "off" anyway
+INT32_MAX = 2**31 - 1
+MAX_TOP_K = INT32_MAX  # packed as int32; anything above the vocabulary means "off" anyway
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number (TPUs flush smaller ones to 0)
+# A seen token's positive logit is divided by the repetition penalty: already a million-fold
+# at this floor; far below it the float32 quotient overflows to inf (a logit of 10 / 1e-38),
+# and a sampled row's draw becomes NaN.
+MIN_REPETITION_PENALTY = 1e-6
 PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64, as clients send them; used modulo 2**32
@@ -72,15 +94,19 @@ class SamplingParams:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v):
                 bad(f, "must be a finite number")
+            if not math.isfinite(float32(v)):  # e.g. 1e308: the step would hold inf
+                bad(f, f"must be a finite float32 number (magnitude at most {FLOAT32_MAX:.8g})")
         for f in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, "must be true or false")
-        if self.max_new_tokens < 0:
-            bad("max_new_tokens", "must be >= 0")
+        if not 0 <= self.max_new_tokens <= INT32_MAX:
+            bad("max_new_tokens", f"must be in [0, {INT32_MAX}]")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
+        if float32(self.top_p) < FLOAT32_TINY:  # e.g. 1e-300: 0 on the device, which keeps no token
+            bad("top_p", f"must be at least {FLOAT32_TINY:.8g} (float32's smallest normal number)")
         if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
             bad("top_k", f"must be -1 (off) or in [1, {MAX_TOP_K}]")
         if not 0 <= self.min_p <= 1:
@@ -90,6 +116,8 @@ class SamplingParams:
                 bad(f, "must be in [-2, 2]")
         if not 0 < self.repetition_penalty <= 2:
             bad("repetition_penalty", "must be in (0, 2]")
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be at least {MIN_REPETITION_PENALTY:g}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}]")
         if self.n != 1:
@@ -102,6 +130,11 @@ class SamplingParams:
             object.__setattr__(self, "seed", self.seed % 2**32)  # the sampler's uint32 key
         if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of integers")
+        out_of_range = [t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX]
+        if out_of_range:  # packed as int32 (``min_new_tokens`` holds them back on the device)
+            raise InvalidRequest(
+                f"sampling_params.stop_token_ids: token ids {show(out_of_range[:5])} outside [0, {INT32_MAX}]"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         grammars = [f for f in GRAMMARS if getattr(self, f) is not None]
@@ -166,6 +199,15 @@ class SamplingParams:
             return cls(**d)
         except TypeError as e:
             raise InvalidRequest(f"sampling_params: {e}") from e
+
+
+def float32(v: int | float) -> float:
+    """``v`` rounded to float32 as the step holds it (round to nearest; inf past the largest
+    finite float32). ``v`` must be finite."""
+    try:
+        return struct.unpack("f", struct.pack("f", float(v)))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
 
 
 def _finite(v: int | float) -> bool:

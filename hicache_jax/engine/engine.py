@@ -11,6 +11,15 @@ context length. A request that finishes at N (a stop token, a stop string) has t
 run once more at N+1; that extra token is discarded, so outputs are the same as without
 overlap. ``disable_overlap_schedule`` reads every step before scheduling the next.
 
+A request whose own host-side work fails (packing its row of the step, its postprocessing)
+fails alone: it is dropped from the batch (its pages released, nothing cached) and
+finished as aborted with the error, and the step goes on with the others
+(``_fail_request``). At launch nothing has touched the device yet, so the step is simply
+built again without its row; a row of step N+1 planned ahead leaves step N in flight with
+it, whose token for the dropped request is then skipped as an aborted request's is. Only
+what cannot be laid on one request, the jitted step itself or the cache's bookkeeping,
+fails the whole batch (``_step_failed``).
+
 A batch with a grammar-constrained request does not look ahead: the request's next token
 mask (``hicache_jax/grammar``) depends on the token step N samples, so step N+1 is built
 once N is read. (The alternative, a forward launched ahead with the sampling split off to
@@ -42,7 +51,12 @@ from hicache_jax.engine.failures import EngineStalled, StepFailed
 from hicache_jax.engine.flush_result import FlushResult, close_tiers, flush_tiers
 from hicache_jax.engine.outputs import OutputDelta, OutputStream, format_output, output_text
 from hicache_jax.engine.step_results import ENGINE_COUNTERS, append_token, record_input_logprobs, stop_reason
-from hicache_jax.engine.validation import validate_cache_salt, validate_prompt, validate_rid
+from hicache_jax.engine.validation import (
+    validate_cache_salt,
+    validate_prompt,
+    validate_rid,
+    validate_sampling,
+)
 from hicache_jax.engine.warmup import WarmupReport, warmup
 from hicache_jax.grammar.compiler import GrammarCompiler
 from hicache_jax.grammar.constraint import Constraint, dead_end
@@ -52,6 +66,7 @@ from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.request import Req, Status
 from hicache_jax.runtime import penalties
+from hicache_jax.runtime.batch_builder import RowFailed
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
 from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions
 from hicache_jax.scheduler.plan import StepPlan
@@ -97,6 +112,7 @@ class Engine:
         self._keys = itertools.count()
         self._idle_steps = 0
         self._inflight: Launched | None = None
+        self._failed: list[Req] = []  # requests failed alone by this step (``_fail_request``)
         self.broken: BaseException | None = None  # a failed step's cause, until recover()
         self._rng = random.Random(cfg.random_seed)
         self.stats = Metrics().counters(dict.fromkeys(ENGINE_COUNTERS, 0))
@@ -117,22 +133,24 @@ class Engine:
         cache_salt: str | None = None,
         stream: bool = False,
         after: str | None = None,
+        group: str | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequest naming the bad field.
         ``after``: the rid of a queued request with the same prompt (an earlier choice of
         an ``n > 1`` request); this one is admitted only once that one has computed the
-        prompt, so it takes the prompt's pages from the radix tree instead of computing it."""
+        prompt, so it takes the prompt's pages from the radix tree instead of computing it.
+        ``group``: the parent request of the n choices of one ``n > 1`` request (``Req.group``)."""
         validate_rid(rid)
         validate_cache_salt(cache_salt)
         sp = SamplingParams.from_dict(sampling_params)
-        if sp.min_new_tokens:
-            penalties.held_back(sp, self.model.cfg.eos_token_ids)  # raises if too many to hold back
+        mc = self.model.cfg
+        validate_sampling(sp, vocab_size=mc.vocab_size, eos_token_ids=mc.eos_token_ids)
         input_ids = validate_prompt(
             input_ids,
             text,
             sp,
             self.tokenizer,
-            vocab_size=self.model.cfg.vocab_size,
+            vocab_size=mc.vocab_size,
             context_len=self.context_len,
             capacity=self.prefix_cache.sequence_capacity(),
             logprob_start_len=logprob_start_len,
@@ -162,6 +180,7 @@ class Engine:
             prefetch_key=f"{rid}#{next(self._keys)}",
             after=None if self.cfg.disable_radix_cache else self.requests.get(after),
             grammar=grammar,
+            group=group,
         )
         self.requests[rid] = req
         self.scheduler.add(req)  # and its L3 prefetch starts
@@ -188,6 +207,7 @@ class Engine:
         queued but nothing could be scheduled for ``STALL_STEPS`` steps."""
         if self.broken is not None:
             self.recover()
+        self._failed = []
         prev, self._inflight = self._inflight, None
         touched: list[Req] = []
         if prev is not None and not self._can_run_ahead(prev):
@@ -216,7 +236,7 @@ class Engine:
             touched = self._complete(prev)
         elif plan is None and not touched:
             self._idle(0.01)
-        return touched
+        return touched + [r for r in self._failed if r not in touched]
 
     def prefetch_decisions(self) -> PrefetchDecisions:
         """What the L3 prefetch brought since the last step, and who still waits for it."""
@@ -240,9 +260,14 @@ class Engine:
             return False
         return self.prefix_cache.has_free_pages(len(running))
 
-    def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
-        feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
-        batch, sampling, copies, top, first_rows = self.builder.build(plan, feed_from=feed_from)
+    def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched | None:
+        """Build and dispatch ``plan``'s step; None when every row failed (``_pack``)."""
+        reqs = [item.req for item in plan.items]  # each with a penalty gets a slot (runtime/penalties.py)
+        self.penalty_slots.assign_all(reqs, self.runner.write_penalty_row, self.model.cfg.vocab_size)
+        packed = self._pack(plan, prev)
+        if packed is None:
+            return None
+        (batch, sampling, copies, top, first_rows), penalty = packed
         transfer = self.prefix_cache.transfer
         if transfer is not None and transfer.pending():  # L2 pages for this step's prefills
             if plan.decode_only:
@@ -250,9 +275,6 @@ class Engine:
             else:
                 batch = dataclasses.replace(batch, loads=transfer.step_loads())
                 self.stats["host_loads_layerwise"] += transfer.layerwise_pages
-        reqs = [item.req for item in plan.items]  # each with a penalty gets a slot (runtime/penalties.py)
-        self.penalty_slots.assign_all(reqs, self.runner.write_penalty_row, self.model.cfg.vocab_size)
-        penalty = self.builder.penalties(plan, sampling.last_rows.shape[0], self.model.cfg.eos_token_ids)
         prev_ids = None if prev is None else prev.ids
         out, ids = self.runner.launch(batch, sampling, copies, top, prev_ids, penalty)
         self.stats["steps"] += 1
@@ -261,6 +283,38 @@ class Engine:
             if item.samples:
                 item.req.pending += 1
         return Launched(plan, out, ids, first_rows)
+
+    def _pack(self, plan: StepPlan, prev: Launched | None):
+        """The step's host inputs: ``BatchBuilder.build``'s and the penalty inputs. A row that
+        cannot be packed (``RowFailed``) fails its request alone, and the step is packed again
+        without it; None when no row is left."""
+        feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
+        while plan.items:
+            try:
+                built = self.builder.build(plan, feed_from=feed_from)
+                S = built[1].last_rows.shape[0]
+                return built, self.builder.penalties(plan, S, self.model.cfg.eos_token_ids)
+            except RowFailed as e:
+                self._fail_request(e.req, str(e), plan)
+        return None
+
+    def _fail_request(self, req: Req, message: str, plan: StepPlan | None = None) -> None:
+        """Fail one running request alone: out of ``plan`` (the step being built) with its
+        recurrent state copies, out of the batch with its pages released and nothing cached
+        (``Scheduler.drop``), finished as aborted with ``message``. A step in flight that
+        runs it too skips its token, as for any aborted request."""
+        log.warning("request %s failed alone: %s", req.rid, message)
+        if plan is not None:
+            plan.items = [item for item in plan.items if item.req is not req]
+            slot = req.cache.state_slot  # a working state slot is one request's alone
+            if slot is not None:
+                plan.copies_before = [c for c in plan.copies_before if c[1] != slot]
+                plan.copies_after = [c for c in plan.copies_after if c[0] != slot]
+        self.scheduler.drop(req)
+        req.pending = 0
+        self._finish(req, {"type": "abort", "message": message})
+        self.stats["request_errors"] += 1
+        self._failed.append(req)
 
     def _complete(self, launched: Launched) -> list[Req]:
         """Read a launched step's results and apply them."""
@@ -297,6 +351,7 @@ class Engine:
         )
         failed = []
         self._inflight = None
+        self.stats["failed_steps"] += 1
         for req in self.scheduler.drop_all():  # nothing goes to the tree: pages are suspect
             self._finish(req, {"type": "abort", "message": message})
             failed.append(req.rid)
@@ -330,21 +385,13 @@ class Engine:
             req = item.req
             if req.status is not Status.RUNNING:
                 continue  # aborted, or finished a step earlier (an overlap step's extra token)
-            if item.wants_input_logprobs:
-                record_input_logprobs(req, item, out, first_rows[s])
-            finished = None
+            try:
+                finished = self._results(req, item, out, s, first_rows[s], now)
+            except Exception as e:  # this request's results alone: the others' stand
+                self._fail_request(req, f"postprocessing its step failed: {type(e).__name__}: {e}")
+                touched.append(req)
+                continue
             if item.samples:
-                req.pending -= 1
-                if len(req.output_ids) >= req.sampling.max_new_tokens:
-                    finished = {"type": "length", "length": req.sampling.max_new_tokens}
-                elif req.grammar is not None and req.grammar.dead:  # no token was allowed
-                    finished = dead_end(req.grammar.dead)
-                else:
-                    tok = append_token(req, out, s, now)
-                    self.stats["generated_tokens"] += 1
-                    finished = self._stop_reason(req, tok)
-                    if req.grammar is not None and not finished:
-                        finished = req.grammar.accept(tok)
                 touched.append(req)
             if finished:
                 req.num_computed, req.pending = item.end, 0  # a step after this one is void
@@ -353,6 +400,25 @@ class Engine:
             else:
                 self.adapter.after_step(req, insert=item.num_tokens > 1 or item.start < req.input_len)
         return touched
+
+    def _results(self, req: Req, item, out, s: int, row0: int, now: float) -> dict | None:
+        """Apply one request's results of a step (row ``s``; its logits rows from ``row0``):
+        its prompt logprobs, its new token; returns why it finishes, or None."""
+        if item.wants_input_logprobs:
+            record_input_logprobs(req, item, out, row0)
+        if not item.samples:
+            return None
+        req.pending -= 1
+        if len(req.output_ids) >= req.sampling.max_new_tokens:
+            return {"type": "length", "length": req.sampling.max_new_tokens}
+        if req.grammar is not None and req.grammar.dead:  # no token was allowed
+            return dead_end(req.grammar.dead)
+        tok = append_token(req, out, s, now)
+        self.stats["generated_tokens"] += 1
+        finished = self._stop_reason(req, tok)
+        if req.grammar is not None and not finished:
+            finished = req.grammar.accept(tok)
+        return finished
 
     def _stop_reason(self, req: Req, tok: int) -> dict | None:
         return stop_reason(

@@ -8,7 +8,9 @@ from hicache_jax.request import Req
 
 # The engine's counters (``Engine.stats``), all starting at 0. overlapped_steps: steps
 # planned before the previous step's tokens were read; cached_tokens_<tier>: prompt tokens a
-# finished request found in that tier.
+# finished request found in that tier; request_errors: requests failed alone because their
+# own host-side work in a step raised (the others went on); failed_steps: steps that failed
+# every running request and rebuilt the device state.
 ENGINE_COUNTERS = (
     "steps",
     "overlapped_steps",
@@ -20,6 +22,8 @@ ENGINE_COUNTERS = (
     "cached_tokens_host",
     "cached_tokens_storage",
     "host_loads_layerwise",  # L2 pages a step wrote layer by layer (the rest: before it)
+    "request_errors",
+    "failed_steps",
 )
 
 

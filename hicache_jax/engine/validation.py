@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache_jax.models.tokenizer import Tokenizer
+from hicache_jax.runtime.penalties import held_back
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams, show
 
 MAX_RID_CHARS = 256
@@ -30,6 +31,19 @@ def validate_cache_salt(salt) -> None:
         raise InvalidRequest(f"cache_salt must be a string, got {type(salt).__name__}")
     if len(salt) > MAX_SALT_CHARS:
         raise InvalidRequest(f"cache_salt is {len(salt)} characters long; at most {MAX_SALT_CHARS}")
+
+
+def validate_sampling(sp: SamplingParams, *, vocab_size: int, eos_token_ids) -> None:
+    """What ``SamplingParams`` cannot check without the model: stop token ids inside its
+    vocabulary, and no more stop tokens than ``min_new_tokens`` can hold back."""
+    V = vocab_size
+    bad = [t for t in sp.stop_token_ids if not 0 <= t < V]
+    if bad:
+        raise InvalidRequest(
+            f"sampling_params.stop_token_ids: token ids {show(bad[:5])} outside the vocabulary [0, {V})"
+        )
+    if sp.min_new_tokens:
+        held_back(sp, eos_token_ids)  # raises if too many to hold back
 
 
 def validate_prompt(
@@ -75,9 +89,13 @@ def validate_prompt(
             f"prompt + max_new_tokens ({show(n + sp.max_new_tokens)}) exceeds the KV cache "
             f"({capacity} tokens)"
         )
-    if not isinstance(logprob_start_len, int) or logprob_start_len < -1 or logprob_start_len >= max(n, 1):
+    if not _integer(logprob_start_len) or logprob_start_len < -1 or logprob_start_len >= max(n, 1):
         raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {n}), got {show(logprob_start_len)}")
-    if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+    if not _integer(top_logprobs_num) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
         got = show(top_logprobs_num)
         raise InvalidRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {got}")
     return input_ids
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -10,6 +10,11 @@ Shapes come from a few buckets so steady-state serving never recompiles:
   constrained row never changes the program.
 
 ``warmup_programs`` lists every combination, so warm-up can compile them all.
+
+A row whose packing raises (a value the arrays cannot hold, a grammar whose mask cannot be
+computed) raises ``RowFailed`` naming its request and, where known, the field: nothing has
+touched the device yet, so the engine fails that request alone and builds the step again
+without it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,25 @@ from hicache_jax.runtime.penalties import PenaltyInputs, held_back
 from hicache_jax.runtime.runner import StateCopies
 from hicache_jax.runtime.sampler import SamplingInputs
 from hicache_jax.scheduler.plan import TOP_WIDTHS, StepPlan, token_buckets
+
+# The sampling settings packed per row: (SamplingParams field, ``SamplingInputs`` array).
+SAMPLED = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"))
+# The penalty settings packed per row: (SamplingParams field, ``PenaltyInputs`` array).
+PENALISED = (
+    ("repetition_penalty", "repetition"),
+    ("frequency_penalty", "frequency"),
+    ("presence_penalty", "presence"),
+    ("min_new_tokens", "min_new_tokens"),
+)
+
+
+class RowFailed(Exception):
+    """Packing one request's row of a step raised; ``field`` names what failed, if known."""
+
+    def __init__(self, req: Req, field: str | None, cause: BaseException):
+        self.req, self.field, self.cause = req, field, cause
+        where = f"{field}: " if field else ""
+        super().__init__(f"{where}cannot be packed into the step ({type(cause).__name__}: {cause})")
 
 
 class BatchBuilder:
@@ -117,36 +141,41 @@ class BatchBuilder:
             r = item.req
             fill = r.fill_ids
             n = item.num_tokens
-            ids[t : t + n] = fill[item.start : item.end]
-            if r.pending:  # the last token fed is still on the device
-                feed[t + n - 1] = feed_from[r]
-            p = np.arange(item.start, item.end)
-            pos[t : t + n] = p
-            for g, pages in r.cache.pages.items():
-                if g in tables:
-                    row = np.array([-1 if x is None else x for x in pages], np.int64)
-                    tables[g][s, : len(row)] = np.maximum(row, 0)
-                    slot_page = row[p // P]
-                    if (slot_page < 0).any():
-                        raise RuntimeError(f"request {r.rid}: no {g} page for positions being written")
-                    slots[g][t : t + n] = slot_page * P + p % P
-            kv[s] = item.end
-            state_slots[s] = -1 if r.cache.state_slot is None else r.cache.state_slot
-            has_init[s] = item.has_initial_state
-            sp = r.sampling
-            s_inputs["temperature"][s] = sp.temperature
-            s_inputs["top_p"][s] = sp.top_p
-            s_inputs["top_k"][s] = sp.top_k
-            s_inputs["min_p"][s] = sp.min_p
-            s_inputs["seeds"][s] = r.seed
-            s_inputs["counters"][s] = len(r.output_ids) + r.pending
-            if r.grammar is not None and item.samples:
-                constrained[s] = True
-                grammar_rows.append((r.grammar, s))
-            last_rows[s] = (t + n - 1) if R == T else s
-            if R == T:
-                nxt = fill[item.start + 1 : item.end + 1]  # row q scores token q+1
-                targets[t : t + len(nxt)] = nxt
+            field = None  # the sampling setting being packed, for RowFailed
+            try:
+                ids[t : t + n] = fill[item.start : item.end]
+                if r.pending:  # the last token fed is still on the device
+                    feed[t + n - 1] = feed_from[r]
+                p = np.arange(item.start, item.end)
+                pos[t : t + n] = p
+                for g, pages in r.cache.pages.items():
+                    if g in tables:
+                        row = np.array([-1 if x is None else x for x in pages], np.int64)
+                        tables[g][s, : len(row)] = np.maximum(row, 0)
+                        slot_page = row[p // P]
+                        if (slot_page < 0).any():
+                            raise RuntimeError(f"request {r.rid}: no {g} page for positions being written")
+                        slots[g][t : t + n] = slot_page * P + p % P
+                kv[s] = item.end
+                state_slots[s] = -1 if r.cache.state_slot is None else r.cache.state_slot
+                has_init[s] = item.has_initial_state
+                sp = r.sampling
+                for name, key in SAMPLED:
+                    field = f"sampling_params.{name}"
+                    s_inputs[key][s] = getattr(sp, name)
+                field = "sampling_params.seed"
+                s_inputs["seeds"][s] = r.seed
+                field = None
+                s_inputs["counters"][s] = len(r.output_ids) + r.pending
+                if r.grammar is not None and item.samples:
+                    constrained[s] = True
+                    grammar_rows.append((r.grammar, s))
+                last_rows[s] = (t + n - 1) if R == T else s
+                if R == T:
+                    nxt = fill[item.start + 1 : item.end + 1]  # row q scores token q+1
+                    targets[t : t + len(nxt)] = nxt
+            except Exception as e:
+                raise RowFailed(r, field, e) from e
             first_rows.append(t)
             t += n
             cu[s + 1] = t
@@ -173,7 +202,7 @@ class BatchBuilder:
         allowed = self._all_allowed(S)
         if grammar_rows:
             allowed = allowed.copy()
-            fill_masks(grammar_rows, allowed)
+            _fill_masks(grammar_rows, allowed, plan)
         sampling = SamplingInputs(
             last_rows=last_rows, targets=targets, allowed=allowed, constrained=constrained, **s_inputs
         )
@@ -200,13 +229,17 @@ class BatchBuilder:
             r, sp = item.req, item.req.sampling
             if item.samples and r.penalty_slot is not None:
                 out.slots[s] = r.penalty_slot
-            out.repetition[s] = sp.repetition_penalty
-            out.frequency[s] = sp.frequency_penalty
-            out.presence[s] = sp.presence_penalty
-            out.min_new_tokens[s] = sp.min_new_tokens
-            if sp.min_new_tokens:
-                ids = held_back(sp, eos_token_ids)
-                out.stop_ids[s, : len(ids)] = ids
+            field = None
+            try:
+                for name, key in PENALISED:
+                    field = f"sampling_params.{name}"
+                    getattr(out, key)[s] = getattr(sp, name)
+                if sp.min_new_tokens:
+                    field = "sampling_params.stop_token_ids"
+                    ids = held_back(sp, eos_token_ids)
+                    out.stop_ids[s, : len(ids)] = ids
+            except Exception as e:
+                raise RowFailed(r, field, e) from e
         return out
 
     def _copies(self, plan: StepPlan) -> StateCopies:
@@ -222,3 +255,17 @@ class BatchBuilder:
         bs, bd = pad(plan.copies_before)
         as_, ad = pad(plan.copies_after)
         return StateCopies(before_src=bs, before_dst=bd, after_src=as_, after_dst=ad)
+
+
+def _fill_masks(rows: list, allowed: np.ndarray, plan: StepPlan) -> None:
+    """``fill_masks`` for the step's constrained rows; when it raises, the rows are filled one
+    at a time to find the one at fault (``RowFailed``)."""
+    try:
+        fill_masks(rows, allowed)
+    except Exception:
+        for grammar, s in rows:
+            try:
+                fill_masks([(grammar, s)], allowed)
+            except Exception as e:
+                raise RowFailed(plan.items[s].req, "grammar", e) from e
+        raise

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_jax.request import Req
-from hicache_jax.runtime.batch_builder import BatchBuilder
+from hicache_jax.runtime.batch_builder import BatchBuilder, RowFailed
 from hicache_jax.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
@@ -155,5 +155,6 @@ def test_a_missing_page_for_a_written_position_is_an_error():
     req = Req(rid="x", input_ids=list(range(3, 13)), sampling=SamplingParams())
     req.cache.pages["full"] = [0, 1, 2]
     req.cache.pages["swa"] = [None, 5, 6]  # page 0's sliding KV is gone, but the chunk writes it
-    with pytest.raises(RuntimeError, match="no swa page"):
+    with pytest.raises(RowFailed, match="no swa page") as e:  # the engine fails that request alone
         builder().build(StepPlan([WorkItem(req, 2, 10)]))
+    assert e.value.req is req and isinstance(e.value.cause, RuntimeError)
