@@ -4,8 +4,9 @@ Invariant: a ``SamplingParams`` that exists holds only values an engine step can
 (``runtime/batch_builder.py`` packs them into fixed-width arrays; ``runtime/sampler.py`` and
 ``runtime/penalties.py`` compute with them in float32) and the output formatter can use:
 
-- integers that fit the int32 they are packed into: ``top_k``, ``max_new_tokens``,
-  ``min_new_tokens``, and ``stop_token_ids`` (each in [0, 2**31));
+- integers that fit the int32 they are packed into: ``top_k`` (-1, or 1 to 2**31 - 1),
+  ``max_new_tokens`` and ``min_new_tokens`` (0 to 2**31 - 1), each of ``stop_token_ids``
+  (0 to 2**31 - 1);
 - ``seed`` as the sampler's uint32 key (taken modulo 2**32);
 - floats whose float32 value is finite and inside the field's range: where the range is
   open at 0 it stays away from 0 on the device: ``top_p`` at least float32's smallest
