@@ -27,6 +27,7 @@ from hicache_jax.request import Req
 from hicache_jax.runtime.penalties import PenaltyInputs, held_back
 from hicache_jax.runtime.runner import StateCopies
 from hicache_jax.runtime.sampler import SamplingInputs
+from hicache_jax.sampling_params import GRAMMARS
 from hicache_jax.scheduler.plan import TOP_WIDTHS, StepPlan, token_buckets
 
 # The sampling settings packed per row: (SamplingParams field, ``SamplingInputs`` array).
@@ -41,11 +42,12 @@ PENALISED = (
 
 
 class RowFailed(Exception):
-    """Packing one request's row of a step raised; ``field`` names what failed, if known."""
+    """Packing one request's row of a step raised; ``field``: the sampling setting being
+    packed (a ``SamplingParams`` field), or None."""
 
     def __init__(self, req: Req, field: str | None, cause: BaseException):
         self.req, self.field, self.cause = req, field, cause
-        where = f"{field}: " if field else ""
+        where = f"sampling_params.{field}: " if field else ""
         super().__init__(f"{where}cannot be packed into the step ({type(cause).__name__}: {cause})")
 
 
@@ -160,10 +162,9 @@ class BatchBuilder:
                 state_slots[s] = -1 if r.cache.state_slot is None else r.cache.state_slot
                 has_init[s] = item.has_initial_state
                 sp = r.sampling
-                for name, key in SAMPLED:
-                    field = f"sampling_params.{name}"
-                    s_inputs[key][s] = getattr(sp, name)
-                field = "sampling_params.seed"
+                for field, key in SAMPLED:
+                    s_inputs[key][s] = getattr(sp, field)
+                field = "seed"
                 s_inputs["seeds"][s] = r.seed
                 field = None
                 s_inputs["counters"][s] = len(r.output_ids) + r.pending
@@ -231,11 +232,10 @@ class BatchBuilder:
                 out.slots[s] = r.penalty_slot
             field = None
             try:
-                for name, key in PENALISED:
-                    field = f"sampling_params.{name}"
-                    getattr(out, key)[s] = getattr(sp, name)
+                for field, key in PENALISED:
+                    getattr(out, key)[s] = getattr(sp, field)
                 if sp.min_new_tokens:
-                    field = "sampling_params.stop_token_ids"
+                    field = "stop_token_ids"
                     ids = held_back(sp, eos_token_ids)
                     out.stop_ids[s, : len(ids)] = ids
             except Exception as e:
@@ -267,5 +267,7 @@ def _fill_masks(rows: list, allowed: np.ndarray, plan: StepPlan) -> None:
             try:
                 fill_masks([(grammar, s)], allowed)
             except Exception as e:
-                raise RowFailed(plan.items[s].req, "grammar", e) from e
+                req = plan.items[s].req
+                field = next((f for f in GRAMMARS if getattr(req.sampling, f) is not None), None)
+                raise RowFailed(req, field, e) from e
         raise

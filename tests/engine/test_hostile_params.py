@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -31,6 +33,7 @@ from hicache_jax.config import EngineConfig
 from hicache_jax.engine import engine as engine_module
 from hicache_jax.engine.engine import Engine
 from hicache_jax.request import Req
+from hicache_jax.runtime import batch_builder
 from hicache_jax.runtime.batch_builder import BatchBuilder, RowFailed
 from hicache_jax.sampling_params import FLOAT32_MAX, FLOAT32_TINY, InvalidRequest, SamplingParams, float32
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
@@ -261,6 +264,10 @@ OTHERS = [
         "top_logprobs_num": 1,
     },
 ]
+CONSTRAINED_TARGET = {
+    "input_ids": list(range(40, 70)),
+    "sampling_params": {"regex": "[a-z]{1,20}", "max_new_tokens": 12, "temperature": 0.7, "seed": 4},
+}
 TARGET = {
     "input_ids": list(range(40, 70)),
     "sampling_params": {
@@ -273,15 +280,20 @@ TARGET = {
 }
 
 
-@pytest.mark.parametrize("where", ["build, admitted", "build, planned ahead", "postprocess"])
+@pytest.mark.parametrize(
+    "where", ["build, admitted", "build, planned ahead", "build, grammar mask", "postprocess"]
+)
 def test_a_failing_row_fails_its_request_alone(engine, victim_solo, monkeypatch, where):
-    solo = [run_alone(engine, r) for r in [VICTIM, *OTHERS]]
+    others = [VICTIM, *OTHERS]
+    if where == "build, grammar mask":  # a constrained neighbour, its masks filled beside the target's
+        others = [VICTIM, request({"regex": "(yes|no) [a-z]{6,9}", "max_new_tokens": 12, "temperature": 0})]
+    solo = [run_alone(engine, r) for r in others]
     assert_same_output(solo[0], victim_solo)
     rebuilt = []
     monkeypatch.setattr(engine, "recover", lambda: rebuilt.append(True))
     before = dict(engine.stats)
-    rids = [engine.add_request(**r) for r in [VICTIM, *OTHERS]]
-    target = engine.add_request(**TARGET)
+    rids = [engine.add_request(**r) for r in others]
+    target = engine.add_request(**(CONSTRAINED_TARGET if where == "build, grammar mask" else TARGET))
     req = engine.requests[target]
 
     def corrupt():  # a value validation refuses, past it: int32 cannot hold it
@@ -302,6 +314,16 @@ def test_a_failing_row_fails_its_request_alone(engine, victim_solo, monkeypatch,
         assert engine.stats["overlapped_steps"] == ahead + 1, "the failing step was not planned ahead"
         assert req.finished
         expect = "sampling_params.stop_token_ids: cannot be packed into the step (OverflowError"
+    elif where == "build, grammar mask":
+        real_fill = batch_builder.fill_masks
+
+        def fill_masks(rows, allowed):  # llguidance fills every row at once: one bad row fails the call
+            if any(c is req.grammar for c, _ in rows):
+                raise RuntimeError("a mask that cannot be computed")
+            real_fill(rows, allowed)
+
+        monkeypatch.setattr(batch_builder, "fill_masks", fill_masks)
+        expect = "sampling_params.regex: cannot be packed into the step (RuntimeError: a mask that cannot be"
     else:
         real = engine_module.stop_reason
 
@@ -371,7 +393,7 @@ def test_values_float32_cannot_hold_are_refused(engine):
 def test_the_float32_boundaries_that_pass_mean_what_they_say(engine):
     """The extremes still accepted hold in float32 and behave as their definitions: the
     smallest ``top_p`` keeps only the most likely token (the greedy run's tokens), the
-    largest ``temperature`` is finite (a draw, not a NaN row)."""
+    largest ``temperature`` is finite: a draw from the flat distribution, not a NaN row."""
     assert float32(FLOAT32_TINY) == FLOAT32_TINY > 0 and math.isfinite(float32(FLOAT32_MAX))
     prompt = [9, 8, 7, 6, 5, 4]
     greedy = run_alone(
@@ -395,5 +417,11 @@ def test_the_float32_boundaries_that_pass_mean_what_they_say(engine):
             "return_logprob": True,
         },
     )
-    assert len(hot["output_ids"]) == 6 and all(0 <= t < V for t in hot["output_ids"])
+    # logits / 3.4e38 are all but 0: the draw of a flat distribution with the row's key
+    # (``sampler.row_keys``), a NaN row would draw V - 1 every time.
+    flat = [
+        int(jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(1), n), jnp.zeros(V)))
+        for n in range(6)
+    ]
+    assert hot["output_ids"] == flat
     assert all(math.isfinite(lp) for lp, _, _ in hot["meta_info"]["output_token_logprobs"])
