@@ -153,6 +153,8 @@ def test_wrong_key_or_moved_page_fails_the_mac(signed):
 def test_unsigned_pages_are_refused_with_a_key():
     plain = encode_page(_page(ml_dtypes.bfloat16), FP, KEY)  # version 1: no MAC
     assert _reason(plain, key=KEY, auth=K1) == "auth"
+    with pytest.raises(CorruptPage, match="carries no MAC"):  # said so, not only a MAC mismatch
+        decode_page(plain, FP, KEY, auth_key=K1)
     decode_page(plain, FP, KEY)  # without a key it is what every existing store holds
 
 
