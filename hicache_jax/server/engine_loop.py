@@ -243,6 +243,10 @@ class EngineLoop:
     def _answer_failure(self, msg: Message, why: str) -> None:
         """Unblock whoever waits on a message whose handling raised."""
         match msg:
+            case Generate(reply=reply):
+                reply.set(InvalidRequest(f"the request could not be queued: {why}"))
+            case Flush(reply=reply):
+                reply.set(FlushResult(False, f"flush_cache failed: {why}", failed=True))
             case ClearStorage(reply, _):
                 reply.set((False, f"clear_storage failed: {why}"))
             case GetMetrics(reply):

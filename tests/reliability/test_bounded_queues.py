@@ -51,7 +51,7 @@ def test_full_queue_is_a_503_and_queues_nothing():
     engine = Engine(CFG)
     loop = EngineLoop(engine)
     app = create_app(ServerState.from_engine(engine, loop, ServerConfig()))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:  # a name the server answers to
         batch = {"input_ids": [_tokens(1, 60), _tokens(2, 60)], "sampling_params": {"max_new_tokens": 2}}
         r = client.post("/generate", json=batch)
         assert r.status_code == 503, r.text

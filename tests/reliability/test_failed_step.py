@@ -113,7 +113,7 @@ def test_server_unhealthy_until_rebuilt_then_serves(monkeypatch):
         "input_ids": prompt,
         "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
     }
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:  # a name the server answers to
         want = client.post("/generate", json=body).json()["output_ids"]
         assert client.post("/flush_cache").status_code == 200
         fail_once(monkeypatch, engine.runner, "launch")

@@ -111,7 +111,7 @@ def client():
         max_request_tokens=1 << 20,
         devices=[],
     )
-    with TestClient(create_app(state)) as c:
+    with TestClient(create_app(state), base_url="http://127.0.0.1") as c:  # a name the server answers to
         yield c
 
 
