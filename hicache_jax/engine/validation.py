@@ -67,18 +67,13 @@ def validate_prompt(
         if not tokenizer.has_text:
             raise InvalidRequest("this model has no tokenizer.json: send input_ids instead of text")
         input_ids = tokenizer.encode(text)
-    if not isinstance(input_ids, (list, tuple)) or any(
-        not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in input_ids
-    ):
+    if not isinstance(input_ids, (list, tuple)):
         raise InvalidRequest("input_ids must be a list of integers")
-    input_ids = [int(t) for t in input_ids]
-    if not input_ids:
-        raise InvalidRequest("the prompt is empty")
-    V = vocab_size
-    bad = [t for t in input_ids if not 0 <= t < V]
-    if bad:
-        raise InvalidRequest(f"input_ids: token ids {show(bad[:5])} outside the vocabulary [0, {V})")
     n = len(input_ids)
+    if not n:
+        raise InvalidRequest("the prompt is empty")
+    # Lengths first: a prompt too long for the context is refused before any per-token work
+    # (this runs on the engine thread).
     if n + sp.max_new_tokens > context_len:
         raise InvalidRequest(
             f"prompt ({n} tokens) + max_new_tokens ({show(sp.max_new_tokens)}) exceeds "
@@ -89,6 +84,13 @@ def validate_prompt(
             f"prompt + max_new_tokens ({show(n + sp.max_new_tokens)}) exceeds the KV cache "
             f"({capacity} tokens)"
         )
+    if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in input_ids):
+        raise InvalidRequest("input_ids must be a list of integers")
+    input_ids = [int(t) for t in input_ids]
+    V = vocab_size
+    bad = [t for t in input_ids if not 0 <= t < V]
+    if bad:
+        raise InvalidRequest(f"input_ids: token ids {show(bad[:5])} outside the vocabulary [0, {V})")
     if not _integer(logprob_start_len) or logprob_start_len < -1 or logprob_start_len >= max(n, 1):
         raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {n}), got {show(logprob_start_len)}")
     if not _integer(top_logprobs_num) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
