@@ -169,7 +169,8 @@ def server_info(state: ServerState, metrics: dict) -> dict:
     nested as before."""
     server = dataclasses.asdict(state.server_cfg)
     server["api_key"] = "<set>" if server["api_key"] else None  # never echo the secret
-    server["max_request_body_bytes"] = state.max_body_bytes
+    server["max_request_body_bytes"] = state.max_body_bytes  # prompt_size.py
+    server["max_prompt_text_bytes"] = state.max_text_bytes
     engine = dataclasses.asdict(state.engine_cfg)
     flat = {
         **engine,
