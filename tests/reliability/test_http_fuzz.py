@@ -299,3 +299,162 @@ def test_wrong_method_or_path_is_a_json_4xx(server, quiet_log, method, path, sta
     r = httpx.request(method, server.url + path, content=b"{}", timeout=60)
     check(r)
     assert r.status_code == status
+
+
+# ---- structured output and function calling (issue 39: each of these once gave a 500) --------
+def _nest(schema: dict, depth: int) -> dict:
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+SCHEMA = st.recursive(
+    st.booleans()
+    | st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(
+                ["string", "integer", "number", "boolean", "null", "object", "array", "nope"]
+            )
+            | JUNK,
+            "enum": st.lists(SCALARS, max_size=4) | JUNK,
+            "pattern": st.sampled_from(["[a-z]+", "(", "a{5,2}", "\\", ".*"]) | TEXT,
+            "minLength": EDGE_INT,
+            "maxLength": EDGE_INT,
+            "$ref": st.sampled_from(["#", "#/definitions/x", "#/$defs/nope", "http://x/y"]),
+            "x-guidance": JUNK,
+            "not": st.just({}),
+        },
+    ),
+    lambda inner: st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(["object", "array"]),
+            "properties": st.dictionaries(st.text(max_size=6), inner, max_size=3),
+            "items": inner,
+            "anyOf": st.lists(inner, max_size=3),
+            "allOf": st.lists(inner, max_size=2),
+            "definitions": st.dictionaries(st.sampled_from(["x", "y"]), inner, max_size=2),
+            "required": st.lists(st.text(max_size=6), max_size=3) | JUNK,
+        },
+    ),
+    max_leaves=10,
+)
+DEEP_SCHEMA = st.builds(
+    _nest, SCHEMA.filter(lambda s: isinstance(s, dict)), st.sampled_from([1, 63, 64, 65, 300])
+)
+ANY_SCHEMA = SCHEMA | DEEP_SCHEMA
+SCHEMA_TEXT = (
+    ANY_SCHEMA.map(json.dumps) | st.sampled_from(["false", "true", "5", "null", "{", '{"$ref": "#"}']) | TEXT
+)
+REGEX = st.sampled_from(["[a-z]{1,3}", "(", "a{5,2}", "", "[^\\x00-\\U0010FFFF]", "(a|b)*c", "\\d+"]) | TEXT
+EBNF = st.sampled_from(['root ::= "a"', 'root ::= root "a"', "root ::=", 'root ::= x\nx ::= "b"+']) | TEXT
+STRUCTURE = st.fixed_dictionaries(
+    {},
+    optional={
+        "begin": st.sampled_from(["<a>", "<b>"]) | JUNK,
+        "end": st.just("</a>") | JUNK,
+        "schema": ANY_SCHEMA,
+    },
+)
+STRUCTURAL_TAG = st.fixed_dictionaries(
+    {},
+    optional={
+        "structures": st.lists(STRUCTURE, max_size=2) | JUNK,
+        "triggers": st.lists(st.sampled_from(["<a", "<"]), max_size=2) | JUNK,
+    },
+)
+GRAMMAR_PARAMS = st.one_of(
+    st.fixed_dictionaries({"json_schema": SCHEMA_TEXT | ANY_SCHEMA | JUNK}),
+    st.fixed_dictionaries({"regex": REGEX}),
+    st.fixed_dictionaries({"ebnf": EBNF}),
+    st.fixed_dictionaries({"structural_tag": STRUCTURAL_TAG.map(json.dumps) | STRUCTURAL_TAG | JUNK}),
+    st.fixed_dictionaries({"regex": REGEX, "ebnf": EBNF}),  # two at once
+)
+FUNCTION = st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "get_weather", "bad name", ""]) | JUNK},
+    optional={"description": TEXT | JUNK, "parameters": ANY_SCHEMA | JUNK, "strict": JUNK},
+)
+TOOL = st.fixed_dictionaries({"type": st.just("function") | JUNK, "function": FUNCTION | JUNK})
+TOOL_CHOICE = st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
+    {"type": st.just("function") | JUNK}, optional={"function": st.fixed_dictionaries({"name": JUNK}) | JUNK}
+)
+CALL = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": TEXT | JUNK,
+        "type": st.just("function") | JUNK,
+        "function": st.fixed_dictionaries({}, optional={"name": TEXT | JUNK, "arguments": TEXT | JUNK})
+        | JUNK,
+    },
+)
+HISTORY = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "tool"])},
+        optional={
+            "content": TEXT,
+            "tool_calls": st.lists(CALL, max_size=2) | JUNK,
+            "tool_call_id": TEXT | JUNK,
+        },
+    ),
+    min_size=1,
+    max_size=3,
+)
+RESPONSE_FORMAT = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "structural_tag", "yaml"]) | JUNK},
+    optional={
+        "json_schema": st.fixed_dictionaries(
+            {}, optional={"name": TEXT, "schema": ANY_SCHEMA | JUNK, "strict": JUNK}
+        )
+        | JUNK,
+        "structures": st.lists(STRUCTURE, max_size=2),
+        "triggers": st.lists(st.sampled_from(["<a", "<"]), max_size=2),
+    },
+)
+
+
+@st.composite
+def structured(draw) -> tuple[str, dict]:
+    """A request held by a grammar or tools, most of it well-formed, the rest junk."""
+    kind = draw(st.sampled_from(["generate", "completions", "chat"]))
+    if kind == "generate":
+        sp = {"max_new_tokens": 3, **draw(GRAMMAR_PARAMS)}
+        return "/generate", {"text": "fuzz", "sampling_params": sp}
+    if kind == "completions":
+        body = {"model": MODEL, "prompt": "fuzz", "max_tokens": 3}
+        body.update(
+            draw(st.dictionaries(st.sampled_from(["json_schema", "regex", "ebnf"]), SCHEMA_TEXT, max_size=2))
+        )
+        return "/v1/completions", body
+    body = {"model": MODEL, "max_tokens": 3, "messages": draw(HISTORY | MESSAGES)}
+    optional = {
+        "tools": st.lists(TOOL, max_size=3) | JUNK,
+        "tool_choice": TOOL_CHOICE | JUNK,
+        "parallel_tool_calls": st.booleans() | JUNK,
+        "response_format": RESPONSE_FORMAT | JUNK,
+        "regex": REGEX,
+    }
+    body.update(draw(st.fixed_dictionaries({}, optional=optional)))
+    return "/v1/chat/completions", body
+
+
+def test_fuzz_structured_output_and_tools_never_5xx(server, quiet_log):
+    """Schemas (boolean, deep, self-referencing, unsatisfiable), regexes, EBNF, structural tags,
+    response formats, tools, tool_choice and tool_calls history: never a 5xx."""
+    client = httpx.Client(base_url=server.url, timeout=60)
+
+    @settings(max_examples=2 * EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=structured())
+    def run(case):
+        route, body = case
+        check(
+            client.post(
+                route, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+            )
+        )
+
+    try:
+        run()
+        assert client.get("/health").status_code == 200
+    finally:
+        client.close()
