@@ -73,7 +73,7 @@ ARRIVALS = st.lists(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ARRIVALS, st.integers(1, 5), st.integers(1, 3))
-def test_groups_never_stall_and_pass_their_share_only_with_nobody_else_waiting(arrivals, max_running, per_step):
+def test_groups_never_stall_and_pass_their_share_only_when_alone(arrivals, max_running, per_step):
     """Random groups and lone requests, arriving a few per step into a small pool (eviction
     and retraction included): every request ends with its own tokens, and a group grows past
     its share in a step only if no request of another group is left waiting."""
