@@ -25,9 +25,9 @@ def grammar_params(rf: dict | None) -> dict:
     if not isinstance(rf, dict):
         raise InvalidRequest(f"{FIELD} must be an object, got {show(rf)}")
     kind = rf.get("type")
-    extra = sorted(set(rf) - {"type", *_ALLOWED.get(kind, ())})
-    if kind not in _ALLOWED:
+    if not isinstance(kind, str) or kind not in _ALLOWED:
         raise InvalidRequest(f"{FIELD}.type must be one of {sorted(_ALLOWED)}, got {show(kind)}")
+    extra = sorted(set(rf) - {"type", *_ALLOWED[kind]})
     if extra:
         raise InvalidRequest(f"{FIELD}: unknown field(s) {extra} for type {kind!r}")
     if kind == "text":

@@ -262,6 +262,8 @@ REGRESSIONS = [
     # A template variable named like a Python argument of the renderer: just a variable.
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
                               "chat_template_kwargs": {"self": 1}}, 200),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                              "response_format": {"type": []}}, 400),
 ]  # fmt: skip
 
 
