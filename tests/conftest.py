@@ -1,10 +1,11 @@
-"""Test-wide setup: 8 emulated CPU devices and float32 matmuls, before any JAX backend starts."""
+"""Test-wide setup: 8 emulated CPU devices, cheap XLA:CPU compiles and float32 matmuls, before any
+JAX backend starts; persistent compilation caches shared by the run's workers."""
 
 import os
 
-from tests.xla_env import SERVER_JAX_CACHE, with_device_count
+from tests.xla_env import SERVER_JAX_CACHE, with_device_count, with_fast_compiles
 
-os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
+os.environ["XLA_FLAGS"] = with_fast_compiles(with_device_count(os.environ.get("XLA_FLAGS", ""), 8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -31,13 +32,20 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def server_compile_cache(tmp_path_factory):
-    """One persistent JAX compilation cache for every server process this run starts, shared by
-    all pytest-xdist workers (their base temp directories are siblings): only the first server
-    compiles. The test process itself keeps compiling in memory."""
+    """One persistent JAX compilation cache for every server process this run starts, and one
+    for the test processes themselves, each shared by all pytest-xdist workers (their base
+    temp directories are siblings): a program one worker (or an earlier module, whose compiled
+    programs ``_release_compiled_programs`` drops) compiled is loaded, not compiled again."""
     base = tmp_path_factory.getbasetemp()
-    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "server-jax-cache"
+    run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = run / "server-jax-cache"
     path.mkdir(exist_ok=True)
     os.environ[SERVER_JAX_CACHE] = str(path)
+    tests = run / "test-jax-cache"
+    tests.mkdir(exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(tests))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="module", autouse=True)
