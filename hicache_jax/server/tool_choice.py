@@ -14,7 +14,10 @@
   call a tool writes the call's JSON readily. The family's own markers are not forced.
 
 Finish reasons follow OpenAI: ``tool_calls`` when the model called a tool (``auto``,
-``required``), ``stop`` for a named function.
+``required``), ``stop`` for a named function. An output cut short by ``max_tokens`` still
+gives the calls it began (``tools/constrained.py``), with ``finish_reason: "length"``, as
+vLLM answers a whole response: a client that reads ``tool_calls`` finds them, and the reason
+says their arguments may be cut. (vLLM's streamed ``required`` says ``tool_calls`` there.)
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import uuid
 
 from hicache_jax.grammar.spec import MAX_GRAMMAR_BYTES, MAX_JSON_DEPTH, json_depth
 from hicache_jax.sampling_params import InvalidRequest, show
+from hicache_jax.server.tools.constrained import named_call, required_calls
 from hicache_jax.server.tools.formats import ToolFormat, needs_special_tokens
 from hicache_jax.server.tools.parsers import CallDelta, ContentDelta, StreamParser, ToolCall, parse
 
@@ -77,7 +81,8 @@ class ToolPlan:
         return fn.get("parameters") or {"type": "object", "properties": {}}
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
-        """OpenAI's finish reason for a choice that ended with ``reason``."""
+        """OpenAI's finish reason for a choice that ended with ``reason``: ``length`` stays
+        ``length``, calls or not."""
         if called and reason == "stop" and self.mode != "named":
             return "tool_calls"
         return reason
@@ -90,17 +95,8 @@ class ToolPlan:
             parsed = parse(self.fmt, text)
             calls = [openai_call(c.name, c.arguments) for c in parsed.calls]
             return (parsed.content or None) if calls else parsed.content, calls
-        calls = self._constrained_calls(text)
-        return (None, calls) if calls else (text, [])
-
-    def _constrained_calls(self, text: str) -> list[dict]:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:  # cut short (max_tokens): no call to report
-            return []
-        if self.mode == "named":
-            return [openai_call(self.named, _compact(value))]
-        return [openai_call(c["name"], _compact(c["parameters"])) for c in value]
+        held = [named_call(self.named, text)] if self.mode == "named" else required_calls(text)
+        return None, [openai_call(c.name, c.arguments) for c in held]
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -108,7 +104,7 @@ class ToolPlan:
 
 class ToolStream:
     """A streaming choice's deltas: content as it comes, each call once it is whole (for
-    ``required`` and named functions: at the end, when the JSON is complete)."""
+    ``required`` and named functions: at the end of the output, complete or cut short)."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
@@ -151,10 +147,6 @@ def openai_call(name: str, arguments: str) -> dict:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
-
-
-def _compact(value) -> str:
-    return json.dumps(value, ensure_ascii=False)
 
 
 def plan(tools, tool_choice, parallel, fmt: ToolFormat | None) -> ToolPlan | None:

@@ -87,7 +87,7 @@ def family(request, tmp_path_factory):
 
 
 def _create(client, stream: bool, **kw):
-    kw = dict(model="tiny", messages=HISTORY, tools=TOOLS, max_tokens=300, **kw)
+    kw = {"model": "tiny", "messages": HISTORY, "tools": TOOLS, "max_tokens": 300} | kw
     if not stream:
         choice = client.chat.completions.create(**kw).choices[0]
         return choice.message.content, choice.message.tool_calls, choice.finish_reason
@@ -133,6 +133,40 @@ def test_tools_reach_the_template_and_none_is_plain(family):
     without = client.chat.completions.create(**kw)
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens  # the tool list is in the prompt
     assert with_tools.choices[0].message.tool_calls is None
+
+
+NOTE_TEXT = "note " * 60  # 300 characters; the tiny vocabulary's longest piece has 7
+NOTE = {
+    "type": "function",
+    "function": {
+        "name": "note",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"const": NOTE_TEXT}},
+            "required": ["text"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cut_by_max_tokens_still_calls(server, stream):  # the shared server: the grammar holds any template
+    """A call cut by max_tokens is still a call, as vLLM answers: named, the arguments so far;
+    required, each call whose parameters began. The grammar forces every character here, so
+    the whole arguments are known, and 40 tokens (at most 280 characters) cannot finish them."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    whole = json.dumps({"text": NOTE_TEXT})
+    named = {"type": "function", "function": {"name": "note"}}
+    messages = [{"role": "user", "content": "Take a note."}]
+    for choice in (named, "required"):
+        content, calls, reason = _create(
+            client, stream, messages=messages, tools=[NOTE], tool_choice=choice, max_tokens=40, temperature=0
+        )
+        assert reason == "length" and not content, (choice, content, reason)
+        assert [(c.type, c.function.name) for c in calls] == [("function", "note")], calls
+        args = calls[0].function.arguments
+        assert calls[0].id.startswith("call_") and args and whole.startswith(args) and args != whole, args
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def test_required_and_named_grammars_validate_their_calls():
     assert json.loads(named.sampling_params()["json_schema"]) == TOOLS[0]["function"]["parameters"]
     assert _strip(named.split("{}")[1]) == [("function", "a", "{}")]
     assert named.finish_reason("stop", True) == "stop"
-    assert required.split('[{"name": "a", "para')[1] == []  # cut short by max_tokens: no call
+    assert required.split('[{"name": "a", "para')[1] == []  # cut before its parameters: no call
     for plan in (required, named):
         whole = plan.split(json.dumps(calls) if plan is required else "{}")
         assert _strip(
@@ -75,6 +75,40 @@ def test_required_and_named_grammars_validate_their_calls():
                 plan, ["[{", '"name": "b_c", "param', 'eters": {}}]'] if plan is required else ["{", "}"]
             )[1]
         ) == _strip(whole[1])
+
+
+ARGS = st.dictionaries(
+    st.sampled_from(["x", "y z", "é"]),
+    st.recursive(st.integers() | st.text(max_size=4), lambda v: st.lists(v, max_size=2), max_leaves=4),
+    max_size=3,
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(calls=st.lists(st.tuples(st.sampled_from(["a", "b_c"]), ARGS), min_size=1, max_size=3), data=st.data())
+def test_cut_short_calls_are_the_text_so_far(calls, data):
+    """Cut anywhere (max_tokens), a named output is one call whose arguments are the text so
+    far; a required one gives each call whose parameters began, the last with its arguments'
+    text so far (the text written as the grammar writes it: ", " and ": " separators)."""
+    text, spans = "[", []  # spans: each call's name and where its arguments' text lies
+    for k, (name, args) in enumerate(calls):
+        text += ", " * (k > 0) + f'{{"name": "{name}", "parameters": '
+        start = len(text)
+        text += json.dumps(args, ensure_ascii=False)
+        spans.append((name, start, len(text)))
+        text += "}"
+    text += "]"
+    cut = data.draw(st.integers(0, len(text)))
+    want = [(name, text[start : min(cut, stop)]) for name, start, stop in spans if cut > start]
+    required = tool_choice.plan(TOOLS, "required", None, None)
+    content, got = required.split(text[:cut])
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in got] == want
+    assert _strip(streamed(required, chunks(data.draw, text[:cut]))[1]) == _strip(got)
+    named = tool_choice.plan(TOOLS, {"type": "function", "function": {"name": "b_c"}}, None, None)
+    args = json.dumps(calls[0][1], ensure_ascii=False)[: data.draw(st.integers(0, 99))]
+    assert _strip(named.split(args)[1]) == [("function", "b_c", args)]
+    for plan in (required, named):
+        assert plan.finish_reason("length", True) == "length"
 
 
 def test_none_and_unknown_format_are_plain_content():
