@@ -8,6 +8,7 @@ import time
 
 from hicache_jax.kinds import PAGED, CacheKind
 from hicache_jax.sampling_params import SamplingParams
+from hicache_jax.tiers import zero_counts
 
 PLACEHOLDER = (
     0  # fill_ids' stand-in for a token still on the device (never fed: see runtime/batch_builder.py)
@@ -84,7 +85,7 @@ class Req:
     cache: ReqCache = dataclasses.field(default_factory=lambda: ReqCache())
     num_computed: int = 0  # tokens of fill_ids whose KV/state is in the cache
     cached_tokens: int = 0
-    cached_details: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    cached_details: dict = dataclasses.field(default_factory=zero_counts)  # tokens per Tier
     penalty_slot: int | None = None  # its row of the device's penalty counts (the engine's)
     retractions: int = 0
     held_steps: int = 0  # steps it waited for a running request computing a shared prefix

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 
-TIER_COLORS = {"device": "#1f77b4", "host": "#ff7f0e", "storage": "#2ca02c"}
+from hicache_jax.tiers import Tier
+
+TIER_COLORS = {Tier.DEVICE: "#1f77b4", Tier.HOST: "#ff7f0e", Tier.STORAGE: "#2ca02c"}
 HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--")  # one per configuration and phase
 
 

@@ -4,6 +4,7 @@ logprobs, and whether it stops. Plain functions of the request and the step's ho
 
 from __future__ import annotations
 
+from hicache_jax import finish
 from hicache_jax.request import Req
 
 # The engine's counters (``Engine.stats``), all starting at 0. overlapped_steps: steps
@@ -59,9 +60,9 @@ def stop_reason(req: Req, tok: int, *, eos_token_ids, tokenizer, context_len: in
     if len(req.output_ids) < sp.min_new_tokens:  # stop tokens and strings do not count yet
         pass
     elif tok in sp.stop_token_ids:
-        return {"type": "stop", "matched": tok}
+        return finish.stop(tok)
     elif not sp.ignore_eos and tok in eos_token_ids:
-        return {"type": "stop", "matched": tok}
+        return finish.stop(tok)
     elif sp.stop and tokenizer.has_text:
         # A new match ends in the newest token. A character is at most 4 UTF-8 bytes and
         # a token at least one, so the last 4 tokens per character hold any match (one
@@ -70,9 +71,9 @@ def stop_reason(req: Req, tok: int, *, eos_token_ids, tokenizer, context_len: in
         text = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False) or ""
         for s in sp.stop:
             if s in text:
-                return {"type": "stop", "matched": s}
+                return finish.stop(s)
     if len(req.output_ids) >= sp.max_new_tokens:
-        return {"type": "length", "length": sp.max_new_tokens}
+        return finish.length(sp.max_new_tokens)
     if req.input_len + len(req.output_ids) >= context_len:
-        return {"type": "length", "length": len(req.output_ids)}
+        return finish.length(len(req.output_ids))
     return None

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hicache_jax import finish
+
 
 class Constraint:
     def __init__(self, matcher):
@@ -29,12 +31,12 @@ class Constraint:
         if not self.matcher.consume_token(token) or self.matcher.is_error():
             return dead_end(self.matcher.get_error() or f"token {token} is not allowed")
         if self.matcher.is_stopped():  # complete, and nothing can follow: no EOS needed
-            return {"type": "stop", "matched": None}
+            return finish.stop(None)
         return None
 
 
 def dead_end(why: str) -> dict:
-    return {"type": "abort", "message": f"grammar dead end: {_first_line(why)}"}
+    return finish.abort(f"grammar dead end: {_first_line(why)}")
 
 
 def fill_masks(rows: list[tuple[Constraint, int]], allowed: np.ndarray) -> None:

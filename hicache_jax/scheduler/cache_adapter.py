@@ -22,6 +22,7 @@ from hicache_jax.cache.prefix_cache import Match, PrefixCache
 from hicache_jax.cache.radix import path_to
 from hicache_jax.kinds import PAGED, CacheKind
 from hicache_jax.request import Req, ReqCache
+from hicache_jax.tiers import Tier, zero_counts
 
 
 class CacheAdapter:
@@ -81,7 +82,7 @@ class CacheAdapter:
         admission brought to the device counts with the tier it came from."""
         tiers = self._origin_tiers(req, match)
         if not req.retractions:
-            req.cached_tokens, req.cached_details = 0, {"device": 0, "host": 0, "storage": 0}
+            req.cached_tokens, req.cached_details = 0, zero_counts()
         for tier in tiers[req.computed_before // self.P :]:
             req.cached_tokens += self.P
             req.cached_details[tier] += self.P
@@ -90,7 +91,7 @@ class CacheAdapter:
     def _origin_tiers(req: Req, match: Match) -> list[str]:
         """Each matched page's tier before this request's refused admissions loaded it."""
         came = req.loaded_tiers
-        return [t if t != "device" or j >= len(came) else came[j] for j, t in enumerate(match.page_tiers)]
+        return [t if t != Tier.DEVICE or j >= len(came) else came[j] for j, t in enumerate(match.page_tiers)]
 
     def ensure_pages(self, req: Req, end: int) -> bool:
         """Own pages for every page up to token ``end``; all or nothing."""

@@ -10,6 +10,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from hicache_jax import finish
+from hicache_jax.finish import Finish
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -61,7 +64,7 @@ class RequestLatency:
     def observe(self, req) -> None:
         if req.first_token_time is None or req.finish_time is None:
             return  # finished without a token: no latency to speak of
-        if (req.finish_reason or {}).get("type") == "abort":
+        if finish.kind(req.finish_reason) is Finish.ABORT:
             return  # cut short: its times say nothing about serving
         for hist in (self.hist, self.sglang):
             hist["time_to_first_token_seconds"].observe(req.first_token_time - req.arrival)

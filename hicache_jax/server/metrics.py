@@ -25,11 +25,11 @@ from prometheus_client.core import (
 
 from hicache_jax.metric_kinds import COUNTER, GAUGE, Metrics
 from hicache_jax.server import sglang_metrics
+from hicache_jax.tiers import TIERS
 
 log = logging.getLogger(__name__)
 
 PREFIX = "hicache_"
-TIERS = ("device", "host", "storage")
 HELP = {
     "gen_throughput": "generated tokens per second over the last 10 s",
     "num_running_reqs": "requests in the running batch",

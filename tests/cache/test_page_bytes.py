@@ -1,0 +1,26 @@
+"""``page_bytes`` (what the planner and the L3 bandwidth estimate count) equals the bytes of
+the L2 rows the engine actually allocates, per cache kind, for every family."""
+
+import numpy as np
+import pytest
+
+from hicache_jax.cache.page_bytes import page_bytes, read_bytes_per_token
+from hicache_jax.config import EngineConfig
+from hicache_jax.engine.engine import Engine
+from hicache_jax.kinds import L3_SUFFIX, PAGED
+
+
+@pytest.mark.parametrize("preset", ["tiny-swa", "tiny-mamba", "tiny-qwen3.5"])  # full + swa, + mamba, + gdn
+def test_page_bytes_are_the_host_rows(preset):
+    cfg = EngineConfig(preset=preset, page_size=8, max_total_tokens=256, enable_hierarchical_cache=True)
+    engine = Engine(cfg)
+    try:
+        host = engine.side.prefix_cache.host
+        mc = engine.model.cfg
+        dtype_bytes = np.dtype(engine.runner.cache[0][0].dtype).itemsize  # the KV (or conv) dtype
+        want = {L3_SUFFIX[kind]: pool.bytes_per_page for kind, pool in host.items()}
+        assert page_bytes(mc, dtype_bytes, cfg.page_size) == want
+        paged = sum(want.get(L3_SUFFIX[k], 0) for k in PAGED)
+        assert read_bytes_per_token(mc, dtype_bytes, cfg.page_size) == paged / cfg.page_size
+    finally:
+        engine.close()
