@@ -89,7 +89,7 @@ def populate(cache: PrefixCache, work: Workload) -> None:
         idx = cache.pools["full"].alloc(n)
         _, taken = cache.insert(tokens, None, n, {"full": idx})
         cache.pools["full"].free([p for j, p in enumerate(idx) if j not in taken["full"]])
-    cache.backups.clear()  # (a host-sized backup here would only evict host rows)
+    cache.write_policy.clear()  # (a host-sized backup here would only evict host rows)
     row = {"full": {"kv": np.zeros((1,), np.uint8)}}
     while cache.host["full"].index.num_free:
         tokens = work.fresh()

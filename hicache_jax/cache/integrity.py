@@ -5,39 +5,36 @@ exactly once, by a tree or by a running request. Cheap enough to call when idle
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hicache_jax.cache.prefix_cache import PrefixCache
+from hicache_jax.cache.holdings import Holdings
 
 
-def indices(cache: PrefixCache) -> dict[str, list[int]]:
+def indices(held: Holdings) -> dict[str, list[int]]:
     """Every device and host index the trees hold, by pool (host pools as ``host_<kind>``)."""
-    out: dict[str, list[int]] = {k: [] for k in cache.pools}
-    out.update({"host_" + k: [] for k in cache.host})
-    for node in cache.nodes():
-        for kind in cache.pools:
+    out: dict[str, list[int]] = {k: [] for k in held.pools}
+    out.update({"host_" + k: [] for k in held.host})
+    for node in held.nodes():
+        for kind in held.pools:
             if getattr(node, kind) is not None:
                 out[kind].append(getattr(node, kind))
-        for kind in cache.host:
+        for kind in held.host:
             if getattr(node, "host_" + kind) is not None:
                 out["host_" + kind].append(getattr(node, "host_" + kind))
     return out
 
 
-def check_integrity(cache: PrefixCache, held_outside: dict[str, list[int]] | None = None) -> None:
+def check_integrity(held: Holdings, held_outside: dict[str, list[int]] | None = None) -> None:
     """Raises AssertionError naming the first inconsistency; ``held_outside``: the indices
     the running requests own, by pool."""
-    for t in cache.trees.values():
+    for t in held.trees.values():
         t.check_integrity()
-    everything = list(cache.nodes())
-    cache.eviction.check(everything)
-    rows = sum(getattr(n, "host_" + k) is not None for n in everything if n.from_storage for k in cache.host)
-    if rows != cache.storage_rows:
-        raise AssertionError(f"storage_rows {cache.storage_rows}, but nodes from L3 hold {rows} host rows")
+    everything = list(held.nodes())
+    held.order.check(everything)
+    rows = sum(getattr(n, "host_" + k) is not None for n in everything if n.from_storage for k in held.host)
+    if rows != held.storage_rows:
+        raise AssertionError(f"storage_rows {held.storage_rows}, but nodes from L3 hold {rows} host rows")
     held_outside = held_outside or {}
-    owned = indices(cache)
-    all_pools = dict(cache.pools) | {"host_" + k: h.index for k, h in cache.host.items()}
+    owned = indices(held)
+    all_pools = dict(held.pools) | {"host_" + k: h.index for k, h in held.host.items()}
     for kind, pool in all_pools.items():
         pool.check_integrity()
         owners = owned[kind] + list(held_outside.get(kind, []))

@@ -2,16 +2,18 @@
 request-free API: one radix tree per ``cache_salt``, matching with tier accounting, L2 ->
 L1 loads, inserts from L1 and from L3, locks, maintenance and integrity checks.
 
-Two parts are modules of their own, reached only through this facade:
+Its parts are modules of their own, composed here and reached only through this facade;
+none of them imports it:
 
-- ``eviction.py`` (``Eviction``): each pool's eviction rule, its LRU order and the victims;
-- ``write_policy.py`` (``Backups``): when device data is copied to the host, the copies,
-  and the ``on_backup`` hook that queues the L3 write.
+- ``holdings.py`` (``Holdings``): the trees, the pools and what each node holds; every
+  change to a node's data goes through its setters, which keep the rest current;
+- ``eviction_order.py`` (``EvictionOrder``): each pool's eviction rule and LRU order;
+- ``eviction.py`` (``Eviction``): a short pool frees the order's victims;
+- ``write_policy.py`` (``WritePolicy``): which nodes wait to be copied to the host;
+- ``backups.py`` (``Backups``): the copies, and the ``on_backup`` hook that queues the L3 write;
+- ``integrity.py``: the checks.
 
-Every change to a node's data goes through the setters below (``set_device``,
-``set_host``, ``set_from_storage``, ``remove_leaf``, ``remove_subtree``, ``prune``), which
-keep the eviction order, ``dev_kids`` and ``storage_rows`` current. Only maintenance
-(flush, drop_device, check_integrity) walks everything.
+Only maintenance (flush, drop_device, check_integrity) walks everything.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from hicache_jax.cache import integrity
+from hicache_jax.cache.backups import Backups
 from hicache_jax.cache.eviction import Eviction
+from hicache_jax.cache.eviction_order import EvictionOrder
+from hicache_jax.cache.holdings import Holdings
 from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.radix import Node, RadixTree
-from hicache_jax.cache.write_policy import Backups
+from hicache_jax.cache.write_policy import WritePolicy
 from hicache_jax.kinds import ALL as ALL_KINDS
 from hicache_jax.kinds import CacheKind
 from hicache_jax.metric_kinds import Metrics
@@ -60,24 +65,40 @@ class PrefixCache:
         write_policy: str = "write_through",
     ):
         self.rules = rules
-        self.pools = pools
         self.enabled = enabled
-        self.host = host or {}
         self.transfer = transfer
-        self.write_policy = write_policy
-        self.trees: dict[str | None, RadixTree] = {}
+        host = host or {}
         self.counters = Metrics().counters({"host_loads": 0, "host_backups": 0, "backup_skipped": 0})
-        self.storage_rows = 0  # host rows of nodes L3 filled that no match used yet
-        self.eviction = Eviction(self)
-        self.backups = Backups(self, write_policy, self.counters)
+        self.write_policy = WritePolicy(write_policy, host)
+        order = EvictionOrder(pools, host, write_back=write_policy == "write_back")
+        self.held = Holdings(rules.page_size, pools, host, order, self.write_policy)
+        self.eviction = Eviction(self.held)
+        host_alloc = self.eviction.host_alloc
+        self.backups = Backups(self.held, self.write_policy, host_alloc, transfer, self.counters)
+        if write_policy == "write_back":  # the device's eviction copies its victim first
+            self.eviction.write_back = self.backups.backup
 
-    # ---- trees (one per cache_salt: tenants never share pages) ----------------------------
+    # ---- what it holds (``holdings.py``) -------------------------------------------------------
+    @property
+    def pools(self) -> dict[str, IndexPool]:
+        return self.held.pools
+
+    @property
+    def host(self) -> dict[str, HostPool]:
+        return self.held.host
+
+    @property
+    def trees(self) -> dict[str | None, RadixTree]:
+        """One tree per cache_salt: tenants never share pages."""
+        return self.held.trees
+
+    @property
+    def storage_rows(self) -> int:
+        """Host rows of nodes L3 filled that no match used yet."""
+        return self.held.storage_rows
+
     def tree(self, salt: str | None = None) -> RadixTree:
-        """The salt's tree, made on first insert. A tree that empties is dropped (see
-        ``_unlink``), so a stream of one-off salts never accumulates trees."""
-        if salt not in self.trees:
-            self.trees[salt] = RadixTree(self.rules.page_size, salt)
-        return self.trees[salt]
+        return self.held.tree(salt)
 
     def walk(self, tokens: Sequence[int], max_pages: int, salt: str | None = None) -> list[Node]:
         """The cached path along ``tokens`` (lookups never create a tree)."""
@@ -88,8 +109,7 @@ class PrefixCache:
         return node.tree.salt
 
     def nodes(self) -> Iterator[Node]:
-        for t in list(self.trees.values()):
-            yield from t.nodes()
+        return self.held.nodes()
 
     # ---- lookup -------------------------------------------------------------------------
     def availability(self, path: Sequence[Node]) -> tuple[list[bool], list[bool], list[bool]]:
@@ -122,7 +142,7 @@ class PrefixCache:
             )
             page_tier.append(tier)
             node.hit_count += 1
-            self.backups.hit(node)
+            self.write_policy.hit(node)
         # Pages that need no data (before a sliding window) count with the hit's deepest tier.
         fallback = next((t for t in ("storage", "host") if t in page_tier), "device")
         match.page_tiers = [tier or fallback for tier in page_tier]
@@ -148,14 +168,14 @@ class PrefixCache:
             rows = [getattr(n, "host_" + kind) for n in nodes]
             self.transfer.write(kind, got[kind], self.host[kind].read(rows))
             for n, i in zip(nodes, got[kind]):
-                self.set_device(n, kind, i)
+                self.held.set_device(n, kind, i)
             self.counters["host_loads"] += len(nodes)
         for n in match.nodes:
-            self.set_from_storage(n, False)
+            self.held.set_from_storage(n, False)
         match.loads = []
         return True
 
-    # ---- allocation with eviction, and host backups (eviction.py, write_policy.py) ---------
+    # ---- allocation with eviction, and host backups (eviction.py, backups.py) --------------
     def alloc(self, kind: str, n: int) -> list[int] | None:
         """``n`` device indices of ``kind``, evicting unlocked data for them; None: no room."""
         return self.eviction.alloc(kind, n)
@@ -185,85 +205,6 @@ class PrefixCache:
     def on_backup(self, hook: Callable[[Node, tuple[str, ...]], None] | None) -> None:
         self.backups.on_backup = hook
 
-    # ---- every change to a node's data goes through these (they keep the eviction order) ---
-    def set_device(self, node: Node, kind: str, idx: int | None) -> None:
-        """Set a device index (None: gone)."""
-        was = getattr(node, kind) is not None
-        setattr(node, kind, idx)
-        if kind == CacheKind.FULL and was != (idx is not None) and not node.dev_kids:
-            self.eviction.device_page_changed(node.parent, 1 if idx is not None else -1)
-        self.eviction.offer(node)
-
-    def set_host(self, node: Node, kind: str, row: int | None) -> None:
-        """Set a host row (None: gone)."""
-        if node.from_storage:
-            self.storage_rows += (row is not None) - (getattr(node, "host_" + kind) is not None)
-        setattr(node, "host_" + kind, row)
-        self.eviction.offer(node)
-
-    def set_from_storage(self, node: Node, value: bool) -> None:
-        if node.from_storage != value:
-            held = sum(getattr(node, "host_" + k) is not None for k in self.host)
-            self.storage_rows += held if value else -held
-            node.from_storage = value
-
-    def remove_leaf(self, node: Node) -> None:
-        """Drop a leaf with everything it holds."""
-        parent, had_full = node.parent, node.full is not None
-        for kind in KINDS:
-            idx = getattr(node, kind)
-            if idx is not None:
-                self.pools[kind].free([idx])
-                setattr(node, kind, None)
-            hidx = getattr(node, "host_" + kind)
-            if hidx is not None:
-                self.host[kind].index.free([hidx])
-                setattr(node, "host_" + kind, None)
-                self.storage_rows -= node.from_storage
-        self._unlink(node)
-        if had_full:
-            self.eviction.device_page_changed(parent, -1)
-
-    def _unlink(self, node: Node) -> None:
-        """Take an unlocked leaf out of its tree; drop the tree if that emptied it."""
-        self.backups.forget(node)
-        parent = node.parent
-        node.tree_remove()
-        self.eviction.forget(node)
-        if not parent.is_root:
-            self.eviction.offer(parent)  # a leaf now
-        elif not parent.children:
-            del self.trees[parent.tree.salt]
-
-    def remove_subtree(self, node: Node) -> None:
-        """Drop an unlocked node with everything below it, in every tier."""
-        stack, order = [node], []
-        while stack:
-            x = stack.pop()
-            order.append(x)
-            stack.extend(x.children.values())
-        for x in reversed(order):  # leaves first
-            self.remove_leaf(x)
-
-    def prune(self, node: Node) -> None:
-        """Drop ``node`` and its ancestors while they hold nothing and nobody needs them."""
-        while (
-            not node.is_root and node.empty and not node.children and not node.lock_ref and not node.swa_lock
-        ):
-            parent = node.parent
-            self._unlink(node)
-            node = parent
-
-    def _rebuild_index(self) -> None:
-        """Recount ``storage_rows`` and the eviction order from the trees (after a bulk
-        change: flush, drop_device)."""
-        self.storage_rows = 0
-        everything = [n for t in self.trees.values() for n in t.post_order()]
-        for n in everything:
-            if n.from_storage:
-                self.storage_rows += sum(getattr(n, "host_" + k) is not None for k in self.host)
-        self.eviction.rebuild(everything)
-
     # ---- insertion ------------------------------------------------------------------------------
     def insert(
         self,
@@ -286,9 +227,9 @@ class PrefixCache:
             child = node.children.get(key) or tree.add_child(node, key)
             for kind, idx in pages.items():
                 if idx[j] is not None and getattr(child, kind) is None:
-                    self.set_device(child, kind, idx[j])
+                    self.held.set_device(child, kind, idx[j])
                     taken[kind].add(j)
-                    self.backups.inserted(child)
+                    self.write_policy.inserted(child)
             path.append(child)
             node = child
         RadixTree.touch(path)
@@ -317,11 +258,11 @@ class PrefixCache:
                     continue
                 row = self.host_alloc(kind, 1)
                 if row is None:
-                    self.prune(node)
+                    self.held.prune(node)
                     return stored
                 self.host[kind].write(row, {k: v[None] for k, v in arrays.items()})
-                self.set_host(node, kind, row[0])
-                self.set_from_storage(node, True)
+                self.held.set_host(node, kind, row[0])
+                self.held.set_from_storage(node, True)
                 stored += 1
             path.append(node)
         RadixTree.touch(path)
@@ -334,8 +275,8 @@ class PrefixCache:
     def unlock(self, node: Node | None) -> None:
         if node is not None:
             for n in RadixTree.unlock(node):
-                self.eviction.offer(n)
-            self.prune(node)
+                self.held.order.offer(n)
+            self.held.prune(node)
 
     def relock(self, old: Node | None, new: Node) -> None:
         """Move a lock from ``old`` down to its descendant ``new`` (lock(new), unlock(old)
@@ -352,43 +293,26 @@ class PrefixCache:
                 raise RuntimeError(f"swa-unlocking {n} below zero")
             n.swa_lock -= 1
             if not n.swa_lock and n.swa is not None:
-                self.eviction.offer_device(CacheKind.SWA, n)
+                self.held.order.offer_device(CacheKind.SWA, n)
 
     # ---- maintenance ------------------------------------------------------------------------
     def flush(self) -> None:
         """Drop every unlocked node, device and host (everything when no request runs)."""
-        for tree in list(self.trees.values()):
-            for node in tree.post_order():  # a node's children go before it
-                if not node.children and not node.lock_ref and not node.swa_lock:
-                    self.remove_leaf(node)
-        self.backups.clear()
-        self._rebuild_index()
+        self.held.flush()
 
     def drop_device(self) -> None:
         """Forget every device index (the device cache was lost): device pools reset, nodes
         keep their host copies, nodes left with nothing are pruned. Nothing may be locked."""
-        for node in list(self.nodes()):
-            if node.lock_ref or node.swa_lock:
-                raise RuntimeError(f"drop_device with {node} still locked")
-            for kind in KINDS:
-                setattr(node, kind, None)
-        for pool in self.pools.values():
-            pool.reset()
-        self.backups.clear()
-        for tree in list(self.trees.values()):
-            for node in tree.post_order():
-                if node.empty and not node.children:
-                    self._unlink(node)
-        self._rebuild_index()
+        self.held.drop_device()
 
     def tree_indices(self) -> dict[str, list[int]]:
         """Every device index the trees hold, by pool."""
-        return {k: v for k, v in integrity.indices(self).items() if k in self.pools}
+        return {k: v for k, v in integrity.indices(self.held).items() if k in self.pools}
 
     def check_integrity(self, held_outside: dict[str, list[int]] | None = None) -> None:
         """Pools consistent, trees consistent, and every used index owned exactly once: by
         a tree or by ``held_outside`` (the running requests); see ``integrity.py``."""
-        integrity.check_integrity(self, held_outside)
+        integrity.check_integrity(self.held, held_outside)
 
     # ---- the pools, as the engine asks about them -------------------------------------------
     def sequence_capacity(self) -> int:

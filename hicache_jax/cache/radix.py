@@ -20,8 +20,8 @@ older SWA pages become evictable while the request still runs. The tree holds in
 only; pools free them.
 
 Every operation here costs the path it walks, never the size of the tree: eviction order
-is kept by the prefix cache's LRU queues (``eviction.py``, ``lru.py``), which use ``inq`` and
-``dev_kids``.
+is kept by the prefix cache's LRU queues (``eviction_order.py``, ``lru.py``), which use
+``inq`` and ``dev_kids``.
 """
 
 from __future__ import annotations

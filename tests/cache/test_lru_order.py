@@ -12,7 +12,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_jax.cache.eviction import Eviction
+from hicache_jax.cache.eviction_order import EvictionOrder
+from hicache_jax.cache.holdings import Holdings
 from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
@@ -41,17 +42,21 @@ def _device_below(node: Node) -> bool:
     return False
 
 
-class ScanEviction(Eviction):
+class ScanOrder(EvictionOrder):
     """Chooses victims by scanning everything (the definition, not the data structure)."""
+
+    def __init__(self, held: Holdings, write_back: bool):
+        super().__init__(held.pools, held.host, write_back)
+        self.held = held
 
     def victim(self, kind):
         # The same rule, with "a device page below" found by a scan, not the kept count.
-        cands = [x for x in self.cache.nodes() if self.may_evict(x, kind, device_below=_device_below)]
+        cands = [x for x in self.held.nodes() if self.may_evict(x, kind, device_below=_device_below)]
         return min(cands, key=lambda x: (x.last_access, -x.depth), default=None)
 
     def host_victim(self, kind):
         cands = []
-        for x in self.cache.nodes():
+        for x in self.held.nodes():
             if getattr(x, "host_" + kind) is None:
                 continue
             only = getattr(x, kind) is None
@@ -72,8 +77,8 @@ def make(scan: bool, kinds, policy):
     pools = {k: IndexPool(sizes[k], k) for k in kinds}
     host = {k: HostPool(k, 6, {"x": ((1,), np.float32)}) for k in kinds}
     cache = PrefixCache(rules, pools, host=host, transfer=FakeTransfer(), write_policy=policy)
-    if scan:  # still empty: the scanning part takes over from the start
-        cache.eviction = ScanEviction(cache)
+    if scan:  # still empty: the scanning order takes over from the start
+        cache.held.order = ScanOrder(cache.held, write_back=policy == "write_back")
     return cache
 
 

@@ -65,7 +65,7 @@ def test_swa_tombstones_block_ends_but_not_passage():
 
     def tombstone(j):  # page j holds tokens 4j..4j+3
         c.pools["swa"].free([path[j].swa])
-        c.set_device(path[j], "swa", None)
+        c.held.set_device(path[j], "swa", None)
 
     tombstone(3)
     assert c.match(seq, 24).end == 20  # end 20 reads 16..19 (page 4): passes page 3
@@ -109,9 +109,9 @@ def test_a_page_without_host_copy_goes_with_its_host_only_subtree():
     c.insert(seq, None, 3, pages)
     a, b, cc = c.tree().walk(seq, 3)
     for node in (b, cc):  # B and C have host copies; A has none (its backup was skipped)
-        c.set_host(node, "full", host["full"].index.alloc(1)[0])
+        c.held.set_host(node, "full", host["full"].index.alloc(1)[0])
     c.pools["full"].free([b.full])
-    c.set_device(b, "full", None)  # B lives on the host only
+    c.held.set_device(b, "full", None)  # B lives on the host only
     assert c.evict("full", 2) == 2  # C's device page, then A with B
     assert c.pools["full"].num_free == 3 and c.tree().walk(seq, 3) == []
     c.check_integrity()
@@ -130,7 +130,7 @@ def test_nodes_passed_over_while_pinned_are_evictable_once_free():
     a = put(c, seq, 1)  # A first: older than B, and no host copy
     idx = {k: [None] + p.alloc(1) for k, p in pools.items()}
     b, _ = c.insert(seq, a, 2, idx)
-    c.set_host(b, "full", host["full"].index.alloc(1)[0])
+    c.held.set_host(b, "full", host["full"].index.alloc(1)[0])
     assert c.evict("full", 1) == 1 and b.full is None and a.full is not None  # A waited for B
     assert c.evict("full", 1) == 1 and c.tree().walk(seq, 2) == []  # then A went, with B
     c.check_integrity()
