@@ -18,13 +18,19 @@ the sum over its requests). ``R`` could have been served up to the largest ``e``
   at the prompt's last page boundary and at its end when page-aligned, and at the last
   page boundary of ``S`` (the one rolling decode snapshot).
 
-*Earlier* means sent before ``R``, or less than ``reorder_s`` (50 ms) after it: requests
-sent that close together may reach the server in either order. A request sent while an
-earlier one is still being prefilled counts that one's prompt although the engine can
-only hit it once its chunks are done, so under concurrent load the maximum is above what
-any cache can reach. A Mamba prefill chunk that the step's token budget cuts short can
-leave one more snapshot than the rule above counts, so on Mamba models under concurrent
-load the maximum is the one for requests whose chunks run whole.
+*Earlier* means sent before ``R``'s prefix was matched. The server matches a prefix when it
+admits a request, not when the request arrives, and admission need not follow arrival: a
+request waiting for its L3 prefetch (``wait_complete``), held for a prefix that a running
+request computes, or passed over by ``lpm`` lets later requests go first, and their pages
+then serve it. The match comes before ``R``'s first token, so with timings (``prefilled``)
+a sequence is earlier when it was sent before that; without them, when it was sent before
+``R`` or less than ``reorder_s`` (50 ms) after it (requests sent that close together may
+reach the server in either order). A sequence counts whole from its send, although the
+engine can hit its prompt only once its chunks are done and its output once it has
+finished, so under concurrent load the maximum is above what any order of admission can
+reach. A Mamba prefill chunk that the step's token budget cuts short can leave one more
+snapshot than the rule above counts, so on Mamba models under concurrent load the maximum
+is the one for requests whose chunks run whole.
 
 The maximum under the configured capacity replays the requests through an LRU cache of
 ``capacity_pages`` pages (leaf pages first, as the radix tree evicts), with the same rule.
@@ -163,6 +169,12 @@ class BlockTrie:
             del leaf.parent.children[leaf.key]
 
 
+def matched_by(rec: SeqRecord, reorder_s: float = REORDER_S) -> float:
+    """A time by which ``rec``'s prefix had been matched: its first token, else its send
+    plus ``reorder_s``."""
+    return rec.prefilled if rec.prefilled is not None else rec.sent + reorder_s
+
+
 def theoretical_max(
     records: Sequence[SeqRecord],
     rules: PrefixRules,
@@ -178,7 +190,7 @@ def theoretical_max(
     # At equal times a send goes first: a maximum may only err upwards.
     events = sorted(
         [(r.sent, 0, i) for i, r in enumerate(records)]
-        + [(r.sent + reorder_s, 1, i) for i, r in enumerate(records)]
+        + [(matched_by(r, reorder_s), 1, i) for i, r in enumerate(records)]
     )
     out = [0] * len(records)
     for _, is_query, i in events:

@@ -130,3 +130,25 @@ def test_capacity_max_replays_the_run_as_it_happened(run, data):
     assert got == brute(timed, rules, chunk, None, seen, views=views)
     for cap in (0, 1, 3):
         assert all(a <= b for a, b in zip(capacity_max(timed, rules, chunk, cap, seen=seen), got))
+    # The maximum counts whatever was sent before a request's first token (its prefix was
+    # matched before it), so no order of admission, this replay's included, passes it.
+    best = theoretical_max(timed, rules, chunk, seen=seen)
+    assert best == brute(timed, rules, chunk, lambda r: r.prefilled, seen)
+    assert all(a <= b for a, b in zip(got, best))
+
+
+def test_a_request_admitted_after_a_later_one_is_served_by_it():
+    """The bench smoke test's request over its maximum (L1+L2+L3, multi-turn): A is sent
+    first but waits for its L3 prefetch; B, sent 0.2 s later, is admitted and computes the
+    shared system prompt, which A then hits. The engine does this (a held first probe, same
+    sizes: A cached 32, B 0); a maximum that counted only sequences sent before A (and
+    50 ms after) gave A 0."""
+    rules = PrefixRules(page_size=16, has_full=True, sliding_window=None, has_state=False)
+    system = tuple(range(3, 35))  # two pages
+    a = SeqRecord(system + tuple(range(100, 148)), (7, 8), sent=0.0, prefilled=0.9, done=1.0)
+    b = SeqRecord(system + tuple(range(200, 248)), (7, 8), sent=0.2, prefilled=0.4, done=0.5)
+    assert capacity_max([a, b], rules, 16, None) == [32, 0]  # as it happened
+    assert theoretical_max([a, b], rules, 16) == [32, 32]
+    # Without timings only the send order is known: within 50 ms either may go first.
+    untimed = [SeqRecord(r.prompt, r.output, r.sent) for r in (a, b)]
+    assert theoretical_max(untimed, rules, 16) == [0, 32]
