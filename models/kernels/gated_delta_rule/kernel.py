@@ -4,17 +4,10 @@ initial state from its slot in the state pool and write the final state back to 
 inside the kernel; the pool is aliased input -> output, so under a jit that donates it the
 update is in place. Shaped like the Mamba2 SSD kernels (``mamba2_ssd/kernel.py``).
 
-Prefill grid = (head block, token block). A token block is ``chunk`` rows of the flat batch,
-so it may cut through sequences; each grid step loops over its *segments* (sequence ∩ block)::
-
-    rows (cu)     0                               40   43                 63 64
-    sequences     |<--------- s0: 40 ------------>|s1:3|<------ s2: 20 ----->|
-    token blocks  | b0: 0-16  | b1: 16-32 | b2: 32-48         | b3: 48-64      |
-    segments      | s0        | s0        | s0:8 | s1:3 | s2:5 | s2:15 | pad:1  |
-
-The state of the sequence that runs across a block boundary is carried to the next block in
-VMEM scratch (the token-block axis runs in order). A sequence's first segment loads its state
-from ``states[slots[s]]`` (or zeros), its last segment writes the state back.
+Prefill walks the flat batch in token blocks of ``chunk`` rows, a block's *segments* (sequence
+∩ block) in order, carrying each sequence's state across blocks: the walk is
+``segment_scan``'s, shared with the SSD kernel; this module holds the chunk of the recurrence
+per segment.
 
 Within a segment, rows outside it are masked to ``q = k = v = 0, g = beta = 0``: they neither
 decay nor write the state and their o is 0, so every segment is one chunk of the UT-transform
@@ -35,15 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from hicache_jax.models.kernels import vmem
+from hicache_jax.models.kernels import segment_scan, vmem
 from hicache_jax.models.kernels.mamba2_ssd.kernel import (
     F32,
     HIGHEST,
     _dot,
     _head_major,
-    _live_cu,
     _tiled_bytes,
 )
 
@@ -200,7 +191,9 @@ def _ut_inverse(L: jax.Array) -> jax.Array:
 
 
 def _segment(lo, hi, blocks, o_ref, h_scr, *, precision) -> None:
-    """One chunk of the recurrence for the rows [lo, hi) of this block, state in ``h_scr``."""
+    """One chunk of the recurrence for the rows [lo, hi) of this block, state in ``h_scr``
+    [HB, Dk, Dv] (a ``segment_scan.Segment``); o_ref [Q, HB*Dv]."""
+    # q and k [Q, HB*Dk], v [Q, HB*Dv], g and beta [Q, HB]
     q_ref, k_ref, v_ref, g_ref, beta_ref = blocks
     Q = q_ref.shape[0]
     HB, Dk, Dv = h_scr.shape
@@ -236,84 +229,6 @@ def _segment(lo, hi, blocks, o_ref, h_scr, *, precision) -> None:
         h_scr[h] = jnp.exp(c_end) * state + _dot(k_end, v_new, (0, 0), precision)  # [Dk, Dv]
 
 
-def _ragged_kernel(
-    # scalar prefetch (SMEM)
-    cu_ref,  # [S + 1] live cu_seqlens
-    meta_ref,  # [2]: num_seqs, last token block holding live rows
-    slots_ref,  # [S] state slot (-1: none)
-    init_ref,  # [S] 1: start from the slot's state
-    first_ref,  # [NB] first sequence touching each token block
-    last_ref,  # [NB] one past the last sequence touching it
-    # blocks (VMEM) and the state pool (HBM)
-    q_ref,  # [Q, HB*Dk]
-    k_ref,  # [Q, HB*Dk]
-    v_ref,  # [Q, HB*Dv]
-    g_ref,  # [Q, HB]
-    beta_ref,  # [Q, HB]
-    states_in,  # [num_slots, H, Dk, Dv] HBM
-    o_ref,  # [Q, HB*Dv]
-    states_out,  # [num_slots, H, Dk, Dv] HBM, aliases states_in
-    h_scr,  # [HB, Dk, Dv] f32: the running state
-    sem,  # DMA semaphore
-    *,
-    precision,
-):
-    hb, blk = pl.program_id(0), pl.program_id(1)
-    Q = q_ref.shape[0]
-    HB = h_scr.shape[0]
-    heads = pl.ds(hb * HB, HB)
-    num_seqs = meta_ref[0]
-
-    def write_state(slot):
-        copy = pltpu.make_async_copy(h_scr, states_out.at[slot, heads], sem)
-        copy.start()
-        copy.wait()  # h_scr is reused by the next segment
-
-    @pl.when(blk == 0)
-    def _():
-        # Empty live sequences touch no block: their final state is their initial state,
-        # which for a fresh one means writing zeros (as the xla backend does).
-        h_scr[...] = jnp.zeros(h_scr.shape, F32)
-
-        def empty(s, carry):
-            fresh = (cu_ref[s + 1] == cu_ref[s]) & (slots_ref[s] >= 0) & (init_ref[s] == 0)
-            pl.when(fresh)(lambda: write_state(slots_ref[s]))
-            return carry
-
-        lax.fori_loop(0, num_seqs, empty, 0)
-
-    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-    blk_lo = blk * Q
-
-    def segment(s, carry):
-        start, end, slot = cu_ref[s], cu_ref[s + 1], slots_ref[s]
-        live = slot >= 0
-
-        @pl.when(end > start)
-        def _():
-            @pl.when(start >= blk_lo)  # the sequence begins here: load its initial state
-            def _():
-                @pl.when(live & (init_ref[s] != 0))
-                def _():
-                    copy = pltpu.make_async_copy(states_in.at[slot, heads], h_scr, sem)
-                    copy.start()
-                    copy.wait()
-
-                @pl.when(~(live & (init_ref[s] != 0)))
-                def _():
-                    h_scr[...] = jnp.zeros(h_scr.shape, F32)
-
-            lo = jnp.maximum(start - blk_lo, 0)
-            hi = jnp.minimum(end - blk_lo, Q)
-            blocks = (q_ref, k_ref, v_ref, g_ref, beta_ref)
-            _segment(lo, hi, blocks, o_ref, h_scr, precision=precision)
-            pl.when(live & (end <= blk_lo + Q))(lambda: write_state(slot))  # it ends here
-
-        return carry
-
-    lax.fori_loop(first_ref[blk], last_ref[blk], segment, 0)
-
-
 @functools.partial(jax.jit, static_argnames=("chunk", "head_block", "precision", "interpret"))
 def gdn_ragged(
     q: jax.Array,  # [T, H, Dk] l2-normalised, scaled by Dk ** -0.5
@@ -343,65 +258,31 @@ def gdn_ragged(
     Q = chunk
     HB = head_block or pick_head_block(H, Dk, Dv, q.dtype, chunk)
     _check(states, HB, H, chunk)
-    NB = -(-T // Q)
-    Tp = NB * Q
-    if Tp != T:  # rows past cu_seqlens[num_seqs] are never live: zero padding is safe
-        pad = lambda a: jnp.pad(a, [(0, Tp - T)] + [(0, 0)] * (a.ndim - 1))
-        q, k, v, g, beta = pad(q), pad(k), pad(v), pad(g), pad(beta)
-
-    num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    cu = _live_cu(cu_seqlens, num_seqs)  # [S + 1]
-    blk_lo = jnp.arange(NB, dtype=jnp.int32) * Q
-    # Sequences touching block b: those ending after its start and starting before its end.
-    first = jnp.searchsorted(cu[1:], blk_lo, side="right").astype(jnp.int32)  # [NB]
-    last = jnp.minimum(jnp.searchsorted(cu[:-1], blk_lo + Q, side="left"), num_seqs)  # [NB]
-    last_blk = jnp.maximum((cu[num_seqs] + Q - 1) // Q - 1, 0)
-    meta = jnp.stack([num_seqs, last_blk]).astype(jnp.int32)  # [2]
-
-    # Blocks past the live rows re-use the last live block index, so Pallas skips their DMA.
-    rb = lambda b, meta_ref: jnp.minimum(b, meta_ref[1])
-    qk_spec = pl.BlockSpec((Q, HB * Dk), lambda hb, b, cu, meta, *_: (rb(b, meta), hb))
-    head_spec = pl.BlockSpec((None, Q, HB), lambda hb, b, cu, meta, *_: (hb, rb(b, meta), 0))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
-        grid=(H // HB, NB),
-        in_specs=[
-            qk_spec,  # q
-            qk_spec,  # k
-            pl.BlockSpec((Q, HB * Dv), lambda hb, b, cu, meta, *_: (rb(b, meta), hb)),  # v
-            head_spec,  # g
-            head_spec,  # beta
-            pl.BlockSpec(memory_space=pl.ANY),  # states
-        ],
-        out_specs=[
-            pl.BlockSpec((Q, HB * Dv), lambda hb, b, *_: (b, hb)),  # o
-            pl.BlockSpec(memory_space=pl.ANY),  # states
-        ],
-        scratch_shapes=[pltpu.VMEM((HB, Dk, Dv), F32), pltpu.SemaphoreType.DMA],
+    q, k, v, g, beta = segment_scan.pad_rows(Q, q, k, v, g, beta)
+    Tp = q.shape[0]
+    scalars = segment_scan.prefetch_scalars(
+        cu_seqlens, num_seqs, slots, has_initial_state, num_rows=Tp, chunk=Q
     )
-    o, states = pl.pallas_call(
-        functools.partial(_ragged_kernel, precision=precision),
-        grid_spec=grid_spec,
-        out_shape=[
-            jax.ShapeDtypeStruct((Tp, H * Dv), F32),
-            jax.ShapeDtypeStruct(states.shape, states.dtype),
-        ],
-        input_output_aliases={11: 1},  # 6 scalar-prefetch operands, then q k v g beta states
-        compiler_params=vmem.compiler_params(("parallel", "arbitrary")),
-        cost_estimate=ragged_cost(Tp, cu_seqlens.shape[0] - 1, states.shape[0], H, Dk, Dv, HB, Q, q.dtype),
+    rb = segment_scan.row_block
+    qk_spec = pl.BlockSpec((Q, HB * Dk), lambda hb, b, cu, meta, *_: (rb(b, meta), hb))
+    v_spec = pl.BlockSpec((Q, HB * Dv), lambda hb, b, cu, meta, *_: (rb(b, meta), hb))
+    head_spec = pl.BlockSpec((None, Q, HB), lambda hb, b, cu, meta, *_: (hb, rb(b, meta), 0))
+    blocks = [  # (operand, its block spec), in _segment's order
+        (q.reshape(Tp, H * Dk), qk_spec),  # q [Tp, H*Dk]
+        (k.reshape(Tp, H * Dk), qk_spec),  # k [Tp, H*Dk]
+        (v.reshape(Tp, H * Dv), v_spec),  # v [Tp, H*Dv]
+        (_head_major(g.astype(F32), HB), head_spec),  # g [H/HB, Tp, HB]
+        (_head_major(beta.astype(F32), HB), head_spec),  # beta [H/HB, Tp, HB]
+    ]
+    o, states = segment_scan.ragged_scan(
+        functools.partial(_segment, precision=precision),
+        scalars,
+        blocks,
+        states,
+        chunk=Q,
+        head_block=HB,
+        out_dim=Dv,
+        cost=ragged_cost(Tp, cu_seqlens.shape[0] - 1, states.shape[0], H, Dk, Dv, HB, Q, q.dtype),
         interpret=interpret,
-    )(
-        cu,
-        meta,
-        slots.astype(jnp.int32),
-        has_initial_state.astype(jnp.int32),
-        first,
-        last.astype(jnp.int32),
-        q.reshape(Tp, H * Dk),
-        k.reshape(Tp, H * Dk),
-        v.reshape(Tp, H * Dv),
-        _head_major(g.astype(F32), HB),
-        _head_major(beta.astype(F32), HB),
-        vmem.in_hbm(states, interpret),
     )
     return o[:T].reshape(T, H, Dv), states

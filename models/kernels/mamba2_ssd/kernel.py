@@ -4,20 +4,9 @@ sequence's initial state from its slot in the state pool and write the final sta
 to that slot inside the kernel; the pool is aliased input -> output, so under a jit that
 donates it the update is in place.
 
-Prefill grid = (head block, token block). A token block is ``chunk`` rows of the flat batch, so
-it may cut through sequences; each grid step loops over its *segments* (sequence ∩ block)::
-
-    rows (cu)     0                               40   43                 63 64
-    sequences     |<--------- s0: 40 ------------>|s1:3|<------ s2: 20 ----->|
-    token blocks  | b0: 0-16  | b1: 16-32 | b2: 32-48         | b3: 48-64      |
-    segments      | s0        | s0        | s0:8 | s1:3 | s2:5 | s2:15 | pad:1  |
-
-The state of the sequence that runs across a block boundary is carried to the next block in
-VMEM scratch (the token-block axis runs in order). A sequence's first segment loads its state
-from ``states[slots[s]]`` (or zeros), its last segment writes the state back. Token-block
-major keeps x, dt, B, C and y in aligned blocks that Pallas double-buffers; a sequence-major
-grid would need ragged row DMAs whose last chunk spills into the next sequence's rows. The
-work is the same bound either way: segments <= num_blocks + num_seqs, each one chunk of work.
+Prefill walks the flat batch in token blocks of ``chunk`` rows, a block's *segments* (sequence
+∩ block) in order, carrying each sequence's state across blocks: ``segment_scan``, shared with
+the Gated DeltaNet kernel, holds the walk; this module the chunk of the scan per segment.
 
 Within a segment, rows outside it are masked to ``dt = 0, x = B = C = 0``: they neither decay
 nor add to the state and their y is 0, so every segment is a plain chunk of the SSD scan
@@ -39,9 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from hicache_jax.models.kernels import vmem
+from hicache_jax.models.kernels import segment_scan, vmem
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -223,18 +211,13 @@ def _head_major(v: jax.Array, head_block: int) -> jax.Array:
     return v.reshape(T, H // head_block, head_block).transpose(1, 0, 2)
 
 
-def _live_cu(cu_seqlens: jax.Array, num_seqs: jax.Array) -> jax.Array:
-    """cu_seqlens with entries past num_seqs pinned to the live end (padding may hold junk)."""
-    n = cu_seqlens.shape[0]
-    cu = cu_seqlens.astype(jnp.int32)
-    return jnp.where(jnp.arange(n) <= num_seqs, cu, cu[num_seqs])
-
-
 # --------------------------------------------------------------------------- prefill
 
 
 def _segment(lo, hi, blocks, y_ref, h_scr, *, hpg: int, precision) -> None:
-    """One chunk of the scan for the rows [lo, hi) of this block, state in ``h_scr``."""
+    """One chunk of the scan for the rows [lo, hi) of this block, state in ``h_scr`` [HB, P, N]
+    (a ``segment_scan.Segment``); y_ref [Q, HB*P]."""
+    # x [Q, HB*P], dt [Q, HB], A [1, HB], B and C [GB, Q, N], D [1, HB]
     x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref = blocks
     Q = x_ref.shape[0]
     HB, P, N = h_scr.shape
@@ -274,86 +257,6 @@ def _segment(lo, hi, blocks, y_ref, h_scr, *, hpg: int, precision) -> None:
         h_scr[h] = jnp.exp(c_end) * state + _dot(to_end, Bg, (0, 0), precision)  # [P, N]
 
 
-def _ragged_kernel(
-    # scalar prefetch (SMEM)
-    cu_ref,  # [S + 1] live cu_seqlens
-    meta_ref,  # [2]: num_seqs, last token block holding live rows
-    slots_ref,  # [S] state slot (-1: none)
-    init_ref,  # [S] 1: start from the slot's state
-    first_ref,  # [NB] first sequence touching each token block
-    last_ref,  # [NB] one past the last sequence touching it
-    # blocks (VMEM) and the state pool (HBM)
-    x_ref,  # [Q, HB*P]
-    dt_ref,  # [Q, HB]
-    a_ref,  # [1, HB]
-    b_ref,  # [GB, Q, N]
-    c_ref,  # [GB, Q, N]
-    d_ref,  # [1, HB]
-    states_in,  # [num_slots, H, P, N] HBM
-    y_ref,  # [Q, HB*P]
-    states_out,  # [num_slots, H, P, N] HBM, aliases states_in
-    h_scr,  # [HB, P, N] f32: the running state
-    sem,  # DMA semaphore
-    *,
-    hpg: int,
-    precision,
-):
-    hb, blk = pl.program_id(0), pl.program_id(1)
-    Q = x_ref.shape[0]
-    HB = h_scr.shape[0]
-    heads = pl.ds(hb * HB, HB)
-    num_seqs = meta_ref[0]
-
-    def write_state(slot):
-        copy = pltpu.make_async_copy(h_scr, states_out.at[slot, heads], sem)
-        copy.start()
-        copy.wait()  # h_scr is reused by the next segment
-
-    @pl.when(blk == 0)
-    def _():
-        # Empty live sequences touch no block: their final state is their initial state,
-        # which for a fresh one means writing zeros (as the xla backend does).
-        h_scr[...] = jnp.zeros(h_scr.shape, F32)
-
-        def empty(s, carry):
-            fresh = (cu_ref[s + 1] == cu_ref[s]) & (slots_ref[s] >= 0) & (init_ref[s] == 0)
-            pl.when(fresh)(lambda: write_state(slots_ref[s]))
-            return carry
-
-        lax.fori_loop(0, num_seqs, empty, 0)
-
-    y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
-    blk_lo = blk * Q
-
-    def segment(s, carry):
-        start, end, slot = cu_ref[s], cu_ref[s + 1], slots_ref[s]
-        live = slot >= 0
-
-        @pl.when(end > start)
-        def _():
-            @pl.when(start >= blk_lo)  # the sequence begins here: load its initial state
-            def _():
-                @pl.when(live & (init_ref[s] != 0))
-                def _():
-                    copy = pltpu.make_async_copy(states_in.at[slot, heads], h_scr, sem)
-                    copy.start()
-                    copy.wait()
-
-                @pl.when(~(live & (init_ref[s] != 0)))
-                def _():
-                    h_scr[...] = jnp.zeros(h_scr.shape, F32)
-
-            lo = jnp.maximum(start - blk_lo, 0)
-            hi = jnp.minimum(end - blk_lo, Q)
-            blocks = (x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref)
-            _segment(lo, hi, blocks, y_ref, h_scr, hpg=hpg, precision=precision)
-            pl.when(live & (end <= blk_lo + Q))(lambda: write_state(slot))  # it ends here
-
-        return carry
-
-    lax.fori_loop(first_ref[blk], last_ref[blk], segment, 0)
-
-
 @functools.partial(jax.jit, static_argnames=("chunk", "head_block", "precision", "interpret"))
 def ssd_ragged(
     x: jax.Array,  # [T, H, P]
@@ -384,68 +287,34 @@ def ssd_ragged(
     _check(states, chunk)
     HB = head_block or pick_head_block(H, G, P, N, x.dtype, chunk)
     GB, hpg = _group_block(H, G, HB)
-    NB = -(-T // Q)
-    Tp = NB * Q
-    if Tp != T:  # rows past cu_seqlens[num_seqs] are never live: zero padding is safe
-        pad = lambda v: jnp.pad(v, [(0, Tp - T)] + [(0, 0)] * (v.ndim - 1))
-        x, dt, B, C = pad(x), pad(dt), pad(B), pad(C)
-
-    num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    cu = _live_cu(cu_seqlens, num_seqs)  # [S + 1]
-    blk_lo = jnp.arange(NB, dtype=jnp.int32) * Q
-    # Sequences touching block b: those ending after its start and starting before its end.
-    first = jnp.searchsorted(cu[1:], blk_lo, side="right").astype(jnp.int32)  # [NB]
-    last = jnp.minimum(jnp.searchsorted(cu[:-1], blk_lo + Q, side="left"), num_seqs)  # [NB]
-    last_blk = jnp.maximum((cu[num_seqs] + Q - 1) // Q - 1, 0)
-    meta = jnp.stack([num_seqs, last_blk]).astype(jnp.int32)  # [2]
-
-    # Blocks past the live rows re-use the last live block index, so Pallas skips their DMA.
-    rb = lambda b, meta_ref: jnp.minimum(b, meta_ref[1])
+    x, dt, B, C = segment_scan.pad_rows(Q, x, dt, B, C)
+    Tp = x.shape[0]
+    scalars = segment_scan.prefetch_scalars(
+        cu_seqlens, num_seqs, slots, has_initial_state, num_rows=Tp, chunk=Q
+    )
+    rb = segment_scan.row_block
     gblk = functools.partial(_group_blk, head_block=HB, hpg=hpg, groups_per_block=GB)
+    row_spec = pl.BlockSpec((Q, HB * P), lambda hb, b, cu, meta, *_: (rb(b, meta), hb))
+    dt_spec = pl.BlockSpec((None, Q, HB), lambda hb, b, cu, meta, *_: (hb, rb(b, meta), 0))
     group_spec = pl.BlockSpec((GB, Q, N), lambda hb, b, cu, meta, *_: (gblk(hb), rb(b, meta), 0))
     head_spec = pl.BlockSpec((None, 1, HB), lambda hb, b, *_: (hb, 0, 0))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
-        grid=(H // HB, NB),
-        in_specs=[
-            pl.BlockSpec((Q, HB * P), lambda hb, b, cu, meta, *_: (rb(b, meta), hb)),  # x
-            pl.BlockSpec((None, Q, HB), lambda hb, b, cu, meta, *_: (hb, rb(b, meta), 0)),  # dt
-            head_spec,  # A
-            group_spec,  # B
-            group_spec,  # C
-            head_spec,  # D
-            pl.BlockSpec(memory_space=pl.ANY),  # states
-        ],
-        out_specs=[
-            pl.BlockSpec((Q, HB * P), lambda hb, b, *_: (b, hb)),  # y
-            pl.BlockSpec(memory_space=pl.ANY),  # states
-        ],
-        scratch_shapes=[pltpu.VMEM((HB, P, N), F32), pltpu.SemaphoreType.DMA],
-    )
-    y, states = pl.pallas_call(
-        functools.partial(_ragged_kernel, hpg=hpg, precision=precision),
-        grid_spec=grid_spec,
-        out_shape=[
-            jax.ShapeDtypeStruct((Tp, H * P), F32),
-            jax.ShapeDtypeStruct(states.shape, states.dtype),
-        ],
-        input_output_aliases={12: 1},  # 6 scalar-prefetch operands, then x dt A B C D states
-        compiler_params=vmem.compiler_params(("parallel", "arbitrary")),
-        cost_estimate=ragged_cost(Tp, cu_seqlens.shape[0] - 1, states.shape[0], H, P, N, G, HB, Q, x.dtype),
+    blocks = [  # (operand, its block spec), in _segment's order
+        (x.reshape(Tp, H * P), row_spec),  # x [Tp, H*P]
+        (_head_major(dt.astype(F32), HB), dt_spec),  # dt [H/HB, Tp, HB]
+        (_head_major(A.astype(F32)[None], HB), head_spec),  # A [H/HB, 1, HB]
+        (_group_major(B), group_spec),  # B [G, Tp, N]
+        (_group_major(C), group_spec),  # C [G, Tp, N]
+        (_head_major(D.astype(F32)[None], HB), head_spec),  # D [H/HB, 1, HB]
+    ]
+    y, states = segment_scan.ragged_scan(
+        functools.partial(_segment, hpg=hpg, precision=precision),
+        scalars,
+        blocks,
+        states,
+        chunk=Q,
+        head_block=HB,
+        out_dim=P,
+        cost=ragged_cost(Tp, cu_seqlens.shape[0] - 1, states.shape[0], H, P, N, G, HB, Q, x.dtype),
         interpret=interpret,
-    )(
-        cu,
-        meta,
-        slots.astype(jnp.int32),
-        has_initial_state.astype(jnp.int32),
-        first,
-        last.astype(jnp.int32),
-        x.reshape(Tp, H * P),
-        _head_major(dt.astype(F32), HB),
-        _head_major(A.astype(F32)[None], HB),
-        _group_major(B),
-        _group_major(C),
-        _head_major(D.astype(F32)[None], HB),
-        vmem.in_hbm(states, interpret),
     )
     return y[:T].reshape(T, H, P), states
