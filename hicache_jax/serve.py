@@ -60,9 +60,11 @@ def main(argv: list[str]) -> None:
     logging.getLogger().setLevel(level)
     if server_cfg.platform != "auto":
         os.environ["JAX_PLATFORMS"] = server_cfg.platform  # before JAX starts a backend
+    check_plan = None  # one process: no other to agree with
     if engine_cfg.dist_num_processes > 1:
         from hicache_jax.multihost import distributed
 
+        check_plan = distributed.check_plan  # every process must launch the same steps
         distributed.initialize(engine_cfg)  # before JAX starts a backend
         try:
             distributed.check_same_config(engine_cfg)
@@ -85,7 +87,7 @@ def main(argv: list[str]) -> None:
         from hicache_jax.engine.engine import Engine
 
         log.info("JAX %s on %s", jax.__version__, ", ".join(str(d) for d in jax.devices()))
-        engine = Engine(engine_cfg)
+        engine = Engine(engine_cfg, check_plan=check_plan)
     except (ValueError, OSError, RuntimeError) as e:  # config, checkpoint, storage and backend errors
         _die(f"cannot start the engine: {e}", 1)
     log.info("engine ready in %.1fs", time.perf_counter() - t0)

@@ -108,10 +108,10 @@ def page_groups(mc: ModelConfig) -> tuple[str, ...]:
 
 
 def make_runner(
-    cfg: EngineConfig, model: CausalLM, pools: dict[str, IndexPool], abstract_on=None
+    cfg: EngineConfig, model: CausalLM, pools: dict[str, IndexPool], abstract_on=None, check_plan=None
 ) -> ModelRunner:
-    """The runner with a device cache the size of the pools (``abstract_on``: shapes only,
-    see ``ModelRunner``)."""
+    """The runner with a device cache the size of the pools (``abstract_on``: shapes only;
+    ``check_plan``: the per-step hook over several processes; see ``ModelRunner``)."""
     return ModelRunner(
         model,
         num_pages={g: pools[g].size for g in page_groups(model.cfg)},
@@ -119,6 +119,7 @@ def make_runner(
         num_state_slots=pools[CacheKind.STATE].size if CacheKind.STATE in pools else 0,
         max_seqs=BatchBuilder.max_seqs_for(cfg.max_running_requests),
         abstract_on=abstract_on,
+        check_plan=check_plan,
     )
 
 

@@ -34,6 +34,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from typing import NoReturn
 
 from hicache_jax.config import EngineConfig
@@ -90,7 +91,16 @@ class Launched:
 class Engine:
     """Satisfies ``EngineAPI`` (``engine/interface.py``): the calls the server makes."""
 
-    def __init__(self, cfg: EngineConfig, model: CausalLM | None = None, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model: CausalLM | None = None,
+        tokenizer: Tokenizer | None = None,
+        *,
+        check_plan: Callable[[int, object], None] | None = None,
+    ):
+        """``check_plan``: the runner's per-step hook (``ModelRunner``); several processes
+        pass ``multihost/distributed.check_plan`` (``serve.py``)."""
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg)
         check_model_tp(cfg, model)
@@ -101,7 +111,7 @@ class Engine:
         self.context_len = context_length(cfg, mc)
         pools = make_device_pools(cfg, mc)
         self.rules = prefix_rules(cfg, mc)
-        self.runner = make_runner(cfg, model, pools)
+        self.runner = make_runner(cfg, model, pools, check_plan=check_plan)
         self.side = side = make_cache_side(cfg, model, self.runner, pools, self.rules)
         self.prefix_cache, self.storage = side.prefix_cache, side.storage
         self.adapter, self.scheduler = side.adapter, side.scheduler

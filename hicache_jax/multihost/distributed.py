@@ -69,6 +69,12 @@ def check_same_plan(step: int, plan_digest: bytes) -> None:
         )
 
 
+def check_plan(step: int, plan) -> None:
+    """``ModelRunner``'s per-step ``check_plan`` over several processes: the digest of step
+    ``step``'s host-side inputs, which must be the same on every process."""
+    check_same_plan(step, digest(plan))
+
+
 def check_same_config(cfg: EngineConfig) -> None:
     """Every process must run the same engine config (all but ``dist_process_id``): a
     different seed, pool size or policy on one host plans different steps. Compares one

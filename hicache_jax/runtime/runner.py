@@ -13,6 +13,7 @@ step returns its sampled ids padded to ``max_seqs`` and takes the previous step'
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,6 @@ from hicache_jax.models import sharding
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import RecurrentState
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.multihost import distributed
 from hicache_jax.runtime import compiles, penalties
 from hicache_jax.runtime.penalties import PenaltyInputs
 from hicache_jax.runtime.sampler import SamplingInputs, SamplingOutputs, sample
@@ -103,11 +103,17 @@ class ModelRunner:
         num_state_slots: int,
         max_seqs: int = 1,
         abstract_on: jax.sharding.Mesh | None = None,
+        check_plan: Callable[[int, object], None] | None = None,
     ):
         """``abstract_on``: allocate nothing. The model's weights are ``ShapeDtypeStruct``s
         (``hicache_jax/tpu/abstract.py``) and the cache and ids become ones too, placed on
         the model's mesh or, without one, on this one-device mesh: the step can then be
-        lowered and compiled for devices this process cannot run (a TPU slice, from here)."""
+        lowered and compiled for devices this process cannot run (a TPU slice, from here).
+
+        ``check_plan(n, plan)`` runs before the ``n``-th launch with the step's host-side
+        inputs and raises to stop it. Over several processes it is the check that every
+        process launches the same step (``multihost/distributed.py``), passed in from
+        there so that the runtime needs nothing above it."""
         self.model = model
         self.cfg = model.cfg
         self.page_size = page_size
@@ -137,6 +143,7 @@ class ModelRunner:
             self.counts = jax.ShapeDtypeStruct((max_seqs, self.cfg.vocab_size), jnp.int32, sharding=vocab_on)
         self._compiled_before = compiles.total(STEP_PROGRAM)
         self._multiprocess = jax.process_count() > 1
+        self._check_plan = check_plan
         self._launched = 0
 
     def launch(
@@ -151,10 +158,10 @@ class ModelRunner:
         """Dispatch a step; returns its outputs and its sampled ids padded to ``max_seqs``
         (the next step's ``prev_ids``), both still on the device."""
         args = self._step_args(batch, sampling, copies, prev_ids, penalty)
-        if self._multiprocess:  # every process must launch this same step
+        if self._check_plan is not None:
             self._launched += 1
-            plan = distributed.digest(((args[2], sampling, args[4]), args[6], top_logprobs))  # host arrays
-            distributed.check_same_plan(self._launched, plan)
+            plan = ((args[2], sampling, args[4]), args[6], top_logprobs)  # host arrays
+            self._check_plan(self._launched, plan)
         self.cache, out, ids, self.counts = _step_jit(*args, **self._static(top_logprobs))
         return out, ids
 
