@@ -130,6 +130,11 @@ class Engine:
             self.warmup()
 
     # ---- requests ---------------------------------------------------------------------------
+    def compile_grammar(self, sampling_params: SamplingParams | dict | None) -> None:
+        """Compile a request's grammar, if it has one, so that ``add_request`` finds it
+        compiled (``GrammarCompiler`` is thread-safe: the server calls this on a worker)."""
+        self.grammars.compile_params(sampling_params)
+
     def add_request(
         self,
         input_ids: list[int] | None = None,

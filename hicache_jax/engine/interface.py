@@ -5,7 +5,8 @@ forwards each call to process 0's engine and records the calls that change state
 other processes. The loop calls every member directly: an engine that lacks one is a bug
 found at the first call, not a feature silently skipped.
 
-Every call comes from one thread (the engine thread); nothing here is thread-safe.
+Every call but ``compile_grammar`` comes from one thread (the engine thread); nothing else
+here is thread-safe.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ class EngineAPI(Protocol):
     requests: dict[str, Req]  # by rid: queued, running, and finished until ``pop_output``
     stats: Metrics  # counters; the loop reads ``generated_tokens`` (its throughput gauge)
     broken: BaseException | None  # a failed step's cause, until ``recover()`` rebuilds
+
+    def compile_grammar(self, sampling_params) -> None:
+        """Compile the grammar of a request's sampling params (``SamplingParams`` or their
+        dict), if it has one, before its ``add_request``. Thread-safe: the server calls it on
+        a worker thread, so the engine thread finds the grammar compiled and no step waits."""
+        ...
 
     def add_request(self, *args, **kwargs) -> str:
         """Validate and queue one request (``Engine.add_request``'s fields); returns its rid.

@@ -105,6 +105,11 @@ class LeaderEngine:
     def metrics(self) -> Metrics:
         return self._engine.metrics()
 
+    def compile_grammar(self, sampling_params) -> None:
+        """Into this process's grammar cache only: the others compile a grammar when they
+        replay the ``add_request`` that needs it."""
+        self._engine.compile_grammar(sampling_params)
+
     def __getattr__(self, name: str):
         """Start-up facts outside ``EngineAPI`` (``model``, ``context_len``, ``runner``: read by
         ``ServerState.from_engine``)."""

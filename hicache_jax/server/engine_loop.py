@@ -98,11 +98,10 @@ class EngineLoop:
         """Queue requests (each dict has a ``rid``); raises InvalidRequest if any is refused.
         A request's grammar is compiled first, on a worker thread (``GrammarCompiler``): the
         engine thread then finds it compiled, and no step waits for it."""
-        grammars = getattr(self.engine, "grammars", None)
         for r in requests:
             params = r.get("sampling_params")
-            if grammars is not None and _has_grammar(params):
-                await asyncio.to_thread(grammars.compile_params, params)
+            if _has_grammar(params):
+                await asyncio.to_thread(self.engine.compile_grammar, params)
         sinks = [Sink(r["rid"]) for r in requests]
         reply = Reply()
         self.submit(Generate(requests, sinks, reply))

@@ -18,6 +18,9 @@ class FakeEngine:
         self.requests: dict = {}
         self.stats = {"generated_tokens": 0}
 
+    def compile_grammar(self, sampling_params) -> None:
+        pass  # nothing to compile for: a fake samples no tokens under a grammar
+
     def add_request(self, *args, **kwargs) -> str:
         raise NotImplementedError("not scripted")
 
