@@ -9,10 +9,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from hicache_jax.models.causal_lm import CausalLM
+from hicache_jax.models.dtypes import resolve_dtype
 from hicache_jax.models.fingerprint import checkpoint_fingerprint
 from hicache_jax.models.gguf import gguf_file
 from hicache_jax.models.gguf.tensors import GGUFCheckpoint
@@ -23,20 +23,6 @@ from hicache_jax.models.registry import architecture, config_from_hf
 from hicache_jax.progress import bar
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def resolve_dtype(dtype, hf: dict | None = None):
-    if dtype in (None, "auto"):
-        name = (hf or {}).get("dtype") or (hf or {}).get("torch_dtype") or "float32"
-        return DTYPES.get(name, jnp.float32)
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
-        return DTYPES[dtype]
-    return jnp.dtype(dtype)
-
 
 def read_hf_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")

@@ -21,6 +21,7 @@ from flax import nnx
 
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.dtypes import resolve_dtype
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 from hicache_jax.models.hf.weights import abstract_state
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -120,8 +121,6 @@ def read_config(path: str) -> ModelConfig:
 
 def restore(path: str, *, dtype=None, kernels: KernelConfig | None = None, sharding=None) -> CausalLM:
     """Restore a converted model; ``sharding(path, abstract_leaf)`` may place each leaf."""
-    from hicache_jax.models.loader import resolve_dtype
-
     t0 = time.perf_counter()
     meta = _read_meta(path)
     cfg = ModelConfig.from_dict(meta["config"])
