@@ -1,6 +1,7 @@
 """The Mamba2 one-token decode update as a Pallas TPU kernel (``ssd_decode``), slot-indexed
 like ``kernel.ssd_ragged``: grid (head block, sequence), each sequence's state read from its
-slot by a BlockSpec that follows the slot table and written back by a double-buffered DMA.
+slot by a BlockSpec that follows the slot table and written back by a double-buffered DMA
+(``slot_update``, shared with the Gated DeltaNet kernel; this module holds the step).
 Reference: ``reference.ssd_decode_step`` (and the sequential recurrence).
 
 Every load and store in the kernel is static. The wrapper gathers each sequence's one token
@@ -24,9 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from hicache_jax.models.kernels import vmem
+from hicache_jax.models.kernels import slot_update
 from hicache_jax.models.kernels.mamba2_ssd.kernel import (
     F32,
     HIGHEST,
@@ -40,51 +40,12 @@ from hicache_jax.models.kernels.mamba2_ssd.kernel import (
 )
 
 
-def _decode_kernel(
-    # scalar prefetch (SMEM)
-    slots_ref,  # [S] slot to write (-1: none, or padding)
-    init_ref,  # [S] 1: start from the slot's state
-    read_ref,  # [S] slot whose block the pipeline fetches (see ssd_decode)
-    # blocks: sequence s's token, this head block's part of it
-    x_ref,  # [1, HB*P]
-    dt_ref,  # [1, HB]
-    a_ref,  # [1, HB]
-    b_ref,  # [GB, 1, N]
-    c_ref,  # [GB, 1, N]
-    d_ref,  # [1, HB]
-    state_ref,  # [HB, P, N] states[read[s], head block], double-buffered by Pallas
-    y_ref,  # [1, HB*P]
-    states_out,  # [num_slots, H, P, N] HBM, aliases the state pool
-    out_scr,  # [2, HB, P, N] f32: new states, written back while the next sequence runs
-    sems,  # [2] DMA semaphores
-    pending,  # [2] int32 SMEM: a write-back from out_scr[i] is in flight
-    *,
-    hpg: int,
-    precision,
-):
-    hb, s = pl.program_id(0), pl.program_id(1)
-    S = pl.num_programs(1)
+def _step(blocks, state_ref, fresh, y_ref, put_state, *, hpg: int, precision) -> None:
+    """One sequence's update of its head block (a ``slot_update.Step``): state_ref
+    [HB, P, N], y_ref [1, HB*P]."""
+    # x [1, HB*P], dt and A [1, HB], B and C [GB, 1, N], D [1, HB]
+    x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref = blocks
     HB, P, N = state_ref.shape
-    heads = pl.ds(hb * HB, HB)
-    buf = lax.rem(s, 2)  # (lax.rem/div, not % and //: indices are >= 0, no sign fix-up)
-
-    def copy(i, slot):
-        return pltpu.make_async_copy(out_scr.at[i], states_out.at[slot, heads], sems.at[i])
-
-    def drain(i):
-        @pl.when(pending[i] != 0)
-        def _():
-            copy(i, 0).wait()  # the wait only needs the byte count and the semaphore
-            pending[i] = 0
-
-    @pl.when(s == 0)
-    def _():
-        pending[0] = 0
-        pending[1] = 0
-
-    drain(buf)  # out_scr[buf] was last sent two sequences ago
-    slot = slots_ref[s]
-    fresh = init_ref[s] == 0  # start from zeros; `where`, not `* 0`, so NaN never leaks
     xr = x_ref[...].astype(F32)  # [1, HB*P]
     dtr = dt_ref[...]  # [1, HB]
     decay = jnp.exp(dtr * a_ref[...])  # [1, HB]
@@ -95,18 +56,8 @@ def _decode_kernel(
         bg, cg = b_ref[g].astype(F32), c_ref[g].astype(F32)  # [1, N]
         old = jnp.where(fresh, 0.0, state_ref[h])  # [P, N]
         new = decay[:, h : h + 1] * old + _dot(xh * dtr[:, h : h + 1], bg, (0, 0), precision)
-        out_scr[buf, h] = new  # [P, N]
+        put_state(h, new)  # [P, N]
         y_ref[:, h * P : (h + 1) * P] = _dot(cg, new, (1, 1), precision) + d_row[:, h : h + 1] * xh
-
-    @pl.when(slot >= 0)
-    def _():
-        copy(buf, slot).start()
-        pending[buf] = 1
-
-    @pl.when(s == S - 1)  # leave nothing in flight when the head block ends
-    def _():
-        drain(0)
-        drain(1)
 
 
 @functools.partial(jax.jit, static_argnames=("head_block", "precision", "interpret"))
@@ -127,12 +78,8 @@ def ssd_decode(
     precision: lax.Precision = HIGHEST,
     interpret=False,
 ) -> tuple[jax.Array, jax.Array]:  # y [T, H, P] float32, updated states
-    """One-token SSD update for a decode-only batch, slot-indexed like ``ssd_ragged``.
-
-    Grid = (head block, sequence). Decode is bound by the state pool's bytes, so the state
-    read goes through a BlockSpec whose index map follows the slots (Pallas prefetches the
-    next sequence's state while this one computes) and the write-back is an async DMA that
-    overlaps the next sequence."""
+    """One-token SSD update for a decode-only batch, slot-indexed like ``ssd_ragged``; each
+    state is read and written once (``slot_update``)."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     S = slots.shape[0]
@@ -140,66 +87,30 @@ def ssd_decode(
     HB = head_block or pick_head_block(H, G, P, N, x.dtype)
     GB, hpg = _group_block(H, G, HB)
 
-    s_idx = jnp.arange(S, dtype=jnp.int32)
-    live = s_idx < num_seqs
-    rows = jnp.clip(cu_seqlens[:-1], 0, T - 1).astype(jnp.int32)  # [S]
-    write = jnp.where(live, slots, -1).astype(jnp.int32)  # [S]
-    init = (live & (slots >= 0) & has_initial_state).astype(jnp.int32)  # [S]
-    # A sequence that reads nothing re-uses the previous read's block index, so the pipeline
-    # issues no DMA for it.
-    reader = lax.cummax(jnp.where(init > 0, s_idx, -1), axis=0)  # [S]
-    read = jnp.where(reader >= 0, write[jnp.maximum(reader, 0)], 0)  # [S]
-
+    tab = slot_update.tables(cu_seqlens, num_seqs, slots, has_initial_state, num_rows=T)
     gblk = functools.partial(_group_blk, head_block=HB, hpg=hpg, groups_per_block=GB)
     row_cols = pl.BlockSpec((None, 1, HB * P), lambda hb, s, *_: (s, 0, hb))
+    dt_spec = pl.BlockSpec((None, None, 1, HB), lambda hb, s, *_: (s, hb, 0, 0))
     group_spec = pl.BlockSpec((None, GB, 1, N), lambda hb, s, *_: (s, gblk(hb), 0, 0))
     head_spec = pl.BlockSpec((None, 1, HB), lambda hb, s, *_: (hb, 0, 0))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(H // HB, S),
-        in_specs=[
-            row_cols,  # x
-            pl.BlockSpec((None, None, 1, HB), lambda hb, s, *_: (s, hb, 0, 0)),  # dt
-            head_spec,  # A
-            group_spec,  # B
-            group_spec,  # C
-            head_spec,  # D
-            pl.BlockSpec((None, HB, P, N), lambda hb, s, wr, init, rd: (rd[s], hb, 0, 0)),
-        ],
-        out_specs=[
-            row_cols,  # y
-            pl.BlockSpec(memory_space=pl.ANY),  # states
-        ],
-        scratch_shapes=[
-            pltpu.VMEM((2, HB, P, N), F32),
-            pltpu.SemaphoreType.DMA((2,)),
-            pltpu.SMEM((2,), jnp.int32),
-        ],
-    )
-    per_seq = lambda v: v[rows][:, :, None]  # [T, G, N] -> [S, G, 1, N]
-    y_seq, states = pl.pallas_call(
-        functools.partial(_decode_kernel, hpg=hpg, precision=precision),
-        grid_spec=grid_spec,
-        out_shape=[
-            jax.ShapeDtypeStruct((S, 1, H * P), F32),
-            jax.ShapeDtypeStruct(states.shape, states.dtype),
-        ],
-        input_output_aliases={9: 1},  # 3 scalar-prefetch operands, then x dt A B C D states
-        compiler_params=vmem.compiler_params(("parallel", "arbitrary")),
-        cost_estimate=decode_cost(S, H, P, N, G, HB, x.dtype),
+    per_seq = lambda v: v[tab.rows][:, :, None]  # [T, G, N] -> [S, G, 1, N]
+    blocks = [  # (operand, its block spec), in _step's order
+        (x[tab.rows].reshape(S, 1, H * P), row_cols),  # x [S, 1, H*P]
+        (dt.astype(F32)[tab.rows].reshape(S, H // HB, 1, HB), dt_spec),  # dt [S, H/HB, 1, HB]
+        (_head_major(A.astype(F32)[None], HB), head_spec),  # A [H/HB, 1, HB]
+        (per_seq(B), group_spec),  # B [S, G, 1, N]
+        (per_seq(C), group_spec),  # C [S, G, 1, N]
+        (_head_major(D.astype(F32)[None], HB), head_spec),  # D [H/HB, 1, HB]
+    ]
+    return slot_update.slot_update(
+        functools.partial(_step, hpg=hpg, precision=precision),
+        tab,
+        blocks,
+        row_cols,  # y
+        states,
+        num_rows=T,
+        head_block=HB,
+        out_dim=P,
+        cost=decode_cost(S, H, P, N, G, HB, x.dtype),
         interpret=interpret,
-    )(
-        write,
-        init,
-        read.astype(jnp.int32),
-        x[rows].reshape(S, 1, H * P),
-        dt.astype(F32)[rows].reshape(S, H // HB, 1, HB),
-        _head_major(A.astype(F32)[None], HB),
-        per_seq(B),
-        per_seq(C),
-        _head_major(D.astype(F32)[None], HB),
-        vmem.in_hbm(states, interpret),
     )
-    dest = jnp.where(live, rows, T)  # padding sequences write no y row
-    y = jnp.zeros((T, H, P), F32).at[dest].set(y_seq.reshape(S, H, P), mode="drop")
-    return y, states
