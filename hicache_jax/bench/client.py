@@ -28,8 +28,7 @@ import httpx
 from hicache_jax.bench.theoretical import SeqRecord
 from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.kinds import RECURRENT
-
-TIERS = ("device", "host", "storage")
+from hicache_jax.tiers import TIERS
 
 
 @dataclasses.dataclass

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hicache_jax.bench.client import TIERS, Record, ServerInfo
+from hicache_jax.bench.client import Record, ServerInfo
 from hicache_jax.bench.theoretical import SeqRecord, capacity_max, theoretical_max
+from hicache_jax.tiers import TIERS
 
 QUANTILES = (50, 90, 99)
 

@@ -36,6 +36,7 @@ from hicache_jax.cache.write_policy import WritePolicy
 from hicache_jax.kinds import ALL as ALL_KINDS
 from hicache_jax.kinds import CacheKind
 from hicache_jax.metric_kinds import Metrics
+from hicache_jax.tiers import Tier, zero_counts
 
 KINDS = ALL_KINDS
 
@@ -45,7 +46,7 @@ class Match:
     nodes: list[Node]  # the reused path, root excluded
     end: int  # tokens: len(nodes) * page_size
     loads: list[tuple[str, Node]] = dataclasses.field(default_factory=list)  # host -> device
-    tiers: dict = dataclasses.field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    tiers: dict = dataclasses.field(default_factory=zero_counts)
     page_tiers: list[str] = dataclasses.field(default_factory=list)  # each page's tier, in order
 
     @property
@@ -137,14 +138,17 @@ class PrefixCache:
             need += [CacheKind.STATE] if CacheKind.STATE in self.pools and j == len(nodes) - 1 else []
             missing = [k for k in need if getattr(node, k) is None]
             match.loads += [(k, node) for k in missing]
-            tier = (
-                None if not need else "device" if not missing else "storage" if node.from_storage else "host"
-            )
+            if not need:
+                tier = None
+            elif not missing:
+                tier = Tier.DEVICE
+            else:
+                tier = Tier.STORAGE if node.from_storage else Tier.HOST
             page_tier.append(tier)
             node.hit_count += 1
             self.write_policy.hit(node)
         # Pages that need no data (before a sliding window) count with the hit's deepest tier.
-        fallback = next((t for t in ("storage", "host") if t in page_tier), "device")
+        fallback = next((t for t in (Tier.STORAGE, Tier.HOST) if t in page_tier), Tier.DEVICE)
         match.page_tiers = [tier or fallback for tier in page_tier]
         for tier in match.page_tiers:
             match.tiers[tier] += P

@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Callable
 from typing import NoReturn
 
+from hicache_jax import finish
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine.build import (
     check_model_tp,
@@ -205,7 +206,7 @@ class Engine:
         req = self.scheduler.abort(rid)
         if req is None:
             return False
-        self._finish(req, {"type": "abort", "message": "aborted"})
+        self._finish(req, finish.abort("aborted"))
         return True
 
     def has_unfinished(self) -> bool:
@@ -233,7 +234,7 @@ class Engine:
             plan = self.scheduler.schedule(prefetch)
         except OutOfMemory as e:  # the request cannot fit even alone: fail it, not the engine
             self.scheduler.drop(e.req)
-            self._finish(e.req, {"type": "abort", "message": str(e)})
+            self._finish(e.req, finish.abort(str(e)))
             return touched + [e.req]
         except Exception as e:  # e.g. an L2 -> L1 load (it donates the device cache)
             self._step_failed(e)
@@ -327,7 +328,7 @@ class Engine:
                 plan.copies_after = [c for c in plan.copies_after if c[0] != slot]
         self.scheduler.drop(req)
         req.pending = 0
-        self._finish(req, {"type": "abort", "message": message})
+        self._finish(req, finish.abort(message))
         self.stats["request_errors"] += 1
         self._failed.append(req)
 
@@ -368,7 +369,7 @@ class Engine:
         self._inflight = None
         self.stats["failed_steps"] += 1
         for req in self.scheduler.drop_all():  # nothing goes to the tree: pages are suspect
-            self._finish(req, {"type": "abort", "message": message})
+            self._finish(req, finish.abort(message))
             failed.append(req.rid)
         self.broken = cause
         try:
@@ -425,7 +426,7 @@ class Engine:
             return None
         req.pending -= 1
         if len(req.output_ids) >= req.sampling.max_new_tokens:
-            return {"type": "length", "length": req.sampling.max_new_tokens}
+            return finish.length(req.sampling.max_new_tokens)
         if req.grammar is not None and req.grammar.dead:  # no token was allowed
             return dead_end(req.grammar.dead)
         tok = append_token(req, out, s, now)

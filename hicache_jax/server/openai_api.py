@@ -33,6 +33,7 @@ from hicache_jax.server.prompt_size import check_text, tokenize_texts, utf8_len
 from hicache_jax.server.protocol import MAX_BATCH, parse_body
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import Watch, sse, stream_response, wait_whole
+from hicache_jax.tiers import TIERS
 
 router = APIRouter()
 
@@ -68,9 +69,7 @@ def usage(metas: list[dict], n: int = 1) -> dict:
     prompts = metas[::n]
     prompt = sum(m["prompt_tokens"] for m in prompts)
     completion = sum(m["completion_tokens"] for m in metas)
-    details = {
-        t: sum(m["cached_tokens_details"].get(t, 0) for m in prompts) for t in ("device", "host", "storage")
-    }
+    details = {t: sum(m["cached_tokens_details"].get(t, 0) for m in prompts) for t in TIERS}
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

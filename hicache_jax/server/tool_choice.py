@@ -27,6 +27,7 @@ import json
 import re
 import uuid
 
+from hicache_jax.finish import Finish
 from hicache_jax.grammar.spec import MAX_GRAMMAR_BYTES, MAX_JSON_DEPTH, json_depth
 from hicache_jax.sampling_params import InvalidRequest, show
 from hicache_jax.server.tools.constrained import named_call, required_calls
@@ -83,7 +84,7 @@ class ToolPlan:
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         """OpenAI's finish reason for a choice that ended with ``reason``: ``length`` stays
         ``length``, calls or not."""
-        if called and reason == "stop" and self.mode != "named":
+        if called and reason == Finish.STOP and self.mode != "named":
             return "tool_calls"
         return reason
 
