@@ -15,3 +15,15 @@ def _needs_libtpu():
     reason = target.missing_reason()
     if reason:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_persistent_cache():
+    """TPU programs compiled without a chip cannot be loaded back from JAX's persistent cache
+    (no client to deserialize onto: a warning, then a compile anyway), so writing them there
+    is wasted time: off for these modules."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
