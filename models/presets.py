@@ -68,7 +68,7 @@ PRESETS: dict[str, ModelConfig] = {
         **_TINY,
     ),
     # Nemotron-H-style: squared-ReLU MLPs and an MoE (sigmoid router, relu2 experts, a shared
-    # expert) after some mixers only, attention without RoPE, Mamba2 with a time-step floor.
+    # expert) after some mixers only, attention without RoPE, Mamba2 with a time-step limit.
     "tiny-nemotron-h": ModelConfig(
         architecture="preset:tiny-nemotron-h",
         layer_kinds=("mamba", "mamba", "attention", "mamba"),

@@ -130,7 +130,7 @@ def _hf_config(family: str):
         ssm_state_size=16,
         n_groups=2,
         chunk_size=16,
-        time_step_min=0.3,  # the floor (transformers' only dt limit here) binds for some tokens
+        time_step_limit=(0.3, 2.0),  # both the floor and the ceiling bind for some tokens
         eos_token_id=2,
         pad_token_id=1,
     )

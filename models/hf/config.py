@@ -473,8 +473,10 @@ def nemotron_h(hf: dict, where: str) -> ModelConfig:
     from ``hybrid_override_pattern`` (or transformers 5's ``layers_block_type``), grouped into
     our layers by ``nemotron_h_layers``. The MoE routes DeepSeek-V3's way (sigmoid scores,
     a correction bias on the choice, grouped top-k) to squared-ReLU experts beside one shared
-    expert. The Mamba2 mixer is Bamba's but for its projections' bias (``use_bias``) and its
-    time step floor (``time_step_min``, no ceiling: transformers ignores ``time_step_limit``).
+    expert. The Mamba2 mixer is Bamba's but for its projections' bias (``use_bias``). The time
+    step is clamped to ``time_step_limit`` (``mamba_dt_limit``), as in Mamba2's reference, vLLM
+    and transformers from 5.25 (up to 5.24 transformers floored it at ``time_step_min``, an
+    initialisation bound, and ignored the limit; real checkpoints' limit is (0, inf)).
     ``residual_in_fp32`` changes nothing in transformers' forward, nor here."""
     _check(hf, where, mlp_hidden_act="relu2", mamba_hidden_act="silu", mlp_bias=False)
     if "hybrid_override_pattern" in hf:
@@ -494,6 +496,7 @@ def nemotron_h(hf: dict, where: str) -> ModelConfig:
     def legacy(name: str, old: str, default):  # transformers renamed some fields in v5
         return hf.get(name, hf.get(old, default))
 
+    limit = legacy("time_step_limit", "mamba_dt_limit", None) or (0.0, math.inf)
     mamba = MambaConfig(
         num_heads=hf.get("mamba_num_heads", 128),
         head_dim=hf.get("mamba_head_dim", 64),
@@ -503,7 +506,8 @@ def nemotron_h(hf: dict, where: str) -> ModelConfig:
         chunk_size=legacy("chunk_size", "mamba_chunk_size", 128),
         conv_bias=bool(legacy("use_conv_bias", "mamba_conv_bias", True)),
         proj_bias=bool(hf.get("use_bias", False)),
-        dt_min=_float(legacy("time_step_min", "mamba_dt_min", 0.001)),
+        dt_min=_float(limit[0]),
+        dt_max=_float(limit[1]),
     )
     moe = None
     if sparse:
