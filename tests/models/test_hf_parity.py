@@ -141,7 +141,7 @@ def test_hybrid_layouts_map_onto_our_layers(checkpoint_dir):
     letter = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
     assert "".join(letter[b] for b in hf.pop("layers_block_type")) == "M*-MM-*"
     assert config_from_hf(hf | {"hybrid_override_pattern": "M*-MM-*"}) == nemotron
-    assert nemotron.mamba.dt_min == 0.3 and nemotron.mamba.dt_max == float("inf")
+    assert (nemotron.mamba.dt_min, nemotron.mamba.dt_max) == (0.3, 2.0)  # time_step_limit
     moe = load_hf(checkpoint_dir("nemotron_h_moe")).cfg  # "ME*EMM-"
     assert moe.sparse_layers == (0, 1) and moe.mlp_free_layers == (2,)
     assert (moe.moe.router, moe.moe.num_groups, moe.moe.routed_scaling) == ("sigmoid_topk", 2, 2.5)
