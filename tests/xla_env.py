@@ -5,14 +5,19 @@ compilation cache those servers share."""
 from __future__ import annotations
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-# XLA:CPU compiles the tests' programs without LLVM's optimisations: on 2 cores the suite's
-# time is mostly backend compiles of tiny programs (88% of tests/engine + tests/runtime), and
-# level 0 halves them (820 s -> 437 s there; levels 1 and 2 save little). The programs stay
-# exact; only float32 rounding moves (no fused multiply-adds), which every comparison's
-# tolerance absorbs but one at the noise floor, which compiles with ``SERVING_COMPILE``.
-# Servers and notebook kernels the tests start inherit the flag.
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
-SERVING_COMPILE = {"xla_backend_optimization_level": 3}  # ``Lowered.compile`` options: XLA's default
+# XLA:CPU compiles the tests' programs cheaply: on 2 cores the suite's time is mostly backend
+# compiles of tiny programs (55% of all test time, counted with jax.monitoring). Level 0
+# skips LLVM's optimisations (tests/engine + tests/runtime: 820 s -> 437 s; levels 1 and 2
+# save little); the loop-fusion emitters off (XLA's older elemental emitter) halve what is
+# left for the tiny presets' step programs (28 s -> 14-19 s for the 19 programs of one
+# engine, ``tiny`` and ``tiny-mamba``) and leave the steps of the real SmolLM2 weights as
+# fast to run. The programs stay exact; only float32 rounding moves (no fused
+# multiply-adds, other loop orders), which every comparison's tolerance absorbs but those
+# at the noise floor, which compile with ``SERVING_COMPILE``. Servers and notebook kernels
+# the tests start inherit the flags.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# ``jax.jit(..., compiler_options=)`` / ``Lowered.compile`` options: XLA's defaults, as a server compiles
+SERVING_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 SERVER_JAX_CACHE = "HICACHE_TEST_SERVER_JAX_CACHE"  # set by tests/conftest.py for the run
 
 

@@ -20,7 +20,7 @@ from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
 
-def jit_forward(model: CausalLM):
+def jit_forward(model: CausalLM, compiler_options: dict | None = None):
     """``(params, step)``: a jitted ``step(params, cache, batch) -> (cache, logits)`` with the
     cache donated and the weights an argument (as the runner passes them)."""
     graphdef, params = nnx.split(model)
@@ -28,7 +28,7 @@ def jit_forward(model: CausalLM):
     def step(params, cache, batch):
         return nnx.merge(graphdef, params)(cache, batch)
 
-    return params, jax.jit(step, donate_argnums=(1,))
+    return params, jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options)
 
 
 def kv_groups(model: CausalLM) -> tuple[str, ...]:

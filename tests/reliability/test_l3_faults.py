@@ -124,7 +124,9 @@ def test_full_disk_skips_backups_logs_little_and_recovers(make_llm, caplog):
 
 def test_permission_denied_serves_without_l3_then_uses_it_again(make_llm, caplog):
     llm = make_llm()
-    set_breakers(llm)
+    # Open long enough that the requests below find it open on a loaded machine too (at 0.3 s
+    # the breaker had let its probe through again before every one of them, once).
+    set_breakers(llm, backoff_s=3.0)
     ids = prompt(seed=31)
     ref = run(llm, ids)
     assert llm.flush_cache().success  # ids' pages are in L3 now
