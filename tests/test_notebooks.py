@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests import gguf_files
-from tests.xla_env import server_compile_cache_env, without_device_count
+from tests.xla_env import for_real_weights, server_compile_cache_env, without_device_count
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -21,12 +21,13 @@ NOTEBOOKS = ["01_quickstart.ipynb", "02_hierarchical_cache.ipynb"]
 @pytest.fixture
 def kernel_env(monkeypatch, tmp_path):
     """The kernel inherits this process's environment: JAX on one CPU device, plots off-screen,
-    this interpreter's packages (the kernelspec's ``python`` is resolved to it), and the run's
+    this interpreter's packages (the kernelspec's ``python`` is resolved to it), XLA flags for
+    real weights (``for_real_weights``), and the run's
     shared compilation cache (the second notebook loads the SmolLM2 programs the first
     compiled)."""
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    flags = without_device_count(os.environ.get("XLA_FLAGS", ""))
+    flags = for_real_weights(without_device_count(os.environ.get("XLA_FLAGS", "")))
     monkeypatch.setenv("XLA_FLAGS", flags)
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

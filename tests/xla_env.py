@@ -11,11 +11,15 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # save little); the loop-fusion emitters off (XLA's older elemental emitter) halve what is
 # left for the tiny presets' step programs (28 s -> 14-19 s for the 19 programs of one
 # engine, ``tiny`` and ``tiny-mamba``) and leave the steps of the real SmolLM2 weights as
-# fast to run. The programs stay exact; only float32 rounding moves (no fused
+# fast to run, but compile them 1.5-2x slower (their decode steps: 4-6 s -> 5-9 s each), so
+# tests that serve those weights compile with the emitters on (``REAL_WEIGHTS_COMPILE``,
+# ``for_real_weights``). The programs stay exact; only float32 rounding moves (no fused
 # multiply-adds, other loop orders), which every comparison's tolerance absorbs but those
 # at the noise floor, which compile with ``SERVING_COMPILE``. Servers and notebook kernels
 # the tests start inherit the flags.
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", FUSION_EMITTERS_OFF)
+REAL_WEIGHTS_COMPILE = {"xla_cpu_use_fusion_emitters": True}  # ``compiler_options``: level 0 still
 # ``jax.jit(..., compiler_options=)`` / ``Lowered.compile`` options: XLA's defaults, as a server compiles
 SERVING_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 SERVER_JAX_CACHE = "HICACHE_TEST_SERVER_JAX_CACHE"  # set by tests/conftest.py for the run
@@ -31,6 +35,11 @@ def with_device_count(flags: str, n: int) -> str:
     """``flags`` asking for exactly ``n`` emulated host devices (idempotent: pytest-xdist
     workers inherit the controller's environment)."""
     return f"{without_device_count(flags)} {DEVICE_COUNT_FLAG}={n}".strip()
+
+
+def for_real_weights(flags: str) -> str:
+    """``flags`` for a process that serves real weights: the loop-fusion emitters on."""
+    return " ".join(f for f in flags.split() if f != FUSION_EMITTERS_OFF)
 
 
 def with_fast_compiles(flags: str) -> str:

@@ -25,6 +25,11 @@ CHATS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _real_weights(real_weights_compiles):
+    """SmolLM2's steps compile with the loop-fusion emitters on (tests/conftest.py)."""
+
+
 @pytest.fixture(scope="module")
 def path():
     return gguf_files.smollm2_path()
