@@ -70,11 +70,6 @@ def real_weights_compiles():
     from hicache_jax.runtime import runner
 
     cheap = runner._step_jit
-    runner._step_jit = jax.jit(
-        runner._step,
-        static_argnames=("structure", "top_logprobs"),
-        donate_argnums=(1, 7),
-        compiler_options=REAL_WEIGHTS_COMPILE,
-    )
+    runner._step_jit = runner.step_jit(REAL_WEIGHTS_COMPILE)
     yield
     runner._step_jit = cheap

@@ -290,4 +290,16 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, penalty, counts, *, 
 
 
 STEP_PROGRAM = "jit(_step)"  # the name compile events carry
-_step_jit = jax.jit(_step, static_argnames=("structure", "top_logprobs"), donate_argnums=(1, 7))
+
+
+def step_jit(compiler_options: dict | None = None):
+    """The jitted ``_step`` (``compiler_options``: XLA options for its compiles)."""
+    return jax.jit(
+        _step,
+        static_argnames=("structure", "top_logprobs"),
+        donate_argnums=(1, 7),
+        compiler_options=compiler_options,
+    )
+
+
+_step_jit = step_jit()
