@@ -7,7 +7,9 @@
     python -m hicache_jax.generate --preset tiny --input_ids 5,6,7
 
 ``--model_path`` defaults to ``smollm2-135m-instruct``, the installed real model;
-``--chat`` sends the prompt as a user message through the model's chat template.
+``--chat`` sends the prompt as a user message through the model's chat template. It prints
+the generated text (the output ids, space-separated, for a model without a tokenizer);
+``--json`` prints the whole result (text, ids, finish reason, token counts, cache hits).
 ``--preset`` serves a built-in random-weight preset instead (tests and benchmarks: every
 piece of the stack runs, but the text is gibberish).
 """
@@ -32,6 +34,7 @@ flags.DEFINE_list("input_ids", None, "Prompt token ids (comma-separated), instea
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_bool("json", False, "Print the whole result as JSON (meta_info included), not only the text.")
 
 
 def main(argv):
@@ -63,7 +66,12 @@ def main(argv):
         sys.exit(f"generate: {e}")
     finally:
         llm.close()
-    print(json.dumps(out, indent=2))
+    if FLAGS.json:
+        print(json.dumps(out))
+    elif not llm.tokenizer.has_text:
+        print(" ".join(str(t) for t in out["output_ids"]))
+    else:
+        print(out["text"])
 
 
 def run():

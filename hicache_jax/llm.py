@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from hicache_jax import accelerators
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.flush_result import FlushResult
@@ -19,6 +20,7 @@ from hicache_jax.sampling_params import QueueFull, SamplingParams
 
 class LLM:
     def __init__(self, model_path: str | None = None, **kwargs):
+        accelerators.cpu_unless_attached()  # no libtpu probe (and its stderr) without a TPU
         self.engine = Engine(EngineConfig(model_path=model_path, **kwargs))
 
     @property

@@ -21,6 +21,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from absl.logging import converter
 
+from hicache_jax import accelerators
 from hicache_jax import flags as server_flags
 
 FLAGS = flags.FLAGS
@@ -60,6 +61,8 @@ def main(argv: list[str]) -> None:
     logging.getLogger().setLevel(level)
     if server_cfg.platform != "auto":
         os.environ["JAX_PLATFORMS"] = server_cfg.platform  # before JAX starts a backend
+    else:
+        accelerators.cpu_unless_attached()  # no libtpu probe on a machine without a TPU
     check_plan = None  # one process: no other to agree with
     if engine_cfg.dist_num_processes > 1:
         from hicache_jax.multihost import distributed

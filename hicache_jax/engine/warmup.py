@@ -30,7 +30,7 @@ import jax
 from hicache_jax import progress
 from hicache_jax.runtime import compiles
 from hicache_jax.runtime.batch_builder import BatchBuilder
-from hicache_jax.runtime.runner import ModelRunner
+from hicache_jax.runtime.runner import ModelRunner, step_name
 from hicache_jax.runtime.transfer import PageTransfer
 from hicache_jax.scheduler.plan import StepPlan
 
@@ -90,7 +90,7 @@ def lowerings(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer
     """(name, a function that lowers it) for every program serving can run."""
     layerwise = transfer is not None and transfer.step_pages > 0
     for shape, top in builder.warmup_programs():
-        name = f"{'decode' if shape[3] else 'prefill'} step T={shape[0]} S={shape[1]} R={shape[2]} top={top}"
+        name = step_name(shape, top)
         yield name, functools.partial(lower_step, runner, builder, shape, top)
         if layerwise and not shape[3]:  # a prefill may take L2 pages layer by layer
             loads = functools.partial(lower_step, runner, builder, shape, top, transfer)

@@ -13,6 +13,8 @@ step returns its sampled ids padded to ``max_seqs`` and takes the previous step'
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable
 
 import jax
@@ -28,6 +30,15 @@ from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.runtime import compiles, penalties
 from hicache_jax.runtime.penalties import PenaltyInputs
 from hicache_jax.runtime.sampler import SamplingInputs, SamplingOutputs, sample
+
+log = logging.getLogger(__name__)
+
+
+def step_name(shape: tuple[int, int, int, bool], top_logprobs: int) -> str:
+    """A step program's name for (T, S, R, decode_only) ``shape``: warm-up's progress and the
+    log line of a step that waited on its compile."""
+    T, S, R, decode_only = shape
+    return f"{'decode' if decode_only else 'prefill'} step T={T} S={S} R={R} top={top_logprobs}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +173,17 @@ class ModelRunner:
             self._launched += 1
             plan = ((args[2], sampling, args[4]), args[6], top_logprobs)  # host arrays
             self._check_plan(self._launched, plan)
+        before, t0 = compiles.total(STEP_PROGRAM), time.perf_counter()
         self.cache, out, ids, self.counts = _step_jit(*args, **self._static(top_logprobs))
+        if compiles.total(STEP_PROGRAM) != before:  # this shape's first use: the step waited
+            T, S, R = batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.logits_indices.shape[0]
+            shape = (T, S, R, batch.decode_only)
+            log.warning(
+                "a step waited %.1f s for its program to compile (%s; --warmup compiles every "
+                "step shape before serving)",
+                time.perf_counter() - t0,
+                step_name(shape, top_logprobs),
+            )
         return out, ids
 
     def lower_penalty_row(self) -> jax.stages.Lowered:

@@ -3,6 +3,7 @@ buckets, 1 to max_running_requests sequences, input and top logprobs, Mamba stat
 L2 loads and backups, L3 hits, penalties, a rebuild after a failed step) compiles nothing. Compiles
 are counted through JAX's public monitoring events (``hicache_jax.runtime.compiles``)."""
 
+import logging
 import re
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine.engine import Engine
 from hicache_jax.request import Req
-from hicache_jax.runtime import compiles
+from hicache_jax.runtime import compiles, runner
 from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
@@ -82,7 +83,7 @@ def _run(engine, reqs, batch_sizes: set) -> list[dict]:
     return [engine.pop_output(r) for r in rids]
 
 
-def test_serving_after_warmup_compiles_nothing(tmp_path):
+def test_serving_after_warmup_compiles_nothing(tmp_path, caplog):
     cfg = EngineConfig(
         preset="tiny-mamba",  # Mamba + full attention: state copies, page and state transfers
         page_size=8,  # chunks of one page: a single prefill bucket (T = 8 + 2), few programs
@@ -103,6 +104,7 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
     first = list(_requests(rng, [100, 5, 50, 27, 90, 13]))
     sizes = set()
     logprobs = dict(return_logprob=True, logprob_start_len=3, top_logprobs_num=4)
+    caplog.set_level(logging.WARNING, logger=runner.__name__)
     try:
         with compiles.Watch() as watch:
             outs = _run(engine, first, sizes)  # 1..2 running, long and short prompts, chunked
@@ -125,6 +127,7 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
     finally:
         engine.close()
     assert not watch.new, f"compiled while serving: {dict(watch.new)}"
+    assert not [r for r in caplog.records if "waited" in r.getMessage()]  # no step said it waited
     # The stream did reach every path it claims to.
     assert host_hits > 0 and engine.stats["cached_tokens_storage"] > 0, engine.stats
     assert engine.prefix_cache.counters["host_backups"] > 0
@@ -132,3 +135,26 @@ def test_serving_after_warmup_compiles_nothing(tmp_path):
     assert {1, 2} <= sizes, sizes
     assert all(re.fullmatch("[a-c]{2,5}", o["text"]) for o in constrained), constrained
     assert any(o["meta_info"].get("input_top_logprobs") for o in outs)
+
+
+def test_a_step_that_waits_on_its_compile_says_which_and_how_long(caplog):
+    """Without warm-up, a shape's first step compiles it: one warning names the program (as
+    warm-up names it) and the seconds; the same shape again says nothing."""
+    cfg = EngineConfig(
+        preset="tiny", page_size=8, chunked_prefill_size=8, max_running_requests=2, max_total_tokens=128
+    )
+    engine = Engine(cfg)
+    caplog.set_level(logging.WARNING, logger=runner.__name__)
+    rng = np.random.RandomState(1)
+    try:
+        _run(engine, _requests(rng, [5], {"max_new_tokens": 3}), set())
+        first = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+        _run(engine, _requests(rng, [5], {"max_new_tokens": 3}), set())
+    finally:
+        engine.close()
+    assert first and all(
+        re.search(r"waited \d+\.\d s .*\((prefill|decode) step T=\d+ S=\d+ R=\d+ top=0;", m) for m in first
+    ), first
+    assert any("prefill step T=" in m for m in first) and any("decode step T=" in m for m in first), first
+    again = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert again == first  # the second request ran programs compiled for the first
