@@ -220,6 +220,13 @@ class EngineConfig:
         "Compile every program serving can run before serving, so no request waits for a compile "
         "(README: Warm-up).",
     )
+    compilation_cache_dir: str = setting(
+        "auto",
+        "JAX's persistent compilation cache, so a second start loads the programs the first compiled: "
+        "a directory (or gs:// path); auto: JAX's own if set (JAX_COMPILATION_CACHE_DIR), else "
+        "~/.cache/hicache-jax/jax ($XDG_CACHE_HOME honoured); none: off. The first engine of a "
+        "process sets it.",
+    )
     # Hierarchical cache (L2 host memory, L3 storage).
     enable_hierarchical_cache: bool = setting(
         False, "Copy device pages to host memory (L2) and, with a backend, storage (L3)."

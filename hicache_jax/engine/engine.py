@@ -39,6 +39,7 @@ from typing import NoReturn
 
 from hicache_jax import finish
 from hicache_jax.config import EngineConfig
+from hicache_jax.engine import compile_cache
 from hicache_jax.engine.build import (
     check_model_tp,
     context_length,
@@ -102,6 +103,7 @@ class Engine:
     ):
         """``check_plan``: the runner's per-step hook (``ModelRunner``); several processes
         pass ``multihost/distributed.check_plan`` (``serve.py``)."""
+        compile_cache.configure(cfg.compilation_cache_dir)  # before anything compiles
         if model is None:
             model, tokenizer = load_model_and_tokenizer(cfg)
         check_model_tp(cfg, model)

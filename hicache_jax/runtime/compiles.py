@@ -3,7 +3,9 @@
 JAX records ``/jax/core/compile/backend_compile_duration`` (with the program's name, e.g.
 ``jit(_step)``) for every program it hands to the backend compiler, jitted functions and
 eager ``jnp`` operations alike, and for programs loaded from the persistent compilation
-cache. One listener, registered on import, counts them by name.
+cache. One listener, registered on import, counts them by name; another counts the loads
+from that cache (``/jax/compilation_cache/cache_hits``), so that compiled and loaded can be
+told apart.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import threading
 import jax
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 _lock = threading.Lock()
 _counts: collections.Counter[str] = collections.Counter()
 _seconds = [0.0]
+_loaded = [0]
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
@@ -27,7 +31,14 @@ def _on_event(event: str, duration: float, **kwargs) -> None:
             _seconds[0] += duration
 
 
+def _on_cache_hit(event: str, **kwargs) -> None:
+    if event == CACHE_HIT_EVENT:
+        with _lock:
+            _loaded[0] += 1
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_event)
+jax.monitoring.register_event_listener(_on_cache_hit)
 
 
 def snapshot() -> collections.Counter[str]:
@@ -40,6 +51,13 @@ def total(name: str | None = None) -> int:
     """Compilations so far (of programs called ``name``, or of all)."""
     with _lock:
         return _counts[name] if name else sum(_counts.values())
+
+
+def loaded() -> int:
+    """Programs loaded from JAX's persistent compilation cache so far (each also counts in
+    ``total``)."""
+    with _lock:
+        return _loaded[0]
 
 
 def seconds() -> float:

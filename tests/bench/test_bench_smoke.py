@@ -16,7 +16,7 @@ CACHED = ("l1", "l1l2", "l1l2l3")
 # The Hermes template writes the agent workload's tools into the prompt (the tiny preset's
 # fallback template has no place for them); the other workloads send ids and never use it.
 SERVER_FLAGS = (
-    "--flagfile=configs/cpu.flags --chunked_prefill_size=16 --max_running_requests=2 "
+    "--flagfile=configs/cpu.flags --warmup=false --chunked_prefill_size=16 --max_running_requests=2 "
     "--max_total_tokens=2048 --hicache_prefetch_threshold=16 "
     "--hicache_storage_prefetch_policy=wait_complete --log_level=warning "
     "--chat_template=tests/data/tool_templates/hermes.jinja"
@@ -91,7 +91,7 @@ def test_every_workload_on_every_configuration(tmp_path):
 
 
 POOL_FLAGS = (
-    "--flagfile=configs/cpu.flags --chunked_prefill_size=64 --max_running_requests=2 "
+    "--flagfile=configs/cpu.flags --warmup=false --chunked_prefill_size=64 --max_running_requests=2 "
     "--max_total_tokens=256 --hicache_ratio=2 --hicache_prefetch_threshold=16 "
     "--hicache_storage_prefetch_policy=wait_complete --log_level=warning"
 )

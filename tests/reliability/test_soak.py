@@ -11,7 +11,7 @@ from tests.server.conftest import server_env
 
 
 def test_short_soak(tmp_path):
-    flags = server_flags("tiny", str(tmp_path / "l3"), pool_tokens=512, max_running=4)
+    flags = server_flags("tiny", str(tmp_path / "l3"), pool_tokens=512, max_running=4) + ["--warmup=false"]
     with ServerProcess(flags, log_path=str(tmp_path / "server.log"), env=server_env()) as server:
         cfg = SoakConfig(clients=16, rounds=3, requests_per_round=32, max_prompt=240, max_new_tokens=12)
         report = run_soak(server.url, cfg, rss=server.rss_bytes)

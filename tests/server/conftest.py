@@ -48,7 +48,8 @@ class Server(ServerProcess):
         self.client = None
         try:
             super().__init__(
-                [f"--flagfile=configs/{flagfile}", *extra],
+                # The flagfiles warm up for users; a test's server compiles what it runs.
+                [f"--flagfile=configs/{flagfile}", "--warmup=false", *extra],
                 log_path=log_path,
                 startup_timeout=180,
                 env=server_env(),
