@@ -2,6 +2,7 @@
 JAX backend starts; persistent compilation caches shared by the run's workers."""
 
 import os
+import time
 
 from tests.xla_env import REAL_WEIGHTS_COMPILE, SERVER_JAX_CACHE, with_device_count, with_fast_compiles
 
@@ -73,3 +74,46 @@ def real_weights_compiles():
     runner._step_jit = runner.step_jit(REAL_WEIGHTS_COMPILE)
     yield
     runner._step_jit = cheap
+
+
+PROGRESS_EVERY_S = float(os.environ.get("HICACHE_TEST_PROGRESS_S", "60"))
+
+
+class _Progress:
+    """In a long run, a line a minute between the dots: how many tests are done and the groups
+    (folders under tests/) running now, so a slow run says where it is. Written by the process
+    that reports (pytest-xdist's controller, or the only one)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.start = self.last = time.monotonic()
+        self.running: dict[str, str] = {}  # nodeid -> group
+        self.done = 0
+
+    @staticmethod
+    def group(nodeid: str) -> str:
+        parts = nodeid.split("::")[0].split("/")
+        return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.running[nodeid] = self.group(nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "teardown":
+            return
+        self.running.pop(report.nodeid, None)
+        self.done += 1
+        now = time.monotonic()
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")  # registered after us
+        if now - self.last >= PROGRESS_EVERY_S and reporter is not None:
+            self.last = now
+            groups = ", ".join(sorted(set(self.running.values()))) or "-"
+            minutes = (now - self.start) / 60
+            clock = time.strftime("%H:%M")
+            reporter.write("\n")  # after the dots so far
+            reporter.write_line(f"[{clock}] {self.done} done in {minutes:.1f} min; running: {groups}")
+
+
+def pytest_configure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(_Progress(config), "hicache-progress")

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.waits import wait
 from tests.xla_env import without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +22,7 @@ def _run(*args: str, platforms: str | None = "cpu") -> subprocess.CompletedProce
     if platforms is not None:
         env["JAX_PLATFORMS"] = platforms
     cmd = [sys.executable, "-m", "hicache_jax.generate", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=wait(300))
 
 
 def test_ids_generate_and_text_without_tokenizer_is_one_line(checkpoint_dir):

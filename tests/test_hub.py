@@ -14,6 +14,7 @@ import pytest
 
 from hicache_jax import hub
 from hicache_jax.flags import FlagError, parse
+from tests.waits import wait
 
 MAIN, V2 = "a" * 40, "b" * 40
 
@@ -60,7 +61,11 @@ def test_model_id_from_offline_hub_cache(tmp_path):
     env = dict(os.environ, HF_HOME=home, HF_HUB_OFFLINE="1")
     env.pop("HF_HUB_CACHE", None)
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(asks)], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", SCRIPT, json.dumps(asks)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=wait(60),
     )
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
@@ -78,7 +83,7 @@ def test_model_id_from_offline_hub_cache(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=wait(60),
         cwd=str(tmp_path),
     )
     assert json.loads(run.stdout)["org/tiny@None"] == "org/tiny"

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.waits import wait
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,6 +17,6 @@ def test_the_import_contracts_hold():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=wait(120),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

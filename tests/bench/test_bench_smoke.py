@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from tests.server.conftest import ROOT, server_env
+from tests.waits import wait
 
 WORKLOADS = ("multi_turn", "doc_qa", "trace", "warm_restart", "agent")
 CACHED = ("l1", "l1l2", "l1l2l3")
@@ -47,7 +48,7 @@ def test_every_workload_on_every_configuration(tmp_path):
         f"--workloads={','.join(WORKLOADS)}",
         *SIZES.split(),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=wait(600))
     assert proc.returncode == 0, proc.stderr[-4000:]
     for w in WORKLOADS:
         assert f"### {w}" in proc.stdout
@@ -127,7 +128,7 @@ def test_working_sets_sized_from_the_pool_reach_l2_and_l3(tmp_path):
         "--workloads=multi_turn,doc_qa",
         *POOL_SIZES.split(),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=wait(600))
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())["results"]
     for name, cfg in results.items():

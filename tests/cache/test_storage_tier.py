@@ -10,6 +10,7 @@ import pytest
 
 from hicache_jax.cache import storage_tier
 from tests.cache.l3_helpers import P, hicache_llm, prompt, run, two_pass
+from tests.waits import wait
 
 CHUNK = 64
 
@@ -64,7 +65,7 @@ def test_two_processes_share_one_l3(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=wait(300)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])

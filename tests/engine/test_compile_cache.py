@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from tests.waits import wait
 from tests.xla_env import without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,7 +37,7 @@ def start(setting: str, cache_home) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=wait(600),
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

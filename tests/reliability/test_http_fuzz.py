@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.server.conftest import CONTEXT
+from tests.waits import wait
 
 MODEL = "tiny"
 EXAMPLES = 60  # per route; each example is one HTTP call (~10-100 ms)
@@ -230,7 +231,7 @@ def quiet_log(server):
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_fuzz_never_5xx(server, quiet_log, route):
-    client = httpx.Client(base_url=server.url, timeout=60)
+    client = httpx.Client(base_url=server.url, timeout=wait(120))
 
     @FUZZ
     @given(case=body_bytes(route))
@@ -269,7 +270,7 @@ REGRESSIONS = [
 
 @pytest.mark.parametrize("route,body,status", REGRESSIONS)
 def test_found_bugs_are_answered(server, quiet_log, route, body, status):
-    r = httpx.post(server.url + route, content=json.dumps(body).encode(), timeout=60)
+    r = httpx.post(server.url + route, content=json.dumps(body).encode(), timeout=wait(120))
     check(r)
     assert r.status_code == status, r.text
 
@@ -288,7 +289,7 @@ def test_oversized_body_is_413(server, quiet_log):
     from hicache_jax.server.protocol import MAX_BODY_BYTES
 
     big = b'{"text": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
-    r = httpx.post(server.url + "/generate", content=big, timeout=60)
+    r = httpx.post(server.url + "/generate", content=big, timeout=wait(120))
     check(r)
     assert r.status_code == 413
 
@@ -298,7 +299,7 @@ def test_oversized_body_is_413(server, quiet_log):
     [("GET", "/generate", 405), ("PUT", "/v1/completions", 405), ("POST", "/no/such/route", 404)],
 )
 def test_wrong_method_or_path_is_a_json_4xx(server, quiet_log, method, path, status):
-    r = httpx.request(method, server.url + path, content=b"{}", timeout=60)
+    r = httpx.request(method, server.url + path, content=b"{}", timeout=wait(120))
     check(r)
     assert r.status_code == status
 
@@ -443,7 +444,7 @@ def structured(draw) -> tuple[str, dict]:
 def test_fuzz_structured_output_and_tools_never_5xx(server, quiet_log):
     """Schemas (boolean, deep, self-referencing, unsatisfiable), regexes, EBNF, structural tags,
     response formats, tools, tool_choice and tool_calls history: never a 5xx."""
-    client = httpx.Client(base_url=server.url, timeout=60)
+    client = httpx.Client(base_url=server.url, timeout=wait(120))
 
     @settings(max_examples=2 * EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case=structured())

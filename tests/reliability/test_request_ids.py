@@ -19,6 +19,7 @@ from hicache_jax.sampling_params import InvalidRequest, SamplingParams
 from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.messages import Abort, Generate, Reply, Sink, Update
 from tests.server.fake_engine import FakeEngine
+from tests.waits import wait
 
 LONG = {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}
 SHORT = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -41,7 +42,7 @@ def _refused(r: httpx.Response, words: str) -> None:
 def test_rid_in_flight_is_refused_and_the_holder_finishes(server):
     rid, ids = f"busy-{uuid.uuid4().hex}", _ids(1)
     other = f"other-{uuid.uuid4().hex}"
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with httpx.Client(base_url=server.url, timeout=wait(300)) as c:
         body = {"input_ids": ids, "sampling_params": LONG, "rid": rid, "stream": True}
         with c.stream("POST", "/generate", json=body) as stream:
             lines = stream.iter_lines()
@@ -74,7 +75,7 @@ def test_rid_reused_right_after_finishing_many_times_concurrently(server):
 
     def reuse(k: int) -> int:
         rid = f"reuse-{k}-{uuid.uuid4().hex}"
-        with httpx.Client(base_url=server.url, timeout=120) as c:
+        with httpx.Client(base_url=server.url, timeout=wait(300)) as c:
             for i in range(12):
                 body = {"input_ids": prompts[k], "sampling_params": SHORT, "rid": rid}
                 if i % 3 == 2:
@@ -91,7 +92,7 @@ def test_rid_reused_right_after_finishing_many_times_concurrently(server):
         return 12
 
     def anonymous(k: int) -> int:
-        with httpx.Client(base_url=server.url, timeout=120) as c:
+        with httpx.Client(base_url=server.url, timeout=wait(300)) as c:
             for _ in range(8):
                 r = c.post("/generate", json={"input_ids": prompts[k], "sampling_params": SHORT})
                 assert r.status_code == 200 and r.json()["output_ids"] == want[k], r.text
@@ -106,12 +107,12 @@ def test_rid_reused_right_after_finishing_many_times_concurrently(server):
 def test_rid_reused_after_a_disconnect(server):
     rid, ids = f"gone-{uuid.uuid4().hex}", _ids(2)
     body = {"input_ids": ids, "sampling_params": LONG, "rid": rid, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(base_url=server.url, timeout=wait(120)) as c:
         with c.stream("POST", "/generate", json=body) as r:
             next(line for line in r.iter_lines() if line.startswith("data: "))  # in flight; hang up
     deadline = time.monotonic() + 30
     while True:  # "in use" until the server has seen the disconnect and aborted it
-        r = httpx.post(server.url + "/generate", json=body | {"stream": False}, timeout=120)
+        r = httpx.post(server.url + "/generate", json=body | {"stream": False}, timeout=wait(300))
         if r.status_code == 200 or time.monotonic() > deadline:
             break
         _refused(r, "already in use")

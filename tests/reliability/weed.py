@@ -14,6 +14,8 @@ import time
 import httpx
 import tensorstore as ts
 
+from tests.waits import wait
+
 
 def weed_binary() -> str | None:
     """`weed` on PATH or next to this Python (a virtualenv's bin/)."""
@@ -85,7 +87,7 @@ class Weed:
         ]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
-            self._create_bucket(f"http://127.0.0.1:{filer}", timeout=60)
+            self._create_bucket(f"http://127.0.0.1:{filer}", timeout=wait(60))
         except BaseException:
             self.kill()
             raise

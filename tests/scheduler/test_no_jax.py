@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from tests.waits import wait
+
 # Run in a fresh interpreter: the test process has imported JAX already (tests/conftest.py).
 SCRIPT = r"""
 import importlib
@@ -53,7 +55,7 @@ MUST_IMPORT = {
 
 
 def test_scheduler_and_cache_import_without_jax():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=wait(120))
     assert out.returncode == 0, out.stderr
     imported = set(out.stdout.split())
     assert MUST_IMPORT <= imported, sorted(MUST_IMPORT - imported)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from hicache_jax.bench.server_process import ServerError, ServerProcess, metrics
+from tests.waits import wait
 from tests.xla_env import server_compile_cache_env, without_device_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,13 +52,13 @@ class Server(ServerProcess):
                 # The flagfiles warm up for users; a test's server compiles what it runs.
                 [f"--flagfile=configs/{flagfile}", "--warmup=false", *extra],
                 log_path=log_path,
-                startup_timeout=180,
+                startup_timeout=wait(300),
                 env=server_env(),
                 cwd=ROOT,
             )
         except ServerError as e:
             pytest.fail(str(e))
-        self.client = httpx.Client(base_url=self.url, timeout=120, headers=headers)
+        self.client = httpx.Client(base_url=self.url, timeout=wait(300), headers=headers)
 
     def metrics(self) -> dict[str, float]:
         """Prometheus text -> {name{labels}: value}."""

@@ -12,6 +12,8 @@ import time
 
 import httpx
 
+from tests.waits import wait
+
 LONG = {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True}
 
 
@@ -48,7 +50,7 @@ def _aborted_while_paused(server, before: float) -> dict:
 def test_streaming_client_disconnect_aborts(server):
     before = server.metrics()["hicache_aborted_requests_total"]
     body = {"input_ids": [5, 6, 7, 8], "sampling_params": LONG, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=300) as c:  # the first request compiles
+    with httpx.Client(base_url=server.url, timeout=wait(300)) as c:  # the first request compiles
         with c.stream("POST", "/generate", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -64,7 +66,7 @@ def test_non_streaming_client_disconnect_aborts(server):
     body = {"input_ids": [9, 10, 11, 12], "sampling_params": LONG}
 
     async def hang_up_while_paused():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+        async with httpx.AsyncClient(base_url=server.url, timeout=wait(300)) as c:
             call = asyncio.create_task(c.post("/generate", json=body))
             while not call.done():  # until it runs (holds pages)
                 if (await c.get("/metrics")).text.count("hicache_num_running_reqs 1.0"):

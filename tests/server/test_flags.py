@@ -15,6 +15,7 @@ from absl import flags
 from hicache_jax import flags as server_flags
 from hicache_jax.config import EngineConfig
 from tests.server.conftest import ROOT, server_env
+from tests.waits import wait
 
 FLAGFILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.flags")))
 
@@ -103,7 +104,7 @@ def test_storage_spec_can_be_unset_on_the_command_line(monkeypatch):
 )
 def test_binary_stops_with_one_line(argv, named):
     cmd = [sys.executable, "-m", "hicache_jax.serve", "--platform=cpu", *argv]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=server_env())
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=wait(120), env=server_env())
     assert r.returncode != 0
     assert named in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -36,6 +36,7 @@ from hicache_jax.engine.engine import Engine
 from tests import hf_checkpoints
 from tests._diverging_follower import DIVERGE_TOKEN
 from tests.server.conftest import ROOT, server_env
+from tests.waits import wait
 from tests.xla_env import with_device_count
 
 TINY_TOKENIZER = os.path.join(ROOT, "hicache_jax", "assets", "tiny_tokenizer.json")
@@ -113,14 +114,14 @@ class Pair:
             self.leader = ServerProcess(
                 [*flags, "--dist_process_id=0"],
                 log_path=str(tmp / "process0.log"),
-                startup_timeout=240,
+                startup_timeout=wait(400),
                 env=env,
                 cwd=ROOT,
             )
         except ServerError as e:
             self.follower.kill()
             pytest.fail(f"{e}\nprocess 1:\n{self.follower_log()[-3000:]}")
-        self.client = httpx.Client(base_url=self.leader.url, timeout=120)
+        self.client = httpx.Client(base_url=self.leader.url, timeout=wait(300))
 
     def follower_log(self) -> str:
         return self.log1.read_text()
@@ -233,7 +234,7 @@ def test_processes_started_with_different_settings_refuse_to_start(tmp_path, che
         )
         for i in (0, 1)
     ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = [p.communicate(timeout=wait(300))[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 2, out[-3000:]
         assert "different settings for random_seed; every process must get the same flags" in out, out[-3000:]

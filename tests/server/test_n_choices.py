@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.server.conftest import PAGE_SIZE, TEST_FLAGS, Server
+from tests.waits import wait
 
 MODEL = "tiny"
 POOL_TOKENS = 32 * PAGE_SIZE
@@ -94,7 +95,7 @@ def check_choices_are_single_requests(server, cases: list[dict]) -> None:
     ]
 
     def generate(body: dict):  # a connection each: a pooled one idle past uvicorn's keep-alive may reset
-        r = httpx.post(server.url + "/generate", json=body, timeout=120)
+        r = httpx.post(server.url + "/generate", json=body, timeout=wait(300))
         assert r.status_code == 200, r.text
         return r.json()
 

@@ -21,6 +21,7 @@ import pytest
 
 from hicache_jax.bench.server_process import free_port
 from tests.server.conftest import PAGE_SIZE, TEST_FLAGS, Server
+from tests.waits import wait
 
 pytest.importorskip("sglang_router")
 
@@ -49,7 +50,7 @@ class Router:
         cmd += ["--health-check-interval-secs", "1", "--health-failure-threshold", "2"]
         cmd += ["--health-check-timeout-secs", "20", "--log-level", "info"]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self.client = httpx.Client(base_url=self.url, timeout=180)
+        self.client = httpx.Client(base_url=self.url, timeout=wait(300))
 
     def log_tail(self, n: int = 30) -> str:
         with open(self.log_path) as f:

@@ -17,6 +17,7 @@ from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
 from tests.storage._evict_worker import PAGES_PER_CHAIN, chain_id
 from tests.storage.test_capacity import NS, chain, stored_bytes
+from tests.waits import wait
 
 REPO = Path(__file__).resolve().parents[2]
 CHAINS = 18  # per worker: 72 pages of ~4.3 KB each, ~310 KB
@@ -63,7 +64,7 @@ def _run_two_workers(spec: dict) -> list[dict]:
     ]
     outs = []
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=wait(120))
         assert p.returncode == 0, err[-3000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
     return outs

@@ -16,6 +16,7 @@ from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.layout import PAGES, namespace_dir, parse_page_path
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
 from tests.storage.test_capacity import NS, chain, pages
+from tests.waits import wait
 
 REPO = Path(__file__).resolve().parents[2]
 SALTED = NS.with_salt("tenant-b")
@@ -108,7 +109,7 @@ def test_cli_dry_run_and_sweep(filled):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=wait(60),
     )
     dry = run("--max_gb=0", "--dry_run")
     assert dry.returncode == 0, dry.stderr[-2000:]

@@ -12,6 +12,7 @@ from hicache_jax.storage.base import make_store
 from hicache_jax.storage.keys import Namespace, page_hashes
 from hicache_jax.storage.layout import page_path
 from hicache_jax.storage.tensorstore_store import InvalidStoreSpec, TensorStoreL3, resolve_spec
+from tests.waits import wait
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,7 +136,7 @@ def test_two_processes_share_a_file_store_without_torn_reads(tmp_path):
     ]
     results = []
     for p in procs:
-        out, err = p.communicate(timeout=600)
+        out, err = p.communicate(timeout=wait(600))
         assert p.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
     for r in results:
