@@ -41,7 +41,7 @@ def _meta(req: Req) -> dict:
         "prompt_tokens": req.input_len,
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
-        "cached_tokens_details": dict(req.cached_details),
+        "cached_tokens_details": {str(t): n for t, n in req.cached_details.items()},  # plain names
         "finish_reason": req.finish_reason,
         "e2e_latency": (req.finish_time or time.monotonic()) - req.arrival,
     }
