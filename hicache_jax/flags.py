@@ -3,7 +3,7 @@ Nothing else reads ``FLAGS``.
 
 Every ``EngineConfig`` and ``ServerConfig`` field is a flag of the same name (type from the
 field; help and default from its ``setting``), so a field added to a config is a flag at
-once, and its help is also its row in README's flag table (``hicache_jax/flag_table.py``).
+once, and its help is also its row in the flag table of docs/flags.md (``hicache_jax/flag_table.py``).
 Invalid or contradictory values raise ``FlagError`` whose message names the flag.
 """
 

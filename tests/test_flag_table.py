@@ -1,4 +1,4 @@
-"""README's flag table is generated from the config fields, and says what ``--helpfull`` says:
+"""The flag table of docs/flags.md is generated from the config fields, and says what ``--helpfull`` says:
 one row per flag that exists, each row's meaning that flag's absl help."""
 
 import collections
@@ -13,13 +13,13 @@ from hicache_jax.config import EngineConfig
 from hicache_jax.flags import define_flags
 from hicache_jax.server.config import ServerConfig
 
-FIX = "README's flag table is stale: run `python -m hicache_jax.flag_table --write`"
+FIX = "docs/flags.md's flag table is stale: run `python -m hicache_jax.flag_table --write`"
 
 
-def readme_rows() -> list[tuple[str, str, str]]:
-    """(flag name, default, meaning) for each row of README's marked table."""
-    with open(flag_table.README, encoding="utf-8") as fh:
-        block = flag_table.readme_block(fh.read())
+def doc_rows() -> list[tuple[str, str, str]]:
+    """(flag name, default, meaning) for each row of docs/flags.md's marked table."""
+    with open(flag_table.FLAGS_DOC, encoding="utf-8") as fh:
+        block = flag_table.marked_block(fh.read())
     rows = []
     for line in block.splitlines():
         if not line.startswith("| `--"):
@@ -39,19 +39,19 @@ def fv():
     return fv
 
 
-def test_readme_table_is_generated():
-    with open(flag_table.README, encoding="utf-8") as fh:
-        assert flag_table.readme_block(fh.read()) == flag_table.block(), FIX
+def test_doc_table_is_generated():
+    with open(flag_table.FLAGS_DOC, encoding="utf-8") as fh:
+        assert flag_table.marked_block(fh.read()) == flag_table.block(), FIX
 
 
 def test_one_row_per_flag_and_no_other(fv):
-    counts = collections.Counter(name for name, _, _ in readme_rows())
+    counts = collections.Counter(name for name, _, _ in doc_rows())
     assert set(counts) == set(fv), FIX
     assert [name for name, n in counts.items() if n > 1] == []
 
 
 def test_each_row_says_what_helpfull_says(fv):
-    for name, _, meaning in readme_rows():
+    for name, _, meaning in doc_rows():
         assert name in fv and meaning == fv[name].help, f"--{name}: {FIX}"
 
 
@@ -68,7 +68,7 @@ def test_cells_survive_markdown():
 
 
 def test_write_rewrites_only_the_block(tmp_path):
-    path = tmp_path / "README.md"
+    path = tmp_path / "flags.md"
     stale = f"before\n{flag_table.BEGIN}\n| `--gone` | 1 | old |\n{flag_table.END}\nafter\n"
     path.write_text(stale, encoding="utf-8")
     assert flag_table.write(str(path))

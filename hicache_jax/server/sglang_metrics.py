@@ -15,7 +15,7 @@ SGLang's name, type and ``model_name`` label, and only where the meaning is the 
     sglang:time_to_first_token_seconds histogram <- TTFT, SGLang's bucket bounds
     sglang:e2e_request_latency_seconds histogram <- e2e latency, SGLang's bucket bounds
 
-What we leave out, and why, is in the README (Monitoring: Prometheus and Grafana).
+What we leave out, and why, is in docs/operating.md (Monitoring: Prometheus and Grafana).
 """
 
 from __future__ import annotations
