@@ -179,8 +179,8 @@ class ModelRunner:
             T, S, R = batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.logits_indices.shape[0]
             shape = (T, S, R, batch.decode_only)
             log.warning(
-                "a step waited %.1f s for its program to compile (%s; --warmup compiles every "
-                "step shape before serving)",
+                "a step waited %.1f s for its program to compile (%s; warm-up, --warmup or "
+                "LLM(warmup=True), compiles every step shape before serving)",
                 time.perf_counter() - t0,
                 step_name(shape, top_logprobs),
             )
