@@ -64,7 +64,11 @@ def timed(client: httpx.Client, path: str, body: dict) -> dict:
 def one_server(name: str, extra: list[str], env: dict, logs: str) -> dict:
     t0 = time.perf_counter()
     with ServerProcess(
-        QUICKSTART + extra, log_path=os.path.join(logs, f"{name}.log"), startup_timeout=1800, env=env, cwd=ROOT
+        QUICKSTART + extra,
+        log_path=os.path.join(logs, f"{name}.log"),
+        startup_timeout=1800,
+        env=env,
+        cwd=ROOT,
     ) as server:
         ready = time.perf_counter() - t0
         with httpx.Client(base_url=server.url, timeout=600) as client:
@@ -75,7 +79,11 @@ def one_server(name: str, extra: list[str], env: dict, logs: str) -> dict:
                 "generate again": timed(client, "/generate", GENERATE),
             }
         waited = [line.strip() for line in open(server.log_path) if "waited" in line and "compile" in line]
-    result = {"ready_seconds": round(ready, 1), "requests": requests, "steps_that_waited_on_a_compile": len(waited)}
+    result = {
+        "ready_seconds": round(ready, 1),
+        "requests": requests,
+        "steps_that_waited_on_a_compile": len(waited),
+    }
     print(name, json.dumps(result), flush=True)
     return result
 

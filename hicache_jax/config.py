@@ -1,6 +1,6 @@
 """Engine configuration: frozen dataclasses, validated on construction. The server's absl
 flags and ``LLM(**kwargs)`` both end up here, under the same names. Each field is a
-``setting``: its help (the flag's help and README's row), default and checks in one place."""
+``setting``: its help (the flag's help and its row in docs/flags.md), default and checks in one place."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _usable_key_file(path: str) -> bool:
 
 def setting(default, help: str, *checks, shown_default: str | None = None, choices=None, show_value=True):
     """A config field with everything said about it in one place: its ``help`` (the flag's
-    help and the README row, ``hicache_jax/flag_table.py``), its default, and its checks.
+    help and its row in docs/flags.md, ``hicache_jax/flag_table.py``), its default, and its checks.
 
     A check is ``(ok(value, config), "must be ...")``; ``{field}`` in the text is filled from
     the config, so a message can name the bound it was checked against (checks run in field
@@ -101,8 +101,8 @@ class EngineConfig:
     model_path: str | None = setting(
         None,
         "HF or orbax (hicache_jax.convert) model directory, a llama.cpp .gguf file, or a Hugging Face "
-        "model id (org/name) fetched into the Hub cache (HF_HOME, HF_HUB_OFFLINE; README: Operating "
-        "the server); unset: the built-in --preset.",
+        "model id (org/name) fetched into the Hub cache (HF_HOME, HF_HUB_OFFLINE; docs/models.md: "
+        "Hugging Face model ids); unset: the built-in --preset.",
         shown_default="unset",
     )
     revision: str | None = setting(
@@ -161,7 +161,7 @@ class EngineConfig:
     )
     disable_radix_cache: bool = setting(False, "Turn off prefix caching.")
     disable_overlap_schedule: bool = setting(
-        False, "Read each step's results before scheduling the next (README: Performance)."
+        False, "Read each step's results before scheduling the next (docs/serving.md: Performance)."
     )
     schedule_policy: str = setting(
         "fcfs",
@@ -188,7 +188,7 @@ class EngineConfig:
     tp_size: int = setting(
         1,
         "Tensor-parallel degree: a mesh of the first tp_size devices, of all hosts together with "
-        "--dist_num_processes > 1 (README: Tensor parallel).",
+        "--dist_num_processes > 1 (docs/tpu.md: Tensor parallel).",
         _AT_LEAST_1,
     )
     # Several processes (hosts) on one mesh, joined by jax.distributed (hicache_jax/multihost/distributed.py).
@@ -218,7 +218,7 @@ class EngineConfig:
     warmup: bool = setting(
         False,
         "Compile every program serving can run before serving, so no request waits for a compile "
-        "(README: Warm-up).",
+        "(docs/serving.md: Warm-up).",
     )
     compilation_cache_dir: str = setting(
         "auto",
