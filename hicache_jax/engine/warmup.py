@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
     programs: int  # programs warm-up asked for
-    compiled: int  # of them, compiled or loaded now (the rest were compiled before in this process)
+    compiled: int  # of them, compiled now
     seconds: float
-    loaded: int = 0  # of ``compiled``, loaded from the persistent compilation cache
+    loaded: int = 0  # of them, loaded from the persistent compilation cache (the rest of
+    # ``programs`` were compiled or loaded before, in this process)
 
 
 def default_workers() -> int:
@@ -74,17 +75,18 @@ def warmup(
                 f.result()
             except Exception as e:
                 raise RuntimeError(f"warm-up: compiling {futures[f]} failed: {e}") from e
+    loaded = compiles.loaded() - loaded_before  # each also counts in compiles.total()
     report = WarmupReport(
         programs=len(futures),
-        compiled=compiles.total() - before,
+        compiled=compiles.total() - before - loaded,
         seconds=time.perf_counter() - t0,
-        loaded=compiles.loaded() - loaded_before,
+        loaded=loaded,
     )
     log.info(
         "warm-up: %d programs in %.1fs (%d compiled, %d loaded from the compilation cache)",
         report.programs,
         report.seconds,
-        report.compiled - report.loaded,
+        report.compiled,
         report.loaded,
     )
     return report
