@@ -36,6 +36,7 @@ from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import EngineConfig
+from hicache_jax.kinds import CacheKind
 from hicache_jax.request import Req
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
@@ -113,7 +114,7 @@ def run(size: int, steps: int, warmup: int, running: int, seed: int, profile: bo
         max_total_tokens=device_pages * P,
         enable_hierarchical_cache=True,
     )
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_mamba=False)
+    rules = PrefixRules(page_size=P, kinds=(CacheKind.FULL,))
     pools = {"full": IndexPool(device_pages, "full-attention pages")}
     host = {"full": HostPool("full", size, LAYOUT)}
     cache = PrefixCache(rules, pools, host=host, transfer=FakeTransfer(), write_policy="write_through")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from hicache_jax.cache.page_bytes import DTYPE_BYTES, page_bytes, read_bytes_per_token
+from hicache_jax.models.page_bytes import DTYPE_BYTES, page_bytes, read_bytes_per_token
 
 
 def main() -> None:

@@ -17,6 +17,11 @@ recurrent kind produced it. A third recurrent kind is a new ``LayerKind`` mapped
 ``STATE`` here, its layer, and its entry in ``state_shapes``; nothing in ``cache/`` or
 ``scheduler/`` changes.
 
+What the cache keeps of each cache kind follows its ``Retention`` rule (``RETENTION``), and
+nothing in ``cache/`` or ``scheduler/`` names a cache kind: they read the rule. A new paged
+kind is a ``CacheKind`` with its rule, its L3 suffix, and the layers that use it
+(``docs/architecture.md``, "Adding a cache kind").
+
 ``StrEnum`` members compare and hash as their strings, so config files, metric names and
 JSON keep the plain names.
 """
@@ -39,27 +44,61 @@ class CacheKind(enum.StrEnum):
     STATE = "state"  # a recurrent-state snapshot (every recurrent layer) at a page's end
 
 
-LAYER_CACHE: dict[LayerKind, CacheKind] = {
-    LayerKind.ATTENTION: CacheKind.FULL,
-    LayerKind.SLIDING: CacheKind.SWA,
-    LayerKind.MAMBA: CacheKind.STATE,
-    LayerKind.GDN: CacheKind.STATE,
+class Retention(enum.StrEnum):
+    """What a prefix ending at token ``e`` needs of a cache kind (``cache/prefix.py``)."""
+
+    EVERY = "every"  # every page before e; a page whose only copy goes takes its subtree along
+    WINDOW = "window"  # the pages a window ending at e covers; older ones may be tombstoned
+    SNAPSHOT = "snapshot"  # one entry taken exactly at e, in slots rather than pages
+
+
+RETENTION: dict[CacheKind, Retention] = {
+    CacheKind.FULL: Retention.EVERY,
+    CacheKind.SWA: Retention.WINDOW,
+    CacheKind.STATE: Retention.SNAPSHOT,
 }
-RECURRENT = frozenset(k for k, c in LAYER_CACHE.items() if c is CacheKind.STATE)
-PAGED = (CacheKind.FULL, CacheKind.SWA)  # cache kinds that hold one KV page per page of tokens
+
+# The cache kinds each layer kind keeps (a layer may keep several: its entries are
+# allocated, loaded and stored per kind).
+LAYER_CACHE: dict[LayerKind, tuple[CacheKind, ...]] = {
+    LayerKind.ATTENTION: (CacheKind.FULL,),
+    LayerKind.SLIDING: (CacheKind.SWA,),
+    LayerKind.MAMBA: (CacheKind.STATE,),
+    LayerKind.GDN: (CacheKind.STATE,),
+}
+RECURRENT = frozenset(k for k, c in LAYER_CACHE.items() if c == (CacheKind.STATE,))
+# Cache kinds that hold one page per page of tokens (the rest hold snapshots in slots).
+PAGED = tuple(k for k in CacheKind if RETENTION[k] is not Retention.SNAPSHOT)
 ALL = tuple(CacheKind)
+
+# What a device pool of the kind holds, in messages (``IndexPool`` names).
+POOL_NAME: dict[CacheKind, str] = {
+    CacheKind.FULL: "full-attention pages",
+    CacheKind.SWA: "sliding-window pages",
+    CacheKind.STATE: "recurrent state slots",
+}
 
 # The L3 object name suffix of each cache kind (``storage/layout.py`` joins it to the
 # page's hash). Renaming one orphans what servers already stored under the old name.
 L3_SUFFIX: dict[CacheKind, str] = {CacheKind.FULL: "kv", CacheKind.SWA: "swa", CacheKind.STATE: "state"}
 
 
-def cache_kind(layer: str) -> CacheKind:
-    """The cache kind a layer kind's entries live in."""
+def retention(kind: str) -> Retention:
+    """A cache kind's retention rule."""
+    return RETENTION[CacheKind(kind)]
+
+
+def with_retention(kinds, rule: Retention) -> tuple[CacheKind, ...]:
+    """Those of ``kinds`` kept by ``rule``, in the order given."""
+    return tuple(k for k in kinds if RETENTION[CacheKind(k)] is rule)
+
+
+def layer_cache(layer: str) -> tuple[CacheKind, ...]:
+    """The cache kinds a layer kind's entries live in."""
     return LAYER_CACHE[LayerKind(layer)]
 
 
 def cache_kinds(layer_kinds) -> tuple[CacheKind, ...]:
     """The cache kinds a stack of layers uses, in ``CacheKind`` order."""
-    used = {cache_kind(k) for k in layer_kinds}
+    used = {c for k in layer_kinds for c in layer_cache(k)}
     return tuple(k for k in CacheKind if k in used)

@@ -6,7 +6,6 @@ import dataclasses
 import enum
 import time
 
-from hicache_jax.kinds import PAGED, CacheKind
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.tiers import zero_counts
 
@@ -28,24 +27,24 @@ class ReqCache:
     request's own (``own``: it frees it); a recurrent layer's working state lives in
     ``state_slot``, and its snapshots wait in ``snapshots`` until the tree takes them."""
 
-    # Per paged cache kind (both, always; None where the model has no such pool or the
-    # page was freed), one entry per page of the sequence so far.
-    pages: dict = dataclasses.field(default_factory=lambda: {k: [] for k in PAGED})
-    own: dict = dataclasses.field(default_factory=lambda: {k: [] for k in PAGED})
+    # Per paged cache kind the model keeps (None where the page was freed), one entry per
+    # page of the sequence so far; every kind's list has the same length.
+    pages: dict = dataclasses.field(default_factory=dict)
+    own: dict = dataclasses.field(default_factory=dict)
     state_slot: int | None = None  # working recurrent state (every recurrent layer)
     restore_from: int | None = None  # snapshot slot to copy into state_slot before the next step
     snapshots: dict = dataclasses.field(default_factory=dict)  # page count -> snapshot slot
     last_node: object = None  # deepest radix node this request locks
-    swa_locked: list = dataclasses.field(default_factory=list)  # nodes whose SWA page it pins
+    window_locked: list = dataclasses.field(default_factory=list)  # nodes whose window pages it pins
     num_inserted_pages: int = 0  # pages of fill_ids already in the tree
 
     @property
     def num_pages(self) -> int:
-        return len(self.pages[CacheKind.FULL])
+        return max((len(p) for p in self.pages.values()), default=0)
 
-    def owned(self, kind: CacheKind) -> list[int]:
+    def owned(self, kind: str) -> list[int]:
         """The indices of ``kind`` the request frees."""
-        return [p for p, o in zip(self.pages[kind], self.own[kind]) if o and p is not None]
+        return [p for p, o in zip(self.pages.get(kind, ()), self.own.get(kind, ())) if o and p is not None]
 
 
 @dataclasses.dataclass(eq=False)  # a request is itself: compared (and removed from lists) by identity

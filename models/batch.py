@@ -10,9 +10,10 @@ Sequence ``s`` owns tokens ``cu_q_lens[s] : cu_q_lens[s+1]`` and, after the step
 ``kv_lens[s]`` tokens in the cache (the new ones included), so its first new token sits at
 position ``kv_lens[s] - q_len[s]``.
 
-Attention KV lives in pages. Each page group (``CacheKind.FULL`` for full-attention layers,
-``CacheKind.SWA`` for sliding-window layers) has its own page table, so the engine may release
-sliding-window pages that fell out of the window while full-attention pages stay.
+Attention KV lives in pages. Each page group (a paged cache kind: ``CacheKind.FULL`` for
+full-attention layers, ``CacheKind.SWA`` for sliding-window layers, ...) has its own page
+table, so the engine may release sliding-window pages that fell out of the window while
+full-attention pages stay.
 ``slot_mappings[group][t]`` is where token ``t``'s K/V goes (``page * page_size + offset``;
 -1 writes nothing). Recurrent layers read and write per-sequence state slots.
 
@@ -26,17 +27,20 @@ import dataclasses
 
 import jax
 
-from hicache_jax.kinds import PAGED, CacheKind, cache_kind
-
-PAGE_GROUPS = PAGED
+from hicache_jax.kinds import PAGED, CacheKind, cache_kinds, layer_cache
 
 
 def page_group(kind: str) -> CacheKind:
-    """The page group (``CacheKind.FULL`` or ``SWA``) an attention layer kind's KV lives in."""
-    group = cache_kind(kind)
-    if group not in PAGED:
-        raise ValueError(f"layer kind {kind!r} keeps no KV pages")
-    return group
+    """The page group a layer kind that pages one cache kind (attention) keeps its KV in."""
+    groups = [c for c in layer_cache(kind) if c in PAGED]
+    if len(groups) != 1:
+        raise ValueError(f"layer kind {kind!r} pages {len(groups)} cache kinds, not one")
+    return groups[0]
+
+
+def page_groups(layer_kinds) -> tuple[CacheKind, ...]:
+    """The paged cache kinds a stack of layers uses (each has its page table)."""
+    return tuple(k for k in cache_kinds(layer_kinds) if k in PAGED)
 
 
 @dataclasses.dataclass(frozen=True)

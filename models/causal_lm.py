@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hicache_jax.kinds import RECURRENT, LayerKind
-from hicache_jax.models.batch import ForwardBatch, page_group
-from hicache_jax.models.cache import allocate_cache
+from hicache_jax.kinds import LayerKind
+from hicache_jax.models.batch import ForwardBatch, page_groups
+from hicache_jax.models.cache import allocate_cache, paged_specs
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.layers.attention import Attention
@@ -148,7 +148,7 @@ class CausalLM(nnx.Module):
         new_cache = []
         for i, (layer, entry) in enumerate(zip(self.layers, cache, strict=True)):
             if batch.loads is not None and batch.loads.pages[i] is not None:
-                entry, x = land(entry, x, batch.loads, i, page_group(layer.kind))
+                entry, x = land(entry, x, batch.loads, i, paged_specs(cfg, layer.kind))
             entry, x = layer(entry, x, batch)
             new_cache.append(entry)
         x = self.final_norm(x[batch.logits_indices])
@@ -170,7 +170,7 @@ class CausalLM(nnx.Module):
         Bsz, T = input_ids.shape
         cache = self.allocate_cache(num_pages=Bsz, page_size=T, num_state_slots=Bsz)
         seqs = jnp.arange(Bsz, dtype=jnp.int32)
-        groups = {page_group(k) for k in self.cfg.layer_kinds if k not in RECURRENT}
+        groups = page_groups(self.cfg.layer_kinds)
         slots = (seqs[:, None] * T + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
         batch = ForwardBatch(
             input_ids=input_ids.reshape(-1).astype(jnp.int32),

@@ -24,6 +24,7 @@ from hicache_jax.progress import bar
 
 log = logging.getLogger(__name__)
 
+
 def read_hf_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     try:

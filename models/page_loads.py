@@ -11,7 +11,8 @@ waits for layer ``i``'s copy only where layer ``i`` begins: the copies of later 
 while earlier layers compute (``tests/tpu/test_serving_step.py`` checks that order).
 
 Shapes are fixed: ``capacity`` pages per page group, whether or not that many arrived.
-Unused rows carry an index past the pool, and the write drops them.
+Unused rows carry an index past the pool, and the write drops them. A layer that pages
+several cache kinds (``models/cache.py``, ``paged_specs``) gets each kind's pages.
 """
 
 from __future__ import annotations
@@ -20,25 +21,33 @@ import dataclasses
 
 import jax
 
-from hicache_jax.models.cache import KVPages
+from hicache_jax.models.cache import PagedSpec, join, parts
 
 
 @dataclasses.dataclass(frozen=True)
 class PageLoads:
     idx: dict  # page group -> [capacity] int32 device page indices (past the pool: none)
-    pages: tuple  # per layer: KVPages of [capacity, page_size, kv_heads, head_dim] in host memory, or None
+    # Per layer: {page group: its entry of [capacity, page_size, *per_token] arrays in host
+    # memory}, or None.
+    pages: tuple
 
 
 jax.tree_util.register_dataclass(PageLoads, data_fields=["idx", "pages"], meta_fields=[])
 
 
-def land(entry: KVPages, x: jax.Array, loads: PageLoads, layer: int, group: str) -> tuple[KVPages, jax.Array]:
+def land(entry, x: jax.Array, loads: PageLoads, layer: int, specs: tuple[PagedSpec, ...]):
     """Layer ``layer``'s loaded pages, copied to the device and written into ``entry``
     once ``x`` (the layer's input) exists. Returns the entry and ``x`` (unchanged)."""
-    k, v = (jax.device_put(a, jax.memory.Space.Device) for a in loads.pages[layer])
-    x, k, v = jax.lax.optimization_barrier((x, k, v))
-    idx = loads.idx[group]
-    return KVPages(
-        entry.k.at[idx].set(k.astype(entry.k.dtype), mode="drop"),
-        entry.v.at[idx].set(v.astype(entry.v.dtype), mode="drop"),
-    ), x
+    arrived = {
+        g: [jax.device_put(a, jax.memory.Space.Device) for a in e] for g, e in loads.pages[layer].items()
+    }
+    x, arrived = jax.lax.optimization_barrier((x, arrived))
+    out = []
+    for spec, part in zip(specs, parts(entry, specs)):
+        if spec.kind not in arrived:
+            out.append(part)
+            continue
+        idx = loads.idx[spec.kind]
+        new = arrived[spec.kind]
+        out.append(type(part)(*(a.at[idx].set(n.astype(a.dtype), mode="drop") for a, n in zip(part, new))))
+    return join(out, specs), x

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hicache_jax.kinds import RECURRENT, LayerKind
-from hicache_jax.models.cache import KVPages, RecurrentState
+from hicache_jax.models.cache import RecurrentState, join, paged_specs
 from hicache_jax.models.config import ModelConfig
 
 AXIS = "tp"
@@ -186,17 +186,22 @@ def _key(k):
 
 
 def cache_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple:
-    """One entry per layer, shaped like the cache: KV pages split by KV head, a recurrent
+    """One entry per layer, shaped like the cache: pages split by KV head where their
+    ``PagedSpec`` has heads (else replicated: a latent every head reads), a recurrent
     layer's state by head; Mamba's conv state (a few rows per slot) replicated, GDN's split
     by channel (its channels are grouped by key head, as the device's heads are)."""
-    kv = NamedSharding(mesh, P(None, None, AXIS, None))
     out = []
     for kind in cfg.layer_kinds:
         if kind in RECURRENT:
             conv = P(None, None, AXIS) if kind == LayerKind.GDN else P()  # [slots, K - 1, channels]
             out.append(RecurrentState(conv=NamedSharding(mesh, conv), ssm=NamedSharding(mesh, P(None, AXIS))))
-        else:
-            out.append(KVPages(kv, kv))
+            continue
+        specs = paged_specs(cfg, kind)
+        made = []
+        for s in specs:
+            split = P(None, None, AXIS, *([None] * (len(s.per_token) - 1))) if s.heads else P()
+            made.append(s.entry(*(NamedSharding(mesh, split) for _ in s.entry._fields)))
+        out.append(join(made, specs))
     return tuple(out)
 
 

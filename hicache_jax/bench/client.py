@@ -27,7 +27,7 @@ import httpx
 
 from hicache_jax.bench.theoretical import SeqRecord
 from hicache_jax.cache.prefix import PrefixRules
-from hicache_jax.kinds import RECURRENT
+from hicache_jax.kinds import CacheKind, Retention, cache_kinds, with_retention
 from hicache_jax.tiers import TIERS
 
 
@@ -92,15 +92,12 @@ def fetch_info(url: str, *, page_size: int = 16, vocab_size: int = 32000) -> Ser
     kinds = model.get("layer_kinds")
     vocab = int(model.get("vocab_size", vocab_size))
     if "page_size" not in model or kinds is None or not eng:
-        rules = PrefixRules(page_size=page_size, has_full=True, sliding_window=None, has_state=False)
+        rules = PrefixRules(page_size=page_size, kinds=(CacheKind.FULL,))
         return ServerInfo(rules, 1 << 30, vocab, None, False)
     P = int(model["page_size"])
-    rules = PrefixRules(
-        page_size=P,
-        has_full="attention" in kinds,
-        sliding_window=model.get("sliding_window") if "sliding" in kinds else None,
-        has_state=any(k in RECURRENT for k in kinds),
-    )
+    used = cache_kinds(kinds)
+    window = model.get("sliding_window") if with_retention(used, Retention.WINDOW) else None
+    rules = PrefixRules(page_size=P, kinds=used, window=window)
     # With L2 every device page is copied to the host: L1 + L2 hold the larger pool.
     capacity: int | None = eng["max_total_tokens"] // P
     l2 = eng.get("enable_hierarchical_cache")

@@ -51,6 +51,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
+from hicache_jax.kinds import Retention, retention
 
 SEEN_BEFORE = -1  # the id of sequences from an earlier phase
 REORDER_S = 0.05  # sends closer than this may reach the server in either order
@@ -80,7 +81,7 @@ def snapshot_pages(rules: PrefixRules, prompt_len: int, total_len: int, chunk: i
 def swa_kept(rules: PrefixRules, prompt_len: int, total_len: int, j: int) -> bool:
     """Whether page ``j`` of a finished sequence keeps its sliding-window KV."""
     end = total_len // rules.page_size * rules.page_size
-    return j <= prompt_len // rules.page_size or j >= rules.swa_pages_needed(end).start
+    return j <= prompt_len // rules.page_size or j >= rules.window_pages(end).start
 
 
 def _add(providers: tuple[int, ...], rid: int) -> tuple[int, ...]:
@@ -119,7 +120,7 @@ class BlockTrie:
     def insert(self, rec: SeqRecord, rid: int) -> None:
         seq = rec.prompt + rec.output
         n, total = len(rec.prompt), len(seq)
-        snaps = snapshot_pages(self.rules, n, total, self.chunk) if self.rules.has_state else set()
+        snaps = snapshot_pages(self.rules, n, total, self.chunk) if self.rules.snapshot else set()
         node, path = self.root, []
         for j in range(total // self.rules.page_size):
             key = self._key(seq, j)
@@ -127,7 +128,7 @@ class BlockTrie:
             if child is None:
                 child = node.children[key] = _Node(node, key)
             child.seen = _add(child.seen, rid)
-            if self.rules.sliding_window and swa_kept(self.rules, n, total, j):
+            if self.rules.windowed and swa_kept(self.rules, n, total, j):
                 child.swa = _add(child.swa, rid)
             if j in snaps:
                 child.state = _add(child.state, rid)
@@ -146,10 +147,13 @@ class BlockTrie:
                 break
             node = child
             path.append(child)
-        full = [True] * len(path)
-        swa = [_other(c.swa, rid) for c in path]
-        state = [_other(c.state, rid) for c in path]
-        end = usable_prefix_end(self.rules, n, -1, full, swa, state)
+        by_rule = {
+            Retention.EVERY: [True] * len(path),
+            Retention.WINDOW: [_other(c.swa, rid) for c in path],
+            Retention.SNAPSHOT: [_other(c.state, rid) for c in path],
+        }
+        held = {k: by_rule[retention(k)] for k in self.rules.kinds}
+        end = usable_prefix_end(self.rules, n, -1, held)
         if touch:
             self._touch(path[: end // self.rules.page_size])
         return end

@@ -41,7 +41,7 @@ class Backups:
         nodes = self.write_policy.take()
         if everything:
             host = self.held.host
-            nodes = [n for n in self.held.nodes() if any(getattr(n, k) is not None for k in host)]
+            nodes = [n for n in self.held.nodes() if any(k in n.dev for k in host)]
         return self.backup(sorted(nodes, key=lambda n: n.depth))
 
     def backup(self, nodes: list[Node]) -> int:
@@ -49,7 +49,7 @@ class Backups:
         held = self.held
         done: dict[int, list[str]] = {}
         for kind in held.host:
-            todo = [n for n in nodes if getattr(n, kind) is not None and getattr(n, "host_" + kind) is None]
+            todo = [n for n in nodes if kind in n.dev and kind not in n.host]
             rows = []
             for _ in todo:
                 got = self.host_alloc(kind, 1)
@@ -60,7 +60,7 @@ class Backups:
             todo = todo[: len(rows)]
             if not todo:
                 continue
-            data = self.transfer.read(kind, [getattr(n, kind) for n in todo])
+            data = self.transfer.read(kind, [n.dev[kind] for n in todo])
             held.host[kind].write(rows, data)
             for n, r in zip(todo, rows):
                 held.set_host(n, kind, r)

@@ -1,7 +1,7 @@
 """Making room: a pool that is short frees its next victims (``eviction_order.py``) through
 ``Holdings``' setters. Evicting zero pages is always safe.
 
-A full-attention page without a host copy is the only copy: it goes with its node, and
+A page of an ``EVERY`` kind without a host copy is the only copy: it goes with its node, and
 with the node's subtree, which then holds host copies only (they could never be matched
 again without it). Under the ``write_back`` policy a page is first copied to the host
 (``Backups.backup``, set as ``write_back``), and then only its device page goes.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from hicache_jax.cache.holdings import Holdings
 from hicache_jax.cache.radix import Node
-from hicache_jax.kinds import CacheKind
+from hicache_jax.kinds import Retention, retention
 
 
 class Eviction:
@@ -46,12 +46,12 @@ class Eviction:
             node = held.order.victim(kind)
             if node is None:
                 break
-            if self.write_back is not None and getattr(node, "host_" + kind) is None:
+            if self.write_back is not None and kind not in node.host:
                 self.write_back([node])
-            if kind == CacheKind.FULL and node.host_full is None:
+            if retention(kind) is Retention.EVERY and kind not in node.host:
                 held.remove_subtree(node)
             else:
-                held.pools[kind].free([getattr(node, kind)])
+                held.pools[kind].free([node.dev[kind]])
                 held.set_device(node, kind, None)
                 held.prune(node)
             freed += 1
@@ -68,10 +68,10 @@ class Eviction:
             node = held.order.host_victim(kind)
             if node is None:
                 break
-            if kind == CacheKind.FULL and node.full is None:
+            if retention(kind) is Retention.EVERY and kind not in node.dev:
                 held.remove_leaf(node)  # an unlocked leaf
             else:
-                pool.free([getattr(node, "host_" + kind)])
+                pool.free([node.host[kind]])
                 held.set_host(node, kind, None)
                 held.prune(node)
             freed += 1

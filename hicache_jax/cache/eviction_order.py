@@ -1,19 +1,20 @@
 """The eviction rules and each pool's order: what may go, least recently used first.
 
-Each pool may be short independently and has its own rule, never touching locked data:
+Each pool may be short independently and has its own rule, by its kind's retention
+(``hicache_jax/kinds.py``), never touching locked data:
 
-- device full-attention pages: a node keeps its host copy; a node without one goes only
-  as a whole leaf (its subtree would be unmatchable);
-- device sliding-window pages: tombstoned outside every running request's window
-  (``swa_lock == 0``), anywhere in the tree;
-- device state snapshots: dropped from unlocked nodes;
-- host pages: copies of data still on the device go first-come; host-only full pages go
-  as whole leaves.
+- device ``EVERY`` pages: a node keeps its host copy; a node without one goes only as a
+  whole leaf (its subtree would be unmatchable);
+- device ``WINDOW`` pages: tombstoned outside every running request's window
+  (``window_lock == 0``), anywhere in the tree;
+- device ``SNAPSHOT`` entries: dropped from unlocked nodes;
+- host pages: copies of data still on the device go first-come; host-only ``EVERY`` pages
+  go as whole leaves.
 
 Nothing here scans the trees per request or per step: each pool's order lives in an
 ``LruQueue`` (``lru.py``) that every change of a node's data, locks or children updates
 (``Holdings``, ``holdings.py``, calls ``offer``), and ``dev_kids`` counts, per node, the
-children with device full pages at or below them (what a page without a host copy waits
+children with device ``EVERY`` pages at or below them (what a page without a host copy waits
 for). The order changes no node's data: ``eviction.py`` takes its victims.
 """
 
@@ -24,7 +25,7 @@ from collections.abc import Iterable
 
 from hicache_jax.cache.lru import LruQueue
 from hicache_jax.cache.radix import Node
-from hicache_jax.kinds import CacheKind
+from hicache_jax.kinds import Retention, retention
 
 
 class EvictionOrder:
@@ -33,8 +34,8 @@ class EvictionOrder:
         go first) and one for host-only pages. ``write_back``: a device page is copied to
         the host as it is evicted."""
         pool_kinds, host_kinds = list(pool_kinds), list(host_kinds)
-        # Write-back copies a full page to the host before it goes: then only its device page goes.
-        self.backs_up_full = write_back and CacheKind.FULL in host_kinds
+        # Write-back copies an EVERY page to the host before it goes: then only its device page goes.
+        self.backed_up = frozenset(host_kinds if write_back else ())
         queues = [(k, k, self._evictable) for k in pool_kinds]
         queues += [(k, "host copy " + k, self._host_copy) for k in host_kinds]
         queues += [(k, "host only " + k, self._host_only) for k in host_kinds]
@@ -55,14 +56,15 @@ class EvictionOrder:
     def may_evict(self, node: Node, kind: str, device_below) -> bool:
         """The eviction rule for ``node``'s ``kind`` page; ``device_below(node)``: whether a
         device page hangs below it (a maintained count here; a scan in the tests)."""
-        if getattr(node, kind) is None:
+        if kind not in node.dev:
             return False
-        if kind == CacheKind.SWA:
-            return node.swa_lock == 0
+        rule = retention(kind)
+        if rule is Retention.WINDOW:
+            return node.window_lock == 0
         if node.lock_ref:
             return False
-        if kind == CacheKind.FULL and node.host_full is None and node.children:
-            if self.backs_up_full:
+        if rule is Retention.EVERY and kind not in node.host and node.children:
+            if kind in self.backed_up:
                 return True  # backed up on eviction, then only its device page goes
             return not device_below(node)  # goes with its host-only subtree
         return True
@@ -70,14 +72,14 @@ class EvictionOrder:
     @staticmethod
     def _host_copy(node: Node, kind: str) -> bool:
         """A host copy of data the device still holds: the first to go."""
-        return getattr(node, "host_" + kind) is not None and getattr(node, kind) is not None
+        return kind in node.host and kind in node.dev
 
     @staticmethod
     def _host_only(node: Node, kind: str) -> bool:
-        """The only copy: a full page goes only as an unlocked leaf."""
-        if getattr(node, "host_" + kind) is None or getattr(node, kind) is not None:
+        """The only copy: an EVERY page goes only as an unlocked leaf."""
+        if kind not in node.host or kind in node.dev:
             return False
-        return kind != CacheKind.FULL or not (node.children or node.lock_ref)
+        return retention(kind) is not Retention.EVERY or not (node.children or node.lock_ref)
 
     # ---- the victims -----------------------------------------------------------------------
     def victim(self, kind: str) -> Node | None:
@@ -108,13 +110,15 @@ class EvictionOrder:
                 q.forget(node)
 
     def device_page_changed(self, node: Node, delta: int) -> None:
-        """A child of ``node`` started (+1) or stopped (-1) holding a device full page at or
-        below it: update ``dev_kids`` up to the first node whose own state stays."""
+        """A child of ``node`` started (+1) or stopped (-1) holding a device ``EVERY`` page at
+        or below it: update ``dev_kids`` up to the first node whose own state stays."""
         while not node.is_root:
             node.dev_kids += delta
-            if node.full is not None:
+            if node.on_device:
                 if not node.dev_kids:  # nothing on the device below it any more
-                    self._device[CacheKind.FULL].offer(node)
+                    for kind in node.dev:
+                        if retention(kind) is Retention.EVERY:
+                            self._device[kind].offer(node)
                 return
             if node.dev_kids != (delta > 0):  # not 0 -> 1 or 1 -> 0: its state stays
                 return
@@ -127,7 +131,7 @@ class EvictionOrder:
             q.clear()
         for n in everything:
             n.inq = 0
-            n.dev_kids = sum(c.full is not None or c.dev_kids > 0 for c in n.children.values())
+            n.dev_kids = sum(c.on_device or c.dev_kids > 0 for c in n.children.values())
         for n in everything:
             self.offer(n)
 

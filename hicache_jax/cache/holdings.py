@@ -18,8 +18,6 @@ from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.radix import Node, RadixTree
 from hicache_jax.cache.write_policy import WritePolicy
-from hicache_jax.kinds import ALL as KINDS
-from hicache_jax.kinds import CacheKind
 
 
 class Holdings:
@@ -54,40 +52,36 @@ class Holdings:
     # ---- every change to a node's data goes through these ----------------------------------
     def set_device(self, node: Node, kind: str, idx: int | None) -> None:
         """Set a device index (None: gone)."""
-        was = getattr(node, kind) is not None
-        setattr(node, kind, idx)
-        if kind == CacheKind.FULL and was != (idx is not None) and not node.dev_kids:
-            self.order.device_page_changed(node.parent, 1 if idx is not None else -1)
+        was = node.on_device
+        _put(node.dev, kind, idx)
+        if was != node.on_device and not node.dev_kids:
+            self.order.device_page_changed(node.parent, 1 if node.on_device else -1)
         self.order.offer(node)
 
     def set_host(self, node: Node, kind: str, row: int | None) -> None:
         """Set a host row (None: gone)."""
         if node.from_storage:
-            self.storage_rows += (row is not None) - (getattr(node, "host_" + kind) is not None)
-        setattr(node, "host_" + kind, row)
+            self.storage_rows += (row is not None) - (kind in node.host)
+        _put(node.host, kind, row)
         self.order.offer(node)
 
     def set_from_storage(self, node: Node, value: bool) -> None:
         if node.from_storage != value:
-            held = sum(getattr(node, "host_" + k) is not None for k in self.host)
+            held = len(node.host)
             self.storage_rows += held if value else -held
             node.from_storage = value
 
     def remove_leaf(self, node: Node) -> None:
         """Drop a leaf with everything it holds."""
-        parent, had_full = node.parent, node.full is not None
-        for kind in KINDS:
-            idx = getattr(node, kind)
-            if idx is not None:
-                self.pools[kind].free([idx])
-                setattr(node, kind, None)
-            hidx = getattr(node, "host_" + kind)
-            if hidx is not None:
-                self.host[kind].index.free([hidx])
-                setattr(node, "host_" + kind, None)
-                self.storage_rows -= node.from_storage
+        parent, was_on_device = node.parent, node.on_device
+        for kind, idx in node.dev.items():
+            self.pools[kind].free([idx])
+        for kind, row in node.host.items():
+            self.host[kind].index.free([row])
+        self.storage_rows -= node.from_storage * len(node.host)
+        node.dev, node.host = {}, {}
         self.unlink(node)
-        if had_full:
+        if was_on_device:
             self.order.device_page_changed(parent, -1)
 
     def unlink(self, node: Node) -> None:
@@ -114,7 +108,11 @@ class Holdings:
     def prune(self, node: Node) -> None:
         """Drop ``node`` and its ancestors while they hold nothing and nobody needs them."""
         while (
-            not node.is_root and node.empty and not node.children and not node.lock_ref and not node.swa_lock
+            not node.is_root
+            and node.empty
+            and not node.children
+            and not node.lock_ref
+            and not node.window_lock
         ):
             parent = node.parent
             self.unlink(node)
@@ -125,7 +123,7 @@ class Holdings:
         """Drop every unlocked node, device and host (everything when no request runs)."""
         for tree in list(self.trees.values()):
             for node in tree.post_order():  # a node's children go before it
-                if not node.children and not node.lock_ref and not node.swa_lock:
+                if not node.children and not node.lock_ref and not node.window_lock:
                     self.remove_leaf(node)
         self.write_policy.clear()
         self._rebuild()
@@ -134,10 +132,9 @@ class Holdings:
         """Forget every device index (the device cache was lost): device pools reset, nodes
         keep their host copies, nodes left with nothing are pruned. Nothing may be locked."""
         for node in list(self.nodes()):
-            if node.lock_ref or node.swa_lock:
+            if node.lock_ref or node.window_lock:
                 raise RuntimeError(f"drop_device with {node} still locked")
-            for kind in KINDS:
-                setattr(node, kind, None)
+            node.dev = {}
         for pool in self.pools.values():
             pool.reset()
         self.write_policy.clear()
@@ -154,5 +151,12 @@ class Holdings:
         everything = [n for t in self.trees.values() for n in t.post_order()]
         for n in everything:
             if n.from_storage:
-                self.storage_rows += sum(getattr(n, "host_" + k) is not None for k in self.host)
+                self.storage_rows += len(n.host)
         self.order.rebuild(everything)
+
+
+def _put(entries: dict[str, int], kind: str, idx: int | None) -> None:
+    if idx is None:
+        entries.pop(kind, None)
+    else:
+        entries[kind] = idx

@@ -4,7 +4,10 @@ One row per page (or snapshot) holds every layer's data for it, so a page is one
 contiguous block: copied to and from the device in one transfer, written to L3 as one
 value::
 
-    full / swa:  kv          [num_pages, layers, 2 (k, v), page_size, kv_heads, head_dim]
+    paged kinds: <row>       [num_pages, layers, fields, page_size, *per_token]
+                 as the layers declare them (``models/cache.py``, ``paged_specs``): full
+                 and sliding-window attention store ``kv``, [.., 2 (k, v), page_size,
+                 kv_heads, head_dim]
     state:       <kind>.conv [num_slots, layers of that kind, conv_kernel - 1, conv_dim]
                  <kind>.ssm  [num_slots, layers of that kind, *that kind's state shape]
                  for each recurrent layer kind the model has ("mamba", "gdn"; shapes from

@@ -13,12 +13,10 @@ def indices(held: Holdings) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {k: [] for k in held.pools}
     out.update({"host_" + k: [] for k in held.host})
     for node in held.nodes():
-        for kind in held.pools:
-            if getattr(node, kind) is not None:
-                out[kind].append(getattr(node, kind))
-        for kind in held.host:
-            if getattr(node, "host_" + kind) is not None:
-                out["host_" + kind].append(getattr(node, "host_" + kind))
+        for kind, idx in node.dev.items():
+            out[kind].append(idx)
+        for kind, row in node.host.items():
+            out["host_" + kind].append(row)
     return out
 
 
@@ -29,7 +27,7 @@ def check_integrity(held: Holdings, held_outside: dict[str, list[int]] | None = 
         t.check_integrity()
     everything = list(held.nodes())
     held.order.check(everything)
-    rows = sum(getattr(n, "host_" + k) is not None for n in everything if n.from_storage for k in held.host)
+    rows = sum(len(n.host) for n in everything if n.from_storage)
     if rows != held.storage_rows:
         raise AssertionError(f"storage_rows {held.storage_rows}, but nodes from L3 hold {rows} host rows")
     held_outside = held_outside or {}

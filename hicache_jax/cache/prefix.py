@@ -4,14 +4,15 @@ A prefix may end at token ``e`` (a page boundary) only if everything the next to
 forward pass reads is there::
 
     tokens      0 ......................... e-1 | e (first recomputed token)
-    full attn   every page before e
-    sliding     pages holding e-W+1 .. e-1      (older pages may be gone)
-    state       a state snapshot taken exactly at e
+    EVERY       every page before e                 (full attention)
+    WINDOW      pages holding e-W+1 .. e-1          (sliding window; older pages may be gone)
+    SNAPSHOT    an entry taken exactly at e         (recurrent state)
 
 and it must leave work to do: ``e <= input_len - 1`` (the last prompt token is always
 computed, it yields the first output's logits) and ``e <= logprob_start_len`` when input
-logprobs are asked for (their logits must be computed). A hybrid takes every layer kind's
-condition at once. ``e = 0`` is always valid.
+logprobs are asked for (their logits must be computed). A model takes the condition of
+every cache kind it keeps at once, each by its ``Retention`` rule (``hicache_jax/kinds.py``):
+the rules, not the kinds, are what this module knows. ``e = 0`` is always valid.
 
 Whoever asks "how far can this prompt be served from cache" -- the radix match, the L3
 prefetch -- calls ``usable_prefix_end`` with what each tier holds; a prefetch that ended
@@ -21,19 +22,48 @@ anywhere else would bring pages the match then refuses.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from hicache_jax.kinds import Retention, retention, with_retention
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefixRules:
     page_size: int
-    has_full: bool  # any full-attention layer
-    sliding_window: int | None  # set when any layer is sliding
-    has_state: bool
+    kinds: tuple[str, ...]  # the cache kinds the model keeps
+    window: int | None = None  # tokens a WINDOW kind keeps behind a position (the token included)
 
     def __post_init__(self):
         if self.page_size <= 0:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.windowed and not self.window:
+            raise ValueError(f"cache kinds {self.windowed} keep a window, but window={self.window}")
+        if len(self.snapshot_kinds) > 1:
+            raise ValueError(f"at most one snapshot kind, got {self.snapshot_kinds}")
+
+    @property
+    def every(self) -> tuple[str, ...]:
+        """Kinds every page of a prefix needs."""
+        return with_retention(self.kinds, Retention.EVERY)
+
+    @property
+    def windowed(self) -> tuple[str, ...]:
+        """Kinds a prefix needs only inside the window behind its end."""
+        return with_retention(self.kinds, Retention.WINDOW)
+
+    @property
+    def snapshot_kinds(self) -> tuple[str, ...]:
+        return with_retention(self.kinds, Retention.SNAPSHOT)
+
+    @property
+    def snapshot(self) -> str | None:
+        """The kind whose entry is taken at a prefix's end (None: the model keeps none)."""
+        return self.snapshot_kinds[0] if self.snapshot_kinds else None
+
+    @property
+    def paged(self) -> tuple[str, ...]:
+        """Kinds held one page per page of tokens."""
+        return self.every + self.windowed
 
     def max_end(self, input_len: int, logprob_start_len: int = -1) -> int:
         """The cap before any cache is consulted: input_len - 1, logprob_start_len, floored
@@ -43,41 +73,45 @@ class PrefixRules:
             cap = min(cap, logprob_start_len)
         return max(cap, 0) // self.page_size * self.page_size
 
-    def swa_pages_needed(self, end: int) -> range:
-        """Pages whose sliding-window KV the token at ``end`` reads."""
-        if not self.sliding_window or end == 0:
+    def window_pages(self, end: int) -> range:
+        """Pages whose window-kind entries the token at ``end`` reads."""
+        if not self.windowed or end == 0:
             return range(0)
-        first = max(0, end - self.sliding_window + 1) // self.page_size
+        first = max(0, end - self.window + 1) // self.page_size
         return range(first, (end - 1) // self.page_size + 1)
+
+    def pages_needed(self, kind: str, end: int) -> range:
+        """The pages of ``kind`` a prefix ending at token ``end`` needs (for a snapshot
+        kind: the page whose end is ``end``)."""
+        rule = retention(kind)
+        if rule is Retention.EVERY:
+            return range(end // self.page_size)
+        if rule is Retention.WINDOW:
+            return self.window_pages(end)
+        return range(end // self.page_size - 1, end // self.page_size) if end else range(0)
 
 
 def usable_prefix_end(
-    rules: PrefixRules,
-    input_len: int,
-    logprob_start_len: int,
-    full: Sequence[bool],
-    swa: Sequence[bool],
-    state: Sequence[bool],
+    rules: PrefixRules, input_len: int, logprob_start_len: int, held: Mapping[str, Sequence[bool]]
 ) -> int:
     """The longest valid prefix end, in tokens.
 
-    ``full[j]``, ``swa[j]``: page ``j``'s full-attention / sliding KV is available;
-    ``state[j]``: a state snapshot exists at the end of page ``j`` (token ``(j+1)P``).
-    The sequences may be shorter than the prompt (only the pages some tier holds)."""
+    ``held[kind][j]``: page ``j``'s entry of a paged kind is available; for the snapshot
+    kind, a snapshot exists at the end of page ``j`` (token ``(j+1)P``). The sequences may
+    be shorter than the prompt (only the pages some tier holds)."""
     P = rules.page_size
     n = rules.max_end(input_len, logprob_start_len) // P
-    n = min(n, len(full) if rules.has_full else n, len(swa) if rules.sliding_window else n)
-    if rules.has_full:  # every page before the end
+    for kind in rules.kinds:
+        n = min(n, len(held[kind]))
+    for kind in rules.every:  # every page before the end
         k = 0
-        while k < n and full[k]:
+        while k < n and held[kind][k]:
             k += 1
         n = k
-    if rules.has_state:
-        n = min(n, len(state))
     for k in range(n, 0, -1):
-        if rules.has_state and not state[k - 1]:
+        if any(not held[kind][k - 1] for kind in rules.snapshot_kinds):
             continue
-        if rules.sliding_window and not all(swa[j] for j in rules.swa_pages_needed(k * P)):
+        if any(not all(held[kind][j] for j in rules.window_pages(k * P)) for kind in rules.windowed):
             continue
         return k * P
     return 0

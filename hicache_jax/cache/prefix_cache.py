@@ -33,12 +33,8 @@ from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.radix import Node, RadixTree
 from hicache_jax.cache.write_policy import WritePolicy
-from hicache_jax.kinds import ALL as ALL_KINDS
-from hicache_jax.kinds import CacheKind
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.tiers import Tier, zero_counts
-
-KINDS = ALL_KINDS
 
 
 @dataclasses.dataclass
@@ -113,9 +109,9 @@ class PrefixCache:
         return self.held.nodes()
 
     # ---- lookup -------------------------------------------------------------------------
-    def availability(self, path: Sequence[Node]) -> tuple[list[bool], list[bool], list[bool]]:
-        """What each node of ``path`` holds in any tier: full, sliding-window, state snapshot."""
-        return tuple([n.has(k) for n in path] for k in KINDS)
+    def availability(self, path: Sequence[Node]) -> dict[str, list[bool]]:
+        """Per cache kind the model keeps, whether each node of ``path`` holds it in any tier."""
+        return {k: [n.has(k) for n in path] for k in self.rules.kinds}
 
     def match(
         self, tokens: Sequence[int], input_len: int, logprob_start_len: int = -1, salt: str | None = None
@@ -126,17 +122,15 @@ class PrefixCache:
             return Match([], 0)
         P = self.rules.page_size
         path = self.walk(tokens, self.rules.max_end(input_len, logprob_start_len) // P, salt)
-        end = usable_prefix_end(self.rules, input_len, logprob_start_len, *self.availability(path))
+        end = usable_prefix_end(self.rules, input_len, logprob_start_len, self.availability(path))
         nodes = path[: end // P]
         RadixTree.touch(nodes)
         match = Match(nodes, end)
-        window = set(self.rules.swa_pages_needed(end)) if CacheKind.SWA in self.pools else set()
+        needed = {k: set(self.rules.pages_needed(k, end)) for k in self.rules.kinds if k in self.pools}
         page_tier = []
         for j, node in enumerate(nodes):
-            need = [k for k in (CacheKind.FULL,) if k in self.pools]
-            need += [CacheKind.SWA] if j in window else []
-            need += [CacheKind.STATE] if CacheKind.STATE in self.pools and j == len(nodes) - 1 else []
-            missing = [k for k in need if getattr(node, k) is None]
+            need = [k for k, pages in needed.items() if j in pages]
+            missing = [k for k in need if k not in node.dev]
             match.loads += [(k, node) for k in missing]
             if not need:
                 tier = None
@@ -169,7 +163,7 @@ class PrefixCache:
                 return False
             got[kind] = idx
         for kind, nodes in by_kind.items():
-            rows = [getattr(n, "host_" + kind) for n in nodes]
+            rows = [n.host[kind] for n in nodes]
             self.transfer.write(kind, got[kind], self.host[kind].read(rows))
             for n, i in zip(nodes, got[kind]):
                 self.held.set_device(n, kind, i)
@@ -230,7 +224,7 @@ class PrefixCache:
             key = tree.page_key(tokens, j)
             child = node.children.get(key) or tree.add_child(node, key)
             for kind, idx in pages.items():
-                if idx[j] is not None and getattr(child, kind) is None:
+                if idx[j] is not None and kind not in child.dev:
                     self.held.set_device(child, kind, idx[j])
                     taken[kind].add(j)
                     self.write_policy.inserted(child)
@@ -287,17 +281,20 @@ class PrefixCache:
         in the cost of the pages between them)."""
         RadixTree.lock(new, above=old)
 
-    def swa_lock(self, nodes) -> None:
+    def window_lock(self, nodes) -> None:
+        """Pin the window kinds' entries of ``nodes`` (a running request's window covers them)."""
         for n in nodes:
-            n.swa_lock += 1
+            n.window_lock += 1
 
-    def swa_unlock(self, nodes) -> None:
+    def window_unlock(self, nodes) -> None:
         for n in nodes:
-            if n.swa_lock <= 0:
-                raise RuntimeError(f"swa-unlocking {n} below zero")
-            n.swa_lock -= 1
-            if not n.swa_lock and n.swa is not None:
-                self.held.order.offer_device(CacheKind.SWA, n)
+            if n.window_lock <= 0:
+                raise RuntimeError(f"window-unlocking {n} below zero")
+            n.window_lock -= 1
+            if not n.window_lock:
+                for kind in self.rules.windowed:
+                    if kind in n.dev:
+                        self.held.order.offer_device(kind, n)
 
     # ---- maintenance ------------------------------------------------------------------------
     def flush(self) -> None:
@@ -321,16 +318,16 @@ class PrefixCache:
     # ---- the pools, as the engine asks about them -------------------------------------------
     def sequence_capacity(self) -> int:
         """The most tokens one sequence can hold on the device (a longer prompt could never
-        run): the smallest page pool; sliding-only models hold a window, not the sequence."""
-        capacity = min(p.size for k, p in self.pools.items() if k != CacheKind.STATE) * self.rules.page_size
-        if CacheKind.FULL not in self.pools and CacheKind.STATE not in self.pools:
+        run): the smallest page pool; window-only models hold a window, not the sequence."""
+        capacity = min(p.size for k, p in self.pools.items() if k in self.rules.paged) * self.rules.page_size
+        if not self.rules.every and not self.rules.snapshot:
             capacity = 1 << 62
         return capacity
 
     def has_free_pages(self, n: int) -> bool:
-        """Whether every page pool (not the state slots) has ``n`` free pages: ``n`` running
+        """Whether every page pool (not the snapshot slots) has ``n`` free pages: ``n`` running
         sequences can each take one more page without evicting anything."""
-        return all(p.num_free >= n for k, p in self.pools.items() if k != CacheKind.STATE)
+        return all(p.num_free >= n for k, p in self.pools.items() if k in self.rules.paged)
 
     def metrics(self) -> Metrics:
         """Pool use (gauges) and the cache's counters."""

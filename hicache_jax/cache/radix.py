@@ -1,23 +1,24 @@
 """Page-granular radix tree of cached prefixes.
 
 One node per page of ``page_size`` tokens; a node's key is that page's token ids, so the
-path from the root spells a prefix. A node holds, per layer kind, what the cache keeps for
-its page (device indices; ``None`` = not held):
+path from the root spells a prefix. A node holds, per cache kind, what the cache keeps for
+its page: ``dev[kind]`` is a device index, ``host[kind]`` a host (L2) row; a kind absent
+from the dict is not held there. What each kind must hold follows its retention rule
+(``hicache_jax/kinds.py``), never its name:
 
-- ``full``:  the full-attention KV page;
-- ``swa``:   the sliding-window KV page (``None`` on a node that still has other data is a
-  *tombstone*: a match may pass through it but never end right after it);
-- ``state``: a recurrent-state snapshot (every recurrent layer) taken at the end of the page.
+- ``EVERY`` (full attention): the page's entry;
+- ``WINDOW`` (sliding window): the page's entry, or nothing on a node that still has other
+  data: a *tombstone*, which a match may pass through but never end right after;
+- ``SNAPSHOT`` (recurrent state): an entry taken at the end of the page.
 
-With a host tier (L2) each kind may also have a host copy (``host_full`` ...). A node
-whose device data was evicted but whose host copy remains stays in the tree; a match may
-use it, and the engine loads it back to the device.
+A node whose device data was evicted but whose host copy remains stays in the tree; a match
+may use it, and the engine loads it back to the device.
 
 ``lock_ref`` counts running requests whose prefix ends at or below the node; a locked node
-is never evicted and keeps its full KV and snapshot. ``swa_lock`` counts running requests
-whose sliding window covers the node: only those pin its SWA page, so a long prompt's
-older SWA pages become evictable while the request still runs. The tree holds indices
-only; pools free them.
+is never evicted and keeps its every-page and snapshot entries. ``window_lock`` counts
+running requests whose window covers the node: only those pin its window entries, so a long
+prompt's older window pages become evictable while the request still runs. The tree holds
+indices only; pools free them.
 
 Every operation here costs the path it walks, never the size of the tree: eviction order
 is kept by the prefix cache's LRU queues (``eviction_order.py``, ``lru.py``), which use
@@ -29,6 +30,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
+from hicache_jax.kinds import Retention, retention
+
 _clock = itertools.count(1)
 
 
@@ -37,14 +40,10 @@ class Node:
         "key",
         "parent",
         "children",
-        "full",
-        "swa",
-        "state",
-        "host_full",
-        "host_swa",
-        "host_state",
+        "dev",
+        "host",
         "lock_ref",
-        "swa_lock",
+        "window_lock",
         "last_access",
         "depth",
         "hit_count",
@@ -60,21 +59,18 @@ class Node:
         self.parent = parent
         self.tree = tree if parent is None else parent.tree  # the tree it was made in
         self.children: dict[tuple[int, ...], Node] = {}
-        self.full: int | None = None
-        self.swa: int | None = None
-        self.state: int | None = None
-        self.host_full: int | None = None
-        self.host_swa: int | None = None
-        self.host_state: int | None = None
+        self.dev: dict[str, int] = {}  # cache kind -> device index
+        self.host: dict[str, int] = {}  # cache kind -> host row
         self.hit_count = 0
         self.hash: bytes | None = None  # chained page hash (L3 key), computed on demand
         self.from_storage = False  # its host data came from L3 and was not used yet
         self.lock_ref = 0
-        self.swa_lock = 0
+        self.window_lock = 0
         self.last_access = next(_clock)
         self.depth = 0 if parent is None else parent.depth + 1  # pages from the root
         self.inq = 0  # bit per LRU queue that holds an entry for it (lru.LruQueue)
-        self.dev_kids = 0  # children whose subtree (child included) holds a device full page
+        # children whose subtree (child included) holds a device entry of an EVERY kind
+        self.dev_kids = 0
 
     @property
     def is_root(self) -> bool:
@@ -86,28 +82,33 @@ class Node:
 
     @property
     def device_empty(self) -> bool:
-        return self.full is None and self.swa is None and self.state is None
+        return not self.dev
 
     @property
     def host_empty(self) -> bool:
-        return self.host_full is None and self.host_swa is None and self.host_state is None
+        return not self.host
+
+    @property
+    def on_device(self) -> bool:
+        """It holds a device entry of a kind every page needs (what ``dev_kids`` counts)."""
+        return any(retention(k) is Retention.EVERY for k in self.dev)
 
     def tree_remove(self) -> None:
         """Unlink an unlocked leaf from its parent."""
-        if self.children or self.parent is None or self.lock_ref or self.swa_lock:
+        if self.children or self.parent is None or self.lock_ref or self.window_lock:
             raise RuntimeError(f"cannot remove {self}: not an unlocked leaf")
         del self.parent.children[self.key]
         self.parent = None
 
     def has(self, kind: str) -> bool:
         """The kind's data is in some tier."""
-        return getattr(self, kind) is not None or getattr(self, "host_" + kind) is not None
+        return kind in self.dev or kind in self.host
 
     def __repr__(self) -> str:
-        host = f", host=({self.host_full}, {self.host_swa}, {self.host_state})" if not self.host_empty else ""
+        host = f", host={self.host}" if self.host else ""
         return (
-            f"Node(depth={self.depth}, full={self.full}, swa={self.swa}, state={self.state}{host}, "
-            f"lock={self.lock_ref}, swa_lock={self.swa_lock})"
+            f"Node(depth={self.depth}, dev={self.dev}{host}, "
+            f"lock={self.lock_ref}, window_lock={self.window_lock})"
         )
 
 
@@ -201,7 +202,7 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         for n in self.nodes():
-            if n.lock_ref < 0 or n.swa_lock < 0:
+            if n.lock_ref < 0 or n.window_lock < 0:
                 raise AssertionError(f"{n}: negative lock count")
             child_locks = sum(c.lock_ref for c in n.children.values())
             if n.lock_ref < child_locks:
@@ -210,6 +211,6 @@ class RadixTree:
                 raise AssertionError(f"{n}: broken parent link")
             if n.tree is not self:
                 raise AssertionError(f"{n}: names another tree")
-            hot = sum(c.full is not None or c.dev_kids > 0 for c in n.children.values())
+            hot = sum(c.on_device or c.dev_kids > 0 for c in n.children.values())
             if n.dev_kids != hot:
                 raise AssertionError(f"{n}: dev_kids {n.dev_kids}, but {hot} children hold device pages")

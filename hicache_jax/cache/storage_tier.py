@@ -6,9 +6,11 @@ The reads end exactly where the later match will accept a prefix: they ask
 together, and read only what that end needs::
 
     pages      0 .......................................... end/P - 1
-    full       read every page the tree lacks
-    sliding    read only the window before `end` (older pages are never read)
-    state      read the one snapshot at `end`
+    EVERY      read every page the tree lacks
+    WINDOW     read only the window before `end` (older pages are never read)
+    SNAPSHOT   read the one snapshot at `end`
+
+(each cache kind by its retention rule, ``PrefixRules.pages_needed``).
 
 This side only performs reads and hands back results: ``look`` (what the tree holds along a
 prompt), ``max_rows`` and ``time_limit`` (what a read may bring and how long it may take),
@@ -48,8 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.radix import Node
-from hicache_jax.kinds import ALL as ALL_KINDS
-from hicache_jax.kinds import L3_SUFFIX, CacheKind
+from hicache_jax.kinds import L3_SUFFIX
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.storage.client import StorageClient
 from hicache_jax.storage.guard import L3Unavailable
@@ -66,7 +67,7 @@ SUFFIX = L3_SUFFIX
 class TreeLook:
     """What the tree holds along one prompt, before any I/O (``StorageTier.look``)."""
 
-    flags: tuple[list[bool], list[bool], list[bool]]  # per page: full, sliding-window, state
+    flags: dict[str, list[bool]]  # per cache kind, per page: the tree holds it in some tier
     tree_end: int  # usable_prefix_end over the tree alone
     max_end: int  # the most any match of the prompt may use
 
@@ -80,7 +81,7 @@ class L3Read:
     input_len: int
     logprob_start_len: int
     salt: str | None
-    tree_flags: tuple[list[bool], list[bool], list[bool]]
+    tree_flags: dict[str, list[bool]]
     tree_end: int
     deadline: float = math.inf  # monotonic: past it no further batch is read
     status: str = "pending"  # pending | done | below_threshold | failed
@@ -125,7 +126,7 @@ class StorageTier:
         self.namespace = namespace
         self.cache = cache
         self.rules: PrefixRules = cache.rules
-        self.kinds = [k for k in ALL_KINDS if k in cache.host]
+        self.kinds = [k for k in cache.rules.kinds if k in cache.host]
         self.writer = writer  # (this process, processes): which pages this process writes
         self.timeout_s = client.cfg.timeout_s
         self._progress = threading.Event()  # set whenever a read finishes
@@ -158,9 +159,7 @@ class StorageTier:
         if ranks > 1 and int.from_bytes(h[:4], "little") % ranks != rank:
             return  # another process holds the same page and writes it
         ns = self.ns(salt)
-        items = [
-            (page_path(ns, h, SUFFIX[k]), self.cache.host[k].page(getattr(node, "host_" + k))) for k in kinds
-        ]
+        items = [(page_path(ns, h, SUFFIX[k]), self.cache.host[k].page(node.host[k])) for k in kinds]
         fut = self.client.write_async(items, ns)
         fut.add_done_callback(self._write_done)
 
@@ -180,7 +179,7 @@ class StorageTier:
         max_end = self.rules.max_end(input_len, logprob_start_len)
         path = self.cache.walk(tokens, max_end // self.rules.page_size, salt)
         flags = self.cache.availability(path)
-        tree_end = usable_prefix_end(self.rules, input_len, logprob_start_len, *flags)
+        tree_end = usable_prefix_end(self.rules, input_len, logprob_start_len, flags)
         return TreeLook(flags, tree_end, max_end)
 
     def time_limit(self, probes: int, rows: int) -> float:
@@ -217,17 +216,11 @@ class StorageTier:
 
     def max_rows(self, look: TreeLook) -> tuple[int, int]:
         """(the most host rows a read may bring, the existence probes it makes): the pages
-        before `max_end` the tree lacks are probed; of those it reads every full page, at
-        most one window of sliding-window pages and one state snapshot."""
+        before `max_end` the tree lacks are probed; of those it reads at most what a prefix
+        ending at `max_end` needs of each kind (every page, one window, one snapshot)."""
         k = look.max_end // self.rules.page_size
-        lacks = {
-            kind: sum(not (j < len(f) and f[j]) for j in range(k)) for kind, f in zip(ALL_KINDS, look.flags)
-        }
-        rows = lacks[CacheKind.FULL] if CacheKind.FULL in self.kinds else 0
-        if CacheKind.SWA in self.kinds:
-            rows += min(lacks[CacheKind.SWA], len(self.rules.swa_pages_needed(k * self.rules.page_size)))
-        if CacheKind.STATE in self.kinds:
-            rows += min(lacks[CacheKind.STATE], 1)
+        lacks = {kind: sum(not (j < len(f) and f[j]) for j in range(k)) for kind, f in look.flags.items()}
+        rows = sum(min(lacks[kind], len(self.rules.pages_needed(kind, look.max_end))) for kind in self.kinds)
         return rows, sum(lacks[kind] for kind in self.kinds)
 
     def _run(self, read: L3Read) -> None:
@@ -248,25 +241,25 @@ class StorageTier:
         self._progress.wait(timeout)
         self._progress.clear()
 
-    def _flags(self, read: L3Read, have: dict[tuple[str, int], bool], n: int):
-        tf = dict(zip(ALL_KINDS, read.tree_flags))
-        return [
-            [(j < len(tf[k]) and tf[k][j]) or have.get((k, j), False) for j in range(n)] for k in ALL_KINDS
-        ]
+    def _flags(self, read: L3Read, have: dict[tuple[str, int], bool], n: int) -> dict[str, list[bool]]:
+        tf = read.tree_flags
+        return {
+            k: [(j < len(f) and f[j]) or have.get((k, j), False) for j in range(n)] for k, f in tf.items()
+        }
 
     def _plan_and_read(self, read: L3Read) -> None:
         P = self.rules.page_size
         n = len(read.tokens) // P
         ns = self.ns(read.salt)
         read.hashes = page_hashes(read.tokens[: n * P], P, ns)
-        tree = dict(zip(ALL_KINDS, read.tree_flags))
+        tree = read.tree_flags
         probe = [(k, j) for k in self.kinds for j in range(n) if not (j < len(tree[k]) and tree[k][j])]
         t0 = time.monotonic()
         found = self.client.exists([page_path(ns, read.hashes[j], SUFFIX[k]) for k, j in probe])
         read.probe_s = time.monotonic() - t0
         have = {kj: ok for kj, ok in zip(probe, found)}
         end = usable_prefix_end(
-            self.rules, read.input_len, read.logprob_start_len, *self._flags(read, have, n)
+            self.rules, read.input_len, read.logprob_start_len, self._flags(read, have, n)
         )
         if end <= read.tree_end:
             read.status = "below_threshold"  # L3 cannot extend the match
@@ -283,7 +276,7 @@ class StorageTier:
         got = dict(zip(need, pages))  # the longest good run, in page order
         arrived = {kj: True for kj in got}
         end = usable_prefix_end(
-            self.rules, read.input_len, read.logprob_start_len, *self._flags(read, arrived, n)
+            self.rules, read.input_len, read.logprob_start_len, self._flags(read, arrived, n)
         )
         for (k, j), page in got.items():
             if (k, j) in self._needed(read, end):
@@ -294,19 +287,14 @@ class StorageTier:
 
     def _needed(self, read: L3Read, end: int) -> list[tuple[str, int]]:
         """(kind, page) reads the end needs that the tree lacks, in page order."""
-        tree = dict(zip(ALL_KINDS, read.tree_flags))
-        lacks = lambda k, j: not (j < len(tree[k]) and tree[k][j])  # noqa: E731
-        k_pages = end // self.rules.page_size
-        need = []
-        window = set(self.rules.swa_pages_needed(end))
-        for j in range(k_pages):
-            if CacheKind.FULL in self.kinds and lacks(CacheKind.FULL, j):
-                need.append((CacheKind.FULL, j))
-            if CacheKind.SWA in self.kinds and j in window and lacks(CacheKind.SWA, j):
-                need.append((CacheKind.SWA, j))
-        if CacheKind.STATE in self.kinds and k_pages and lacks(CacheKind.STATE, k_pages - 1):
-            need.append((CacheKind.STATE, k_pages - 1))
-        return need
+        tree = read.tree_flags
+        need = [
+            (j, i, k)
+            for i, k in enumerate(self.kinds)
+            for j in self.rules.pages_needed(k, end)
+            if not (j < len(tree[k]) and tree[k][j])
+        ]
+        return [(k, j) for j, _, k in sorted(need)]
 
     # ---- maintenance ---------------------------------------------------------------------------
     def drain(self, abandon_prefetches: Callable[[float], int], timeout: float | None = None) -> StorageDrain:

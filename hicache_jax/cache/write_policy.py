@@ -30,7 +30,7 @@ class WritePolicy:
 
     def want(self, node: Node) -> None:
         host = self.host_kinds
-        if host and any(getattr(node, k) is not None and getattr(node, "host_" + k) is None for k in host):
+        if host and any(k in node.dev and k not in node.host for k in host):
             self.pending[id(node)] = node
 
     def forget(self, node: Node) -> None:

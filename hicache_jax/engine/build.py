@@ -14,8 +14,7 @@ from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.config import ConfigError, EngineConfig
 from hicache_jax.hub import resolve_model_path
-from hicache_jax.kinds import RECURRENT, CacheKind, cache_kinds
-from hicache_jax.models.batch import page_group
+from hicache_jax.kinds import POOL_NAME, Retention, cache_kinds, retention, with_retention
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -75,7 +74,7 @@ def make_host_pools(
     layouts = {k: transfer.layout(k) for k in pools}
     sizes = {k: max(1, int(p.size * cfg.hicache_ratio)) for k, p in pools.items()}
     if cfg.hicache_size_gb > 0:
-        page_kinds = [k for k in pools if k != CacheKind.STATE]
+        page_kinds = [k for k in pools if retention(k) is not Retention.SNAPSHOT]
         per_page = sum(HostPool(k, 0, layouts[k]).bytes_per_page for k in page_kinds)
         for k in page_kinds:
             sizes[k] = max(1, int(cfg.hicache_size_gb * 1e9 / per_page))
@@ -83,19 +82,18 @@ def make_host_pools(
 
 
 def make_device_pools(cfg: EngineConfig, mc: ModelConfig) -> dict[str, IndexPool]:
-    """L1: full-attention pages, sliding-window pages, recurrent state slots (the cache
-    kinds the model's layers use)."""
+    """L1: one pool per cache kind the model's layers use, sized by its retention rule:
+    ``max_total_tokens`` of every-page kinds, ``swa_full_tokens_ratio`` of that for window
+    kinds (all of it without an every-page kind), ``num_state_slots`` snapshot slots."""
     kinds = cache_kinds(mc.layer_kinds)
     full_pages = cfg.max_total_tokens // cfg.page_size
-    pools: dict[str, IndexPool] = {}
-    if CacheKind.FULL in kinds:
-        pools[CacheKind.FULL] = IndexPool(full_pages, "full-attention pages")
-    if CacheKind.SWA in kinds:
-        n = max(1, int(full_pages * cfg.swa_full_tokens_ratio)) if CacheKind.FULL in kinds else full_pages
-        pools[CacheKind.SWA] = IndexPool(n, "sliding-window pages")
-    if CacheKind.STATE in kinds:
-        pools[CacheKind.STATE] = IndexPool(cfg.num_state_slots, "recurrent state slots")
-    return pools
+    has_every = bool(with_retention(kinds, Retention.EVERY))
+    sizes = {
+        Retention.EVERY: full_pages,
+        Retention.WINDOW: max(1, int(full_pages * cfg.swa_full_tokens_ratio)) if has_every else full_pages,
+        Retention.SNAPSHOT: cfg.num_state_slots,
+    }
+    return {k: IndexPool(sizes[retention(k)], POOL_NAME[k]) for k in kinds}
 
 
 def context_length(cfg: EngineConfig, mc: ModelConfig) -> int:
@@ -103,8 +101,8 @@ def context_length(cfg: EngineConfig, mc: ModelConfig) -> int:
 
 
 def page_groups(mc: ModelConfig) -> tuple[str, ...]:
-    """The page groups (``CacheKind.FULL``, ``SWA``) the model's attention layers use."""
-    return tuple(sorted({page_group(k) for k in mc.layer_kinds if k not in RECURRENT}))
+    """The paged cache kinds the model's layers use (each has its page table)."""
+    return tuple(k for k in cache_kinds(mc.layer_kinds) if retention(k) is not Retention.SNAPSHOT)
 
 
 def make_runner(
@@ -116,7 +114,7 @@ def make_runner(
         model,
         num_pages={g: pools[g].size for g in page_groups(model.cfg)},
         page_size=cfg.page_size,
-        num_state_slots=pools[CacheKind.STATE].size if CacheKind.STATE in pools else 0,
+        num_state_slots=sum(p.size for k, p in pools.items() if retention(k) is Retention.SNAPSHOT),
         max_seqs=BatchBuilder.max_seqs_for(cfg.max_running_requests),
         abstract_on=abstract_on,
         check_plan=check_plan,
@@ -136,12 +134,8 @@ def make_builder(cfg: EngineConfig, mc: ModelConfig, context_len: int) -> BatchB
 
 def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:
     kinds = cache_kinds(mc.layer_kinds)
-    return PrefixRules(
-        page_size=cfg.page_size,
-        has_full=CacheKind.FULL in kinds,
-        sliding_window=mc.sliding_window if CacheKind.SWA in kinds else None,
-        has_state=CacheKind.STATE in kinds,
-    )
+    window = mc.sliding_window if with_retention(kinds, Retention.WINDOW) else None
+    return PrefixRules(page_size=cfg.page_size, kinds=kinds, window=window)
 
 
 def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: PrefixCache):

@@ -277,10 +277,14 @@ class ModelRunner:
         return compiles.total(STEP_PROGRAM) - self._compiled_before
 
     def kv_bytes_per_token(self) -> int:
+        """Device bytes one token takes in every paged layer (shape arithmetic: indexing
+        would compile), KV heads as the device holds them."""
         b = 0
         for entry in self.cache:
-            if not isinstance(entry, RecurrentState):  # shape arithmetic: indexing would compile
-                b += 2 * int(np.prod(entry.k.shape[2:])) * entry.k.dtype.itemsize
+            if not isinstance(entry, RecurrentState):
+                b += sum(
+                    int(np.prod(a.shape[2:])) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(entry)
+                )
         return b
 
 

@@ -25,6 +25,11 @@ there whole pages cost nothing beyond the copy itself. Over several processes a 
 gathers each page onto every device (``replicate``), so every process gets the whole page
 from its own devices, and a write gives every process the same whole pages.
 
+What a row of a cache kind holds comes from the layers' declaration (``models/cache.py``,
+``paged_specs``): every layer that pages the kind, each with its entry's fields stacked
+(``[layers, fields, page_size, *per_token]``: K and V of full attention, an MLA latent), or
+for the state kind each recurrent layer kind's states.
+
 Layer by layer (``step_pages > 0``): a write of attention pages only queues them. The next
 step that runs a prefill takes up to ``step_pages`` pages of each page group as arrays in
 host memory (``step_loads``), and the step writes each layer's pages just before that
@@ -42,9 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache_jax.kinds import PAGED, RECURRENT, CacheKind, cache_kind
+from hicache_jax.kinds import PAGED, RECURRENT, layer_cache
 from hicache_jax.models import sharding
-from hicache_jax.models.cache import KVPages, RecurrentState
+from hicache_jax.models.cache import RecurrentState, layer_specs
 from hicache_jax.models.page_loads import PageLoads
 
 MIN_PAGES = 8
@@ -60,14 +65,31 @@ class PageTransfer:
         self.runner = runner
         self.chunk_bytes = chunk_bytes
         self.step_pages = step_pages  # pages per group a step takes layer by layer (0: none)
-        self._pending: dict[str, list[tuple[list[int], np.ndarray]]] = {}  # kind -> queued writes
+        self._pending: dict[str, list[tuple[list[int], dict]]] = {}  # kind -> queued writes
         self.layerwise_pages = 0  # pages the last ``step_loads`` took
         kinds = runner.cfg.layer_kinds
         self.shardings = runner.model.cache_shardings()
         mesh = runner.model.mesh
         # Over several processes a host reads only its own devices: gather pages onto all.
         self.replicate = sharding.replicated(mesh) if jax.process_count() > 1 and mesh is not None else None
-        self.layers = {c: [i for i, k in enumerate(kinds) if cache_kind(k) == c] for c in CacheKind}
+        specs = layer_specs(runner.cfg)
+        # Per paged kind: the layers that page it, and where in each layer's entry it is.
+        declared = {s.kind: s for layer in specs for s in layer}
+        self.spec = {k: declared[k] for k in PAGED if k in declared}
+        self.parts = {
+            c: tuple(
+                (i, n if len(layer) > 1 else None)
+                for i, layer in enumerate(specs)
+                for n, s in enumerate(layer)
+                if s.kind == c
+            )
+            for c in self.spec
+        }
+        self.layers = {c: [i for i, _ in p] for c, p in self.parts.items()}
+        # The snapshot kind recurrent layers keep their state in (one row: every such layer).
+        self.state_kind = next((c for k in kinds if k in RECURRENT for c in layer_cache(k)), None)
+        if self.state_kind is not None:
+            self.layers[self.state_kind] = [i for i, k in enumerate(kinds) if k in RECURRENT]
         # A state row holds each recurrent layer kind's states stacked over its layers
         # (their shapes differ between kinds): name prefix -> layers.
         self.state_groups = {k: [i for i, x in enumerate(kinds) if x == k] for k in sorted(RECURRENT)}
@@ -78,28 +100,34 @@ class PageTransfer:
 
     def layout(self, kind: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Shapes of one host row of ``kind`` (see host_pool.py)."""
-        layers = self.layers[kind]
-        first = self.runner.cache[layers[0]]
-        if kind == CacheKind.STATE:
+        if kind == self.state_kind:
             out = {}
             for prefix, group in self.state_groups.items():
                 entry = self.runner.cache[group[0]]
                 for field, a in zip(RecurrentState._fields, entry):
                     out[f"{prefix}.{field}"] = ((len(group),) + a.shape[1:], a.dtype)
             return out
-        page, _, D = first.k.shape[1:]
-        return {"kv": ((len(layers), 2, page, self.runner.cfg.num_kv_heads, D), first.k.dtype)}
+        spec, first = self.spec[kind], self._first(kind)
+        fields = len(spec.entry._fields)
+        return {spec.row: ((len(self.layers[kind]), fields, first.shape[1], *spec.per_token), first.dtype)}
+
+    def _first(self, kind: str):
+        """The first device array of ``kind`` (its pages or slots lead)."""
+        if kind == self.state_kind:
+            return self.runner.cache[self.layers[kind][0]][0]
+        i, n = self.parts[kind][0]
+        entry = self.runner.cache[i]
+        return (entry if n is None else entry[n])[0]
 
     def _kv_repeat(self, kind: str) -> int:
         """Device copies of each KV head (> 1 when tensor parallelism replicates them)."""
-        if kind == CacheKind.STATE:
+        if kind == self.state_kind or not self.spec[kind].heads:
             return 1
-        return self.runner.cache[self.layers[kind][0]].k.shape[2] // self.runner.cfg.num_kv_heads
+        return self._first(kind).shape[2] // self.spec[kind].per_token[0]
 
     def max_pages(self, kind: str) -> int:
         """Pages per chunk: no more than the device holds, nor than ``chunk_bytes``."""
-        first = self.runner.cache[self.layers[kind][0]]
-        on_device = jax.tree_util.tree_leaves(first)[0].shape[0]
+        on_device = self._first(kind).shape[0]
         row = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in self.layout(kind).values())
         by_bytes = 1 << (max(1, self.chunk_bytes // row).bit_length() - 1)  # largest power of two
         return max(MIN_PAGES, min(_bucket(max(1, on_device)), by_bytes))
@@ -122,7 +150,7 @@ class PageTransfer:
 
     def write(self, kind: str, idx: list[int], data: dict[str, np.ndarray]) -> None:
         if self.step_pages and kind in PAGED and idx:
-            self._pending.setdefault(kind, []).append((list(idx), data["kv"]))
+            self._pending.setdefault(kind, []).append((list(idx), data))
             return
         self._write_now(kind, idx, data)
 
@@ -139,8 +167,8 @@ class PageTransfer:
         """Write every queued page now (before anything else reads the device cache)."""
         pending, self._pending = self._pending, {}
         for kind, writes in pending.items():
-            for idx, kv in writes:
-                self._write_now(kind, idx, {"kv": kv})
+            for idx, data in writes:
+                self._write_now(kind, idx, data)
 
     def discard(self) -> None:
         """Forget queued pages (the device cache they were for is gone)."""
@@ -153,8 +181,9 @@ class PageTransfer:
             return None
         taken: dict[str, tuple[list[int], np.ndarray]] = {}
         for kind, writes in self._pending.items():
+            row = self.spec[kind].row
             idx = [i for w, _ in writes for i in w]
-            kv = np.concatenate([d for _, d in writes]) if len(writes) > 1 else writes[0][1]
+            kv = np.concatenate([d[row] for _, d in writes]) if len(writes) > 1 else writes[0][1][row]
             last = {i: n for n, i in enumerate(idx)}  # a page queued twice: its later data
             if len(last) < len(idx):
                 keep = sorted(last.values())
@@ -162,7 +191,7 @@ class PageTransfer:
             c = self.step_pages
             taken[kind] = (idx[:c], kv[:c])
             if len(idx) > c:
-                self._write_now(kind, idx[c:], {"kv": kv[c:]})
+                self._write_now(kind, idx[c:], {row: kv[c:]})
         self._pending = {}
         self.layerwise_pages = sum(len(i) for i, _ in taken.values())
         return self._loads(taken)
@@ -172,19 +201,17 @@ class PageTransfer:
         and placed in host memory; ``abstract``: only their shapes."""
         c = self.step_pages
         idx, pages = {}, [None] * len(self.runner.cache)
-        for kind in PAGED:  # the host pools' kinds are the page groups' names
-            layers = self.layers[kind]
-            if not layers:
-                continue
+        for kind, spec in self.spec.items():  # the host pools' kinds are the page groups' names
             got, kv = taken.get(kind, ([], None))
-            shape, dtype = self.layout(kind)["kv"]  # (layers, 2, page, kv_heads, D)
+            ((shape, dtype),) = self.layout(kind).values()  # (layers, fields, page, *per_token)
             r = self._kv_repeat(kind)
-            per_layer = (c, shape[2], shape[3] * r, shape[4])
+            per_layer = (c, shape[2], shape[3] * r, *shape[4:])
+            fields = range(shape[1])
             if abstract:
                 idx[kind] = jax.ShapeDtypeStruct((c,), np.int32)
-                for i in layers:
-                    a = jax.ShapeDtypeStruct(per_layer, dtype, sharding=self._host_sharding(i))
-                    pages[i] = KVPages(a, a)
+                for i, n in self.parts[kind]:
+                    a = jax.ShapeDtypeStruct(per_layer, dtype, sharding=self._host_sharding(i, n))
+                    pages[i] = (pages[i] or {}) | {kind: spec.entry(*(a for _ in fields))}
                 continue
             padded = np.full(c, np.iinfo(np.int32).max, np.int32)  # past the pool: dropped
             padded[: len(got)] = got
@@ -192,17 +219,18 @@ class PageTransfer:
             full = np.zeros((c,) + shape, dtype)
             if kv is not None:
                 full[: len(got)] = kv
-            for j, i in enumerate(layers):
-                on = self._host_sharding(i)
-                k, v = (np.repeat(full[:, j, t], r, axis=2) for t in (0, 1))
-                pages[i] = KVPages(jax.device_put(k, on), jax.device_put(v, on))
+            for j, (i, n) in enumerate(self.parts[kind]):
+                on = self._host_sharding(i, n)
+                arrays = (jax.device_put(np.repeat(full[:, j, f], r, axis=2), on) for f in fields)
+                pages[i] = (pages[i] or {}) | {kind: spec.entry(*arrays)}
         return PageLoads(idx=idx, pages=tuple(pages))
 
-    def _host_sharding(self, layer: int):
+    def _host_sharding(self, layer: int, part: int | None):
         """Where layer ``layer``'s loaded pages wait: host memory (``pinned_host``, which a
         TPU or GPU copies from by DMA), split as its cache is. On CPU, whose "device" memory
         is host memory already, in device memory: the step's copy is then a no-op."""
-        sharding = self.runner.cache[layer].k.sharding
+        entry = self.runner.cache[layer]
+        sharding = (entry if part is None else entry[part])[0].sharding
         if next(iter(sharding.device_set)).platform == "cpu":
             return sharding
         return sharding.with_memory_kind("pinned_host")
@@ -230,11 +258,14 @@ class PageTransfer:
         )
 
     def _static(self, kind: str) -> dict:
-        if kind == CacheKind.STATE:
-            groups = tuple((prefix, tuple(layers)) for prefix, layers in self.state_groups.items())
+        if kind == self.state_kind:
+            groups = tuple(
+                (prefix, tuple((i, None) for i in layers)) for prefix, layers in self.state_groups.items()
+            )
         else:
-            groups = (("kv", tuple(self.layers[kind])),)
-        return {"groups": groups, "recurrent": kind == CacheKind.STATE, "kv_repeat": self._kv_repeat(kind)}
+            groups = ((self.spec[kind].row, self.parts[kind]),)
+        recurrent = kind == self.state_kind
+        return {"groups": groups, "recurrent": recurrent, "kv_repeat": self._kv_repeat(kind)}
 
     def lowerings(self) -> Iterator[tuple[str, Callable[[], jax.stages.Lowered]]]:
         """(name, a function that lowers it) for every gather and scatter."""
@@ -260,19 +291,24 @@ def _gather(cache, idx, *, groups, recurrent, kv_repeat, replicate):
     for prefix, layers in groups:
         if recurrent:  # "mamba.conv", "mamba.ssm", "gdn.conv", ...: [n, layers, ...]
             for f, field in enumerate(RecurrentState._fields):
-                out[f"{prefix}.{field}"] = jnp.stack([cache[i][f][idx] for i in layers], axis=1)
+                out[f"{prefix}.{field}"] = jnp.stack([cache[i][f][idx] for i, _ in layers], axis=1)
         else:
             r = kv_repeat  # keep one copy of each replicated KV head
-            kv = [jnp.stack([cache[i].k[idx][:, :, ::r], cache[i].v[idx][:, :, ::r]], axis=1) for i in layers]
-            out[prefix] = jnp.stack(kv, axis=1)
+            rows = [jnp.stack([a[idx][:, :, ::r] for a in _part(cache[i], n)], axis=1) for i, n in layers]
+            out[prefix] = jnp.stack(rows, axis=1)  # [n, layers, fields, page, *per_token]
     return sharding.constrain(out, replicate)
+
+
+def _part(entry, n: int | None):
+    """The entry of one cache kind, in a layer's entry (``models/cache.py``, ``parts``)."""
+    return entry if n is None else entry[n]
 
 
 @jax.named_scope("transfer_scatter")
 def _scatter(cache, idx, data, *, groups, recurrent, kv_repeat, shardings):
     cache = list(cache)
     for prefix, layers in groups:
-        for j, i in enumerate(layers):
+        for j, (i, n) in enumerate(layers):
             e = cache[i]
             if recurrent:
                 cache[i] = RecurrentState(
@@ -281,12 +317,18 @@ def _scatter(cache, idx, data, *, groups, recurrent, kv_repeat, shardings):
                         for field, a in zip(RecurrentState._fields, e)
                     )
                 )
+                continue
+            rows = data[prefix][:, j]  # [n, fields, page, *per_token]
+            if kv_repeat > 1:
+                rows = jnp.repeat(rows, kv_repeat, axis=3)
+            part = _part(e, n)
+            part = type(part)(
+                *(a.at[idx].set(rows[:, f].astype(a.dtype), mode="drop") for f, a in enumerate(part))
+            )
+            if n is None:
+                cache[i] = part
             else:
-                kv = jnp.repeat(data[prefix][:, j], kv_repeat, axis=3)  # [n, 2, page, heads, D]
-                cache[i] = type(e)(
-                    e.k.at[idx].set(kv[:, 0].astype(e.k.dtype), mode="drop"),
-                    e.v.at[idx].set(kv[:, 1].astype(e.v.dtype), mode="drop"),
-                )
+                cache[i] = tuple(part if m == n else x for m, x in enumerate(e))
     return sharding.constrain(tuple(cache), shardings)
 
 

@@ -6,12 +6,17 @@ tokens ``jP .. jP+P-1``::
 
     pages      | 0 | 1 | 2 | 3 | 4 | 5 | 6 |
     owner      | tree (matched/inserted)   | own (decode) ...
-    sliding KV   x   x   x  [ window ...   ]      x: tombstoned by the tree, or freed
+    window kind  x   x   x  [ window ...   ]      x: tombstoned by the tree, or freed
+
+Every paged cache kind (``PrefixRules.paged``) gets a page per page of the sequence; the
+kinds a window keeps (sliding-window KV) drop the pages behind it; the snapshot kind
+(recurrent state) has a working slot and snapshots at page boundaries. The adapter reads
+these retention rules and never names a cache kind.
 
 Prompt pages go into the tree at every prefill chunk boundary, before anything can slide
 out of the window, so the window that ends at the prompt's usable end survives for the
-next identical prompt. A running request frees only the out-of-window SWA pages it owns
-and pins (``swa_lock``) only the tree nodes inside its current window.
+next identical prompt. A running request frees only the out-of-window pages it owns and
+pins (``window_lock``) only the tree nodes inside its current window.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import time
 
 from hicache_jax.cache.prefix_cache import Match, PrefixCache
 from hicache_jax.cache.radix import path_to
-from hicache_jax.kinds import PAGED, CacheKind
 from hicache_jax.request import Req, ReqCache
 from hicache_jax.tiers import Tier, zero_counts
 
@@ -30,8 +34,14 @@ class CacheAdapter:
         self.cache = cache
         self.rules = cache.rules
         self.P = cache.rules.page_size
-        self.kinds = tuple(k for k in (CacheKind.FULL, CacheKind.SWA) if k in cache.pools)
-        self.has_state = CacheKind.STATE in cache.pools
+        self.kinds = tuple(k for k in self.rules.paged if k in cache.pools)  # paged kinds
+        self.windowed = tuple(k for k in self.rules.windowed if k in cache.pools)
+        self.snapshot = self.rules.snapshot if self.rules.snapshot in cache.pools else None
+
+    @property
+    def has_state(self) -> bool:
+        """The model keeps a snapshot kind (recurrent state)."""
+        return self.snapshot is not None
 
     # ---- admission ---------------------------------------------------------------------
     def match(self, req: Req) -> Match:
@@ -43,7 +53,7 @@ class CacheAdapter:
         resources for tokens up to ``first_end``; all or nothing."""
         slot = None
         if self.has_state:
-            slot = self.cache.alloc(CacheKind.STATE, 1)
+            slot = self.cache.alloc(self.snapshot, 1)
             if slot is None:
                 return False
         self.cache.lock(match.last)
@@ -53,22 +63,21 @@ class CacheAdapter:
         t0, loads = time.monotonic(), bool(match.loads)
         if loads and not self.cache.load(match):
             if slot:
-                self.cache.pools[CacheKind.STATE].free(slot)
+                self.cache.pools[self.snapshot].free(slot)
             self.release(req)
             return False
         if loads:
             req.timing["l2_load_s"] = req.timing.get("l2_load_s", 0.0) + time.monotonic() - t0
         n, held = len(match.nodes), req.cache
-        for kind in PAGED:
-            held.pages[kind] = [getattr(x, kind) for x in match.nodes]
+        for kind in self.kinds:
+            held.pages[kind] = [x.dev.get(kind) for x in match.nodes]
             held.own[kind] = [False] * n
-        if CacheKind.SWA in self.cache.pools:
-            self._drop_swa_before(req, self._window_start(req))
+        self._drop_window_before(req, self._window_start(req))
         self._count_cached(req, match)
         held.num_inserted_pages = n
         if self.has_state:
             held.state_slot = slot[0]
-            held.restore_from = match.last.state if n else None
+            held.restore_from = match.last.dev.get(self.snapshot) if n else None
         if not self.ensure_pages(req, first_end):
             req.loaded_tiers = self._origin_tiers(req, match)  # the next attempt finds them on device
             self.release(req)
@@ -107,9 +116,9 @@ class CacheAdapter:
                     if pages:
                         self.cache.pools[k].free(pages)
                 return False
-        for kind in PAGED:
-            held.pages[kind] += got.get(kind, [None] * need)
-            held.own[kind] += [kind in got] * need
+        for kind in self.kinds:
+            held.pages.setdefault(kind, []).extend(got[kind])
+            held.own.setdefault(kind, []).extend([True] * need)
         return True
 
     def snapshot_slot(self, req: Req, pages: int) -> int | None:
@@ -121,7 +130,7 @@ class CacheAdapter:
         if decode:  # during decode keep one rolling snapshot: the latest page boundary
             slot = held.snapshots.pop(decode[0])
         else:
-            got = self.cache.alloc(CacheKind.STATE, 1)
+            got = self.cache.alloc(self.snapshot, 1)
             if got is None:
                 return None
             slot = got[0]
@@ -139,75 +148,74 @@ class CacheAdapter:
         num_pages = min(num_pages, held.num_pages)
         if not self.cache.enabled or num_pages <= held.num_inserted_pages:
             return
-        pages = {
-            k: [p if own else None for p, own in zip(held.pages[k], held.own[k])]
-            for k in PAGED
-            if k in self.cache.pools
-        }
+        pages = {k: [p if own else None for p, own in zip(held.pages[k], held.own[k])] for k in self.kinds}
         if self.has_state:
-            pages[CacheKind.STATE] = [held.snapshots.get(j + 1) for j in range(num_pages)]
+            pages[self.snapshot] = [held.snapshots.get(j + 1) for j in range(num_pages)]
         node, taken = self.cache.insert(req.fill_ids, held.last_node, num_pages, pages, salt=req.cache_salt)
-        for kind in PAGED:
+        for kind in self.kinds:
             for j in taken.get(kind, ()):
                 held.own[kind][j] = False
-        if CacheKind.FULL in pages:
-            self._adopt_tree_pages(req, path_to(node), num_pages, taken[CacheKind.FULL])
+        path = path_to(node)
+        for kind in self.rules.every:
+            if kind in pages:
+                self._adopt_tree_pages(req, kind, path, num_pages, taken[kind])
         for j in [k for k in held.snapshots if k <= num_pages]:
             slot = held.snapshots.pop(j)
-            if j - 1 not in taken.get(CacheKind.STATE, ()):
-                self.cache.pools[CacheKind.STATE].free([slot])  # the tree had one already
+            if j - 1 not in taken.get(self.snapshot, ()):
+                self.cache.pools[self.snapshot].free([slot])  # the tree had one already
         self.cache.relock(held.last_node, node)  # node is at or below it: insert started there
         held.last_node = node
         held.num_inserted_pages = num_pages
-        if CacheKind.SWA in self.cache.pools:
-            self._relock_window(req, path_to(node))
+        self._relock_window(req, path)
 
-    def _adopt_tree_pages(self, req: Req, path: list, num_pages: int, taken: set[int]) -> None:
-        """Full pages the tree already held (another request computed the same tokens first)
-        replace the request's own copies, which are freed: the request locks those tree
-        pages anyway, and holding both made a request that fits the pool alone run out of
-        pages (a 176-token prompt computed twice, on a 24-page pool, held 4 duplicates)."""
-        pages, own = req.cache.pages[CacheKind.FULL], req.cache.own[CacheKind.FULL]
+    def _adopt_tree_pages(self, req: Req, kind: str, path: list, num_pages: int, taken: set[int]) -> None:
+        """Pages of an every-page kind the tree already held (another request computed the
+        same tokens first) replace the request's own copies, which are freed: the request
+        locks those tree pages anyway, and holding both made a request that fits the pool
+        alone run out of pages (a 176-token prompt computed twice, on a 24-page pool, held 4
+        duplicates)."""
+        pages, own = req.cache.pages[kind], req.cache.own[kind]
         for j in range(num_pages):
-            if own[j] and j not in taken and path[j].full is not None:
-                self.cache.pools[CacheKind.FULL].free([pages[j]])
-                pages[j], own[j] = path[j].full, False
+            if own[j] and j not in taken and kind in path[j].dev:
+                self.cache.pools[kind].free([pages[j]])
+                pages[j], own[j] = path[j].dev[kind], False
 
     def _relock_window(self, req: Req, path: list) -> None:
         """Pin the tree nodes inside the request's current window, and only those."""
-        if CacheKind.SWA not in self.cache.pools:
+        if not self.windowed:
             return
-        self.cache.swa_unlock(req.cache.swa_locked)
+        self.cache.window_unlock(req.cache.window_locked)
         first = self._window_start(req)
-        req.cache.swa_locked = path[first:]
-        self.cache.swa_lock(req.cache.swa_locked)
-        self._drop_swa_before(req, first)
+        req.cache.window_locked = path[first:]
+        self.cache.window_lock(req.cache.window_locked)
+        self._drop_window_before(req, first)
 
     def _window_start(self, req: Req) -> int:
         """First page to keep: the window of the last page boundary, not of the current
         position, so the computed sequence stays matchable up to that boundary."""
         aligned = req.num_computed // self.P * self.P
-        return self.rules.swa_pages_needed(aligned).start if aligned else 0
+        return self.rules.window_pages(aligned).start if aligned else 0
 
     def _slide_window(self, req: Req) -> None:
-        if CacheKind.SWA not in self.cache.pools:
+        if not self.windowed:
             return
         first = self._window_start(req)
-        locked = req.cache.swa_locked
+        locked = req.cache.window_locked
         keep = [n for n in locked if n.depth - 1 >= first]
-        self.cache.swa_unlock([n for n in locked if n.depth - 1 < first])
-        req.cache.swa_locked = keep
-        self._drop_swa_before(req, first)
+        self.cache.window_unlock([n for n in locked if n.depth - 1 < first])
+        req.cache.window_locked = keep
+        self._drop_window_before(req, first)
 
-    def _drop_swa_before(self, req: Req, first: int) -> None:
+    def _drop_window_before(self, req: Req, first: int) -> None:
         """Out-of-window pages: free the ones the request owns, forget the borrowed ones."""
-        pages, own = req.cache.pages[CacheKind.SWA], req.cache.own[CacheKind.SWA]
-        for j in range(min(first, len(pages))):
-            if pages[j] is not None:
-                if own[j]:
-                    self.cache.pools[CacheKind.SWA].free([pages[j]])
-                    own[j] = False
-                pages[j] = None
+        for kind in self.windowed:
+            pages, own = req.cache.pages.get(kind, []), req.cache.own.get(kind, [])
+            for j in range(min(first, len(pages))):
+                if pages[j] is not None:
+                    if own[j]:
+                        self.cache.pools[kind].free([pages[j]])
+                        own[j] = False
+                    pages[j] = None
 
     # ---- leaving ------------------------------------------------------------------------
     def finish(self, req: Req) -> None:
@@ -217,14 +225,14 @@ class CacheAdapter:
 
     def release(self, req: Req) -> None:
         held = req.cache
-        for kind in PAGED:
+        for kind in self.kinds:
             mine = held.owned(kind)
             if mine:
                 self.cache.pools[kind].free(mine)
         if self.has_state:
             slots = list(held.snapshots.values()) + ([held.state_slot] if held.state_slot is not None else [])
-            self.cache.pools[CacheKind.STATE].free(slots)
-        self.cache.swa_unlock(held.swa_locked)
+            self.cache.pools[self.snapshot].free(slots)
+        self.cache.window_unlock(held.window_locked)
         self.cache.unlock(held.last_node)
         req.cache = ReqCache()
         req.num_computed = 0
@@ -236,11 +244,10 @@ class CacheAdapter:
         """Indices the given (running) requests own, for integrity checks."""
         out: dict[str, list[int]] = {k: [] for k in self.cache.pools}
         for r in reqs:
-            for kind in PAGED:
-                if kind in out:
-                    out[kind] += r.cache.owned(kind)
+            for kind in self.kinds:
+                out[kind] += r.cache.owned(kind)
             if self.has_state:
-                out[CacheKind.STATE] += list(r.cache.snapshots.values())
+                out[self.snapshot] += list(r.cache.snapshots.values())
                 if r.cache.state_slot is not None:
-                    out[CacheKind.STATE].append(r.cache.state_slot)
+                    out[self.snapshot].append(r.cache.state_slot)
         return out

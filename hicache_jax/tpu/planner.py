@@ -22,9 +22,9 @@ import re
 import jax
 import jax.numpy as jnp
 
-from hicache_jax.cache.page_bytes import read_bytes_per_token
 from hicache_jax.config import EngineConfig
 from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.page_bytes import read_bytes_per_token
 from hicache_jax.tpu.abstract import AbstractServer
 from hicache_jax.tpu.hbm import hbm_bytes
 from hicache_jax.tpu.target import TpuTarget, abstract, compile_for

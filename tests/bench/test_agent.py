@@ -14,9 +14,9 @@ from hicache_jax.bench.agent_prompts import LocalChat, _JsonTokenizer, _preset_t
 from hicache_jax.bench.client import BenchClient, ServerInfo
 from hicache_jax.bench.runner import WARMUP_SEED
 from hicache_jax.bench.workloads import AgentConfig, agent_texts
-from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.server import tool_choice
 from hicache_jax.server.chat_template import ChatTemplate
+from tests.cache_rules import classic_rules
 from tests.server.conftest import ROOT
 
 HERMES = f"{ROOT}/tests/data/tool_templates/hermes.jinja"
@@ -143,7 +143,7 @@ def test_chat_reads_ttft_and_cached_tokens_from_the_usage():
     stand_ins = [t for r in (exact, other, unknown) for t in r.output + (r.prompt if not r.exact_ids else ())]
     assert len(stand_ins) == len(set(stand_ins))
 
-    rules = PrefixRules(page_size=2, has_full=True, sliding_window=None, has_state=False)
+    rules = classic_rules(2)
     info = ServerInfo(rules, 64, 16, None, False)
     ph = report.summarize("run", [exact, other], 1.0, info)
     assert ph["exact_ids"] is False and ph["max_hit_rate"] is None and ph["hit_rate"] == 8 / 12

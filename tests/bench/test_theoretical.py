@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from hicache_jax.bench.theoretical import SeqRecord, capacity_max, theoretical_max
 from hicache_jax.cache.prefix import PrefixRules
+from tests.cache_rules import classic_rules
 
 RULES = [  # (has_full, sliding_window, has_state)
     (True, None, False),
@@ -21,7 +22,7 @@ def kept(rules: PrefixRules, chunk: int, s: SeqRecord, j: int, kind: str) -> boo
     P, L, T = rules.page_size, len(s.prompt), len(s.prompt) + len(s.output)
     if kind == "swa":  # prompt pages, and the window before the last page boundary
         end = T // P * P
-        return j <= L // P or j >= max(0, end - rules.sliding_window + 1) // P
+        return j <= L // P or j >= max(0, end - rules.window + 1) // P
     if kind == "state":  # a snapshot at token (j+1)P
         t = (j + 1) * P
         return (t % chunk == 0 and t <= L) or t in ((L - 1) // P * P, L, T // P * P)
@@ -51,10 +52,10 @@ def brute(records, rules, chunk, visible_at, seen=(), views=None):
         best = 0
         for e in range(P, (len(r.prompt) - 1) // P * P + 1, P):
             ok = all(holds(j, "seen") for j in range(e // P))
-            if rules.has_state:
+            if rules.snapshot:
                 ok = ok and holds(e // P - 1, "state")
-            if rules.sliding_window:
-                first = max(0, e - rules.sliding_window + 1) // P
+            if rules.window:
+                first = max(0, e - rules.window + 1) // P
                 ok = ok and all(holds(j, "swa") for j in range(first, (e - 1) // P + 1))
             if ok:
                 best = e
@@ -66,7 +67,7 @@ def brute(records, rules, chunk, visible_at, seen=(), views=None):
 def runs(draw):
     P = draw(st.sampled_from([2, 4]))
     full, window, mamba = draw(st.sampled_from(RULES))
-    rules = PrefixRules(page_size=P, has_full=full, sliding_window=window, has_state=mamba)
+    rules = classic_rules(P, full, window, mamba)
     chunk = P * draw(st.sampled_from([1, 2]))
     token = st.integers(0, 1)
     bases = draw(st.lists(st.lists(token, min_size=16, max_size=16), min_size=1, max_size=3))
@@ -143,7 +144,7 @@ def test_a_request_admitted_after_a_later_one_is_served_by_it():
     shared system prompt, which A then hits. The engine does this (a held first probe, same
     sizes: A cached 32, B 0); a maximum that counted only sequences sent before A (and
     50 ms after) gave A 0."""
-    rules = PrefixRules(page_size=16, has_full=True, sliding_window=None, has_state=False)
+    rules = classic_rules(16)
     system = tuple(range(3, 35))  # two pages
     a = SeqRecord(system + tuple(range(100, 148)), (7, 8), sent=0.0, prefilled=0.9, done=1.0)
     b = SeqRecord(system + tuple(range(200, 248)), (7, 8), sent=0.2, prefilled=0.4, done=0.5)

@@ -16,9 +16,9 @@ from hicache_jax.cache.eviction_order import EvictionOrder
 from hicache_jax.cache.holdings import Holdings
 from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
-from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.radix import Node
+from tests.cache_rules import classic_rules
 
 P = 2
 WINDOW = 3
@@ -36,7 +36,7 @@ def _device_below(node: Node) -> bool:
     stack = list(node.children.values())
     while stack:
         x = stack.pop()
-        if x.full is not None:
+        if x.on_device:
             return True
         stack.extend(x.children.values())
     return False
@@ -57,22 +57,17 @@ class ScanOrder(EvictionOrder):
     def host_victim(self, kind):
         cands = []
         for x in self.held.nodes():
-            if getattr(x, "host_" + kind) is None:
+            if kind not in x.host:
                 continue
-            only = getattr(x, kind) is None
+            only = kind not in x.dev
             if only and kind == "full" and (x.children or x.lock_ref):
                 continue
             cands.append(x)
-        return min(cands, key=lambda x: (getattr(x, kind) is None, x.last_access, -x.depth), default=None)
+        return min(cands, key=lambda x: (kind not in x.dev, x.last_access, -x.depth), default=None)
 
 
 def make(scan: bool, kinds, policy):
-    rules = PrefixRules(
-        page_size=P,
-        has_full=True,
-        sliding_window=WINDOW if "swa" in kinds else None,
-        has_state="state" in kinds,
-    )
+    rules = classic_rules(P, window=WINDOW if "swa" in kinds else None, state="state" in kinds)
     sizes = {"full": 7, "swa": 5, "state": 5}
     pools = {k: IndexPool(sizes[k], k) for k in kinds}
     host = {k: HostPool(k, 6, {"x": ((1,), np.float32)}) for k in kinds}
@@ -95,7 +90,7 @@ def state(c: PrefixCache) -> list:
             while not x.is_root:
                 path.append(x.key)
                 x = x.parent
-            data = (n.full, n.swa, n.state, n.host_full, n.host_swa, n.host_state, n.lock_ref, n.swa_lock)
+            data = (sorted(n.dev.items()), sorted(n.host.items()), n.lock_ref, n.window_lock)
             out.append((str(salt), tuple(path[::-1]), data))
     pools = [p.num_free for p in c.pools.values()] + [h.index.num_free for h in c.host.values()]
     return sorted(out) + [pools, c.storage_rows]
@@ -132,10 +127,10 @@ def apply(c: PrefixCache, op: tuple, held: list) -> object:
         m = c.match(toks, len(toks), salt=salt)
         c.lock(m.last)
         window = m.nodes[-2:] if "swa" in c.pools else []
-        c.swa_lock(window)
+        c.window_lock(window)
         ok = c.load(m) if m.loads else True
         if not ok:
-            c.swa_unlock(window)
+            c.window_unlock(window)
             c.unlock(m.last)
         else:
             held.append((m.last, window, seq, salt))
@@ -148,13 +143,13 @@ def apply(c: PrefixCache, op: tuple, held: list) -> object:
         if node is not None:
             c.relock(last, node)
             if "swa" in c.pools and node is not last:
-                c.swa_lock([node])
+                c.window_lock([node])
                 window = window + [node]
             held[i] = (node, window, seq, salt)
         return taken
     if name == "release" and held:
         last, window, _, _ = held.pop(a % len(held))
-        c.swa_unlock(window)
+        c.window_unlock(window)
         c.unlock(last)
     elif name == "insert_host":
         rows = {j: {k: {"x": np.zeros((1,), np.float32)} for k in c.host} for j in range(n)}
@@ -199,7 +194,7 @@ def test_queues_evict_what_a_full_scan_would(kinds, policy, ops):
         assert state(real) == state(ref), op
         real.check_integrity()
     for last, window, _, _ in held_real:
-        real.swa_unlock(window)
+        real.window_unlock(window)
         real.unlock(last)
     real.flush()
     real.check_integrity()

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
-from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.storage_tier import StorageTier
 from hicache_jax.request import Req
@@ -27,6 +26,7 @@ from hicache_jax.scheduler.l3_prefetch import Prefetcher
 from hicache_jax.storage.keys import Namespace
 from hicache_jax.storage.ratelog import RateLimitedLog
 from hicache_jax.storage.read_handle import PrefetchHandle
+from tests.cache_rules import classic_rules
 
 P = 4
 HOST_PAGES = 40
@@ -71,7 +71,7 @@ class AllHitClient:
 
 
 def make_tier():
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_state=False)
+    rules = classic_rules(P)
     cache = PrefixCache(
         rules,
         {"full": IndexPool(64, "full pages")},
@@ -139,7 +139,7 @@ def test_prefetches_hold_at_most_the_limit_and_nobody_starves(ops):
                 prompts.append(tokens)
                 # Rows held before, counted from the tasks and the tree, not by the tier.
                 held = sum(t.rows for t in prefetcher.tasks.values()) + sum(
-                    n.host_full is not None for n in cache.nodes() if n.from_storage
+                    "full" in n.host for n in cache.nodes() if n.from_storage
                 )
                 before = prefetcher.counters["prefetch_refused_host_full"]
                 start(prefetcher, str(k), tokens)

@@ -2,18 +2,20 @@
 
 import pytest
 
-from hicache_jax.cache.prefix import PrefixRules, usable_prefix_end
+from hicache_jax.cache.prefix import usable_prefix_end
+from tests.cache_rules import classic_rules
 
 P = 16
 T, F = True, False
 
 
 def rules(full=True, window=None, mamba=False):
-    return PrefixRules(page_size=P, has_full=full, sliding_window=window, has_state=mamba)
+    return classic_rules(P, full, window, mamba)
 
 
 def end(r, input_len, full=(), swa=(), mamba=(), lsl=-1):
-    return usable_prefix_end(r, input_len, lsl, list(full), list(swa), list(mamba))
+    held = {"full": list(full), "swa": list(swa), "state": list(mamba)}
+    return usable_prefix_end(r, input_len, lsl, {k: held[k] for k in r.kinds})
 
 
 def test_caps_at_input_minus_one_floored_to_page():

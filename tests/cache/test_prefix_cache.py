@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 
 from hicache_jax.cache.pool import IndexPool
-from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
+from tests.cache_rules import classic_rules
 
 P = 4
 
 
 def make(window=None, pages=16):
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=window, has_state=False)
+    rules = classic_rules(P, window=window)
     pools = {"full": IndexPool(pages, "full")}
     if window:
         pools["swa"] = IndexPool(pages, "swa")
@@ -64,7 +64,7 @@ def test_swa_tombstones_block_ends_but_not_passage():
     path = c.tree().walk(seq, 6)
 
     def tombstone(j):  # page j holds tokens 4j..4j+3
-        c.pools["swa"].free([path[j].swa])
+        c.pools["swa"].free([path[j].dev["swa"]])
         c.held.set_device(path[j], "swa", None)
 
     tombstone(3)
@@ -101,7 +101,7 @@ def test_a_page_without_host_copy_goes_with_its_host_only_subtree():
     goes with B (which nothing could match without A)."""
     from hicache_jax.cache.host_pool import HostPool
 
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=None, has_state=False)
+    rules = classic_rules(P)
     host = {"full": HostPool("full", 8, {"kv": ((1,), np.float32)})}
     c = PrefixCache(rules, {"full": IndexPool(3, "full")}, host=host, write_policy="write_through")
     seq = list(range(12))
@@ -110,7 +110,7 @@ def test_a_page_without_host_copy_goes_with_its_host_only_subtree():
     a, b, cc = c.tree().walk(seq, 3)
     for node in (b, cc):  # B and C have host copies; A has none (its backup was skipped)
         c.held.set_host(node, "full", host["full"].index.alloc(1)[0])
-    c.pools["full"].free([b.full])
+    c.pools["full"].free([b.dev["full"]])
     c.held.set_device(b, "full", None)  # B lives on the host only
     assert c.evict("full", 2) == 2  # C's device page, then A with B
     assert c.pools["full"].num_free == 3 and c.tree().walk(seq, 3) == []
@@ -122,7 +122,7 @@ def test_nodes_passed_over_while_pinned_are_evictable_once_free():
     without host copy; a sliding-window lock) is evicted later, once it can."""
     from hicache_jax.cache.host_pool import HostPool
 
-    rules = PrefixRules(page_size=P, has_full=True, sliding_window=5, has_state=False)
+    rules = classic_rules(P, window=5)
     host = {"full": HostPool("full", 4, {"kv": ((1,), np.float32)})}
     pools = {"full": IndexPool(4, "full"), "swa": IndexPool(4, "swa")}
     c = PrefixCache(rules, pools, host=host, write_policy="write_through_selective")
@@ -131,14 +131,14 @@ def test_nodes_passed_over_while_pinned_are_evictable_once_free():
     idx = {k: [None] + p.alloc(1) for k, p in pools.items()}
     b, _ = c.insert(seq, a, 2, idx)
     c.held.set_host(b, "full", host["full"].index.alloc(1)[0])
-    assert c.evict("full", 1) == 1 and b.full is None and a.full is not None  # A waited for B
+    assert c.evict("full", 1) == 1 and "full" not in b.dev and "full" in a.dev  # A waited for B
     assert c.evict("full", 1) == 1 and c.tree().walk(seq, 2) == []  # then A went, with B
     c.check_integrity()
 
     x, y = put(c, seq, 1), put(c, list(range(50, 54)), 1)  # X older than Y
-    c.swa_lock([x])
-    assert c.evict("swa", 1) == 1 and y.swa is None and x.swa is not None
-    c.swa_unlock([x])
+    c.window_lock([x])
+    assert c.evict("swa", 1) == 1 and "swa" not in y.dev and "swa" in x.dev
+    c.window_unlock([x])
     c.check_integrity()
-    assert c.evict("swa", 1) == 1 and x.swa is None
+    assert c.evict("swa", 1) == 1 and "swa" not in x.dev
     c.check_integrity()

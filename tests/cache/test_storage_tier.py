@@ -28,10 +28,10 @@ def test_two_pass_hits_storage(checkpoint_dir, tmp_path, family):
     assert stats["prefetch_completed"] >= 1 and stats["l3_checksum_failures"] == 0
 
 
-def _buggy_end(rules, input_len, lsl, full, swa, mamba):
+def _buggy_end(rules, input_len, lsl, held):
     """SGLang's old prefetch range: every full page of the prompt (``full_ids[matched:]``),
     not capped at input_len - 1 like the match."""
-    return min(input_len // rules.page_size, len(swa)) * rules.page_size
+    return min(input_len // rules.page_size, len(held["swa"])) * rules.page_size
 
 
 @pytest.mark.parametrize("buggy", [False, True])

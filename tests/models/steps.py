@@ -11,8 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from hicache_jax.kinds import RECURRENT
-from hicache_jax.models.batch import ForwardBatch, page_group
+from hicache_jax.models.batch import ForwardBatch, page_groups
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.request import Req
 from hicache_jax.runtime.batch_builder import BatchBuilder
@@ -32,7 +31,7 @@ def jit_forward(model: CausalLM, compiler_options: dict | None = None):
 
 
 def kv_groups(model: CausalLM) -> tuple[str, ...]:
-    return tuple(sorted({page_group(k) for k in model.cfg.layer_kinds if k not in RECURRENT}))
+    return page_groups(model.cfg.layer_kinds)
 
 
 def sequence(tokens, pages, state_slot: int | None = None) -> Req:

@@ -19,7 +19,6 @@ import numpy as np
 
 from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
-from hicache_jax.cache.prefix import PrefixRules
 from hicache_jax.cache.prefix_cache import PrefixCache
 from hicache_jax.cache.radix import path_to
 from hicache_jax.config import EngineConfig
@@ -29,6 +28,7 @@ from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
 from hicache_jax.scheduler.plan import StepPlan
 from hicache_jax.scheduler.scheduler import Scheduler
+from tests.cache_rules import classic_rules
 
 EMPTY = -1  # a KV slot nothing was written to
 
@@ -76,7 +76,7 @@ class Sim:
             max_running_requests=s.max_running,
             max_total_tokens=s.full_pages * P,
         )
-        rules = PrefixRules(page_size=P, has_full=True, sliding_window=s.window, has_state=False)
+        rules = classic_rules(P, window=s.window)
         pools = {"full": IndexPool(s.full_pages, "full pages")}
         if s.window:
             pools["swa"] = IndexPool(s.swa_pages or s.full_pages, "swa pages")
@@ -164,9 +164,9 @@ class Sim:
             path = path_to(r.cache.last_node) if r.cache.last_node is not None else []
             assert len(path) == r.cache.num_inserted_pages, (r.rid, len(path), r.cache.num_inserted_pages)
             for kind in ("full", "swa"):
-                pages, own = r.cache.pages[kind], r.cache.own[kind]
                 if kind not in held:
                     continue
+                pages, own = r.cache.pages[kind], r.cache.own[kind]
                 assert len(pages) == len(own) == r.cache.num_pages
                 for j, (p, o) in enumerate(zip(pages, own)):
                     if p is None:
@@ -175,14 +175,14 @@ class Sim:
                         held[kind].append(p)
                     else:  # borrowed: the tree's page on the request's locked path
                         assert j < len(path), f"{r.rid}: page {j} borrowed but not in the tree"
-                        assert getattr(path[j], kind) == p, f"{r.rid}: {kind} page {j} is not the tree's"
+                        assert path[j].dev.get(kind) == p, f"{r.rid}: {kind} page {j} is not the tree's"
             for node in path:
                 assert node.lock_ref > 0, f"{r.rid}: its tree path is not locked"
         for r in list(self.sched.waiting) + self.finished + self.aborted:
-            assert not r.cache.num_pages and r.cache.last_node is None and not r.cache.swa_locked, (
+            assert not r.cache.num_pages and r.cache.last_node is None and not r.cache.window_locked, (
                 f"{r.rid} holds pages"
             )
         self.cache.check_integrity(held)
         if not self.sched.running:
             for node in self.cache.nodes():
-                assert node.lock_ref == 0 and node.swa_lock == 0, "a lock outlived its requests"
+                assert node.lock_ref == 0 and node.window_lock == 0, "a lock outlived its requests"

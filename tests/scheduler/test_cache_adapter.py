@@ -33,7 +33,7 @@ def test_lifecycle_match_lock_insert_unlock():
     a.num_computed = 8
     ad.after_step(a, insert=True)  # a chunk boundary: its two pages go to the tree
     assert a.cache.own["full"] == [False, False] and a.cache.num_inserted_pages == 2
-    assert [n.full for n in path_to(a.cache.last_node)] == a.cache.pages[
+    assert [n.dev["full"] for n in path_to(a.cache.last_node)] == a.cache.pages[
         "full"
     ] and a.cache.last_node.lock_ref == 1
     sim.check_ownership()
@@ -49,7 +49,9 @@ def test_lifecycle_match_lock_insert_unlock():
     b = request("b")
     match = admit(sim, b, 22)
     assert match.end == 20, "the whole cached prompt but its last token"
-    assert b.cache.pages["full"][:5] == [n.full for n in match.nodes] and not any(b.cache.own["full"][:5])
+    assert b.cache.pages["full"][:5] == [n.dev["full"] for n in match.nodes] and not any(
+        b.cache.own["full"][:5]
+    )
     assert b.cache.own["full"][5:] == [True] and all(n.lock_ref == 1 for n in match.nodes)
     assert cache.evict("full", 100) == 0, "a running request's prefix was evicted"
     sim.check_ownership()
@@ -68,7 +70,7 @@ def test_allocation_is_all_or_nothing():
     match = sim.adapter.match(r)
     assert not sim.adapter.admit(r, match, 22)  # 6 pages of each kind; only 3 sliding
     assert sim.cache.pools["full"].num_used == full_before and sim.cache.pools["swa"].num_used == 0
-    assert not r.cache.pages["full"] and r.cache.last_node is None
+    assert not r.cache.pages.get("full") and r.cache.last_node is None
     sim.aborted.append(r)
     sim.check_ownership()
 
@@ -79,7 +81,7 @@ def test_sliding_pages_out_of_the_window_are_freed_while_running():
     admit(sim, r, 22)
     r.num_computed = 22
     sim.adapter.after_step(r, insert=True)
-    window = set(sim.cache.rules.swa_pages_needed(20))
+    window = set(sim.cache.rules.window_pages(20))
     own_swa = [
         j for j, (p, o) in enumerate(zip(r.cache.pages["swa"], r.cache.own["swa"])) if p is not None and o
     ]
@@ -103,7 +105,7 @@ def test_cached_tokens_name_the_tier_a_page_came_from_across_a_refused_admission
     match = sim.adapter.match(b)
     assert match.page_tiers == ["host"] * 5
     assert not sim.adapter.admit(b, match, 22)
-    assert all(n.full is not None for n in match.nodes), "the refused admission loaded them"
+    assert all("full" in n.dev for n in match.nodes), "the refused admission loaded them"
     sim.cache.pools["full"].free(held)
     match = admit(sim, b, 22)
     assert match.page_tiers == ["device"] * 5

@@ -4,10 +4,10 @@ the L2 rows the engine actually allocates, per cache kind, for every family."""
 import numpy as np
 import pytest
 
-from hicache_jax.cache.page_bytes import page_bytes, read_bytes_per_token
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine.engine import Engine
 from hicache_jax.kinds import L3_SUFFIX, PAGED
+from hicache_jax.models.page_bytes import page_bytes, read_bytes_per_token
 
 
 @pytest.mark.parametrize("preset", ["tiny-swa", "tiny-mamba", "tiny-qwen3.5"])  # full + swa, + mamba, + gdn

@@ -1,0 +1,39 @@
+"""Bytes of one L2/L3 page of each kind a model stores, and the L3 bandwidth at a token rate.
+
+Pages are stored whole (the same at every tp_size), as the layers declare them
+(``models/cache.py``, ``paged_specs``): per token, every layer that pages a cache kind
+stores its fields (K and V of every KV head for attention). A prefix hit reads every page of
+an every-page kind, only the window behind its end of a window kind, and one state snapshot
+for recurrent layers (at most one per page).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from hicache_jax.kinds import L3_SUFFIX, RECURRENT, Retention, layer_cache, retention
+from hicache_jax.models.cache import layer_specs
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def page_bytes(cfg, dtype_bytes: int, page_size: int) -> dict[str, int]:
+    """Bytes of one page of each kind the model stores, by L3 suffix."""
+    values: dict[str, int] = collections.Counter()
+    for specs in layer_specs(cfg):
+        for s in specs:
+            values[s.kind] += s.token_values()
+    out = {L3_SUFFIX[kind]: n * page_size * dtype_bytes for kind, n in values.items()}
+    recurrent = [k for k in cfg.layer_kinds if k in RECURRENT]
+    if recurrent:  # one snapshot holds every recurrent layer's state
+        out[L3_SUFFIX[layer_cache(recurrent[0])[0]]] = cfg.state_bytes(dtype_bytes)
+    return out
+
+
+def read_bytes_per_token(cfg, dtype_bytes: int, page_size: int) -> float:
+    """Upper bound of the L3 bytes read per prompt token a hit serves (every page kind's
+    pages; window kinds read only their window, recurrent layers one snapshot per hit, both
+    less)."""
+    pages = page_bytes(cfg, dtype_bytes, page_size)
+    paged = [k for k in L3_SUFFIX if retention(k) is not Retention.SNAPSHOT]
+    return sum(pages.get(L3_SUFFIX[kind], 0) for kind in paged) / page_size
