@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from hicache_jax.models.config import GdnConfig, MambaConfig, ModelConfig, MoEConfig, YarnConfig
+from hicache_jax.models.hf import fp8_blocks
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
 
@@ -215,8 +216,12 @@ def gpt_oss(hf: dict, where: str) -> ModelConfig:
     types = hf.get("layer_types") or alternating
     kinds = tuple({"sliding_attention": "sliding", "full_attention": "attention"}[t] for t in types)
     quant = hf.get("quantization_config")
-    if quant and quant.get("quant_method") != "mxfp4":
-        raise CheckpointError(f"{where}: quantization {quant.get('quant_method')!r} is not supported (mxfp4)")
+    if quant and quant.get("quant_method") == "fp8":
+        fp8_blocks.check_config(quant, where)
+    elif quant and quant.get("quant_method") != "mxfp4":
+        raise CheckpointError(
+            f"{where}: quantization {quant.get('quant_method')!r} is not supported (mxfp4, fp8)"
+        )
     moe = MoEConfig(
         num_experts=hf.get("num_local_experts", hf.get("num_experts")),
         top_k=hf.get("num_experts_per_tok", hf.get("experts_per_token")),

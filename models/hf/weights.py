@@ -12,7 +12,7 @@ from flax import nnx
 
 from hicache_jax.kinds import LayerKind
 from hicache_jax.models.config import ModelConfig
-from hicache_jax.models.hf import mxfp4
+from hicache_jax.models.hf import fp8_blocks, mxfp4
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 
 
@@ -347,7 +347,9 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
     """Fill an abstract nnx.State from the checkpoint, checking every tensor.
 
     ``sharding(keypath, leaf)`` places each leaf on a mesh: every device then reads only
-    its own slice of the memory-mapped tensor (a process, only its devices' slices)."""
+    its own slice of the memory-mapped tensor (a process, only its devices' slices).
+    Block-scaled FP8 weights (``fp8_blocks``) read dequantized, to float32."""
+    ckpt = fp8_blocks.Dequantized(ckpt)
 
     def load(kp, leaf):
         path = tuple(_key(k) for k in kp)

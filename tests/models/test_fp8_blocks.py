@@ -1,0 +1,214 @@
+"""FP8 weights with 128x128 block scales (DeepSeek V3's published format): a tensor quantized
+here by the format's rules, partial edge tiles included, dequantizes to what a decoder
+written here from the E4M3 bit layout gives, bit for bit; a Llama checkpoint whose Linears
+are rewritten that way loads to exactly those values and serves the prompt logprobs of the
+same checkpoint holding them in float32; malformed scales and unsupported variants are
+refused with the shapes or the setting named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from hicache_jax import LLM
+from hicache_jax.models import load_hf
+from hicache_jax.models.hf import fp8_blocks
+from hicache_jax.models.hf.safetensors_io import CheckpointError, SafetensorsFile
+from tests.hf_checkpoints import make
+
+QUANT = dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128], activation_scheme="dynamic")
+E4M3_MAX = 448.0
+
+
+def e4m3(code: int) -> float:
+    """One E4M3 ("fn") byte from its bits: sign, four exponent bits (bias 7), three mantissa
+    bits; exponent 0 is subnormal; no infinities, 0x7f and 0xff are NaN."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return float("nan")
+    if exponent == 0:
+        return sign * mantissa / 8 * 2.0**-6
+    return sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+
+
+DECODED = np.array([e4m3(c) for c in range(256)])  # float64, exact
+
+
+def decode(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """The test's dequantization: each byte by the table above, times its tile's scale
+    (``[i // 128, j // 128]``), the exact product rounded once to float32."""
+    rows, cols = weight.shape
+    i, j = np.arange(rows)[:, None] // 128, np.arange(cols)[None, :] // 128
+    return (DECODED[weight.view(np.uint8)] * scale_inv[i, j].astype(np.float64)).astype(np.float32)
+
+
+def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The format's rules (as DeepSeek's ``weight_quant``): per 128x128 tile, the scale maps
+    the tile's largest |value| to 448; the weight is the value over its scale, in E4M3."""
+    rows, cols = w.shape
+    R, C = -(-rows // 128), -(-cols // 128)
+    scale_inv = np.ones((R, C), np.float32)
+    q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
+    for r in range(R):
+        for c in range(C):
+            tile = w[r * 128 : (r + 1) * 128, c * 128 : (c + 1) * 128].astype(np.float32)
+            amax = float(np.abs(tile).max())
+            scale_inv[r, c] = amax / E4M3_MAX if amax else 1.0
+            q[r * 128 : (r + 1) * 128, c * 128 : (c + 1) * 128] = np.clip(tile / scale_inv[r, c], -448, 448)
+    return q, scale_inv
+
+
+def test_format_quantized_file_dequantizes_as_decoded_by_hand(tmp_path):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((300, 200)) * np.exp(rng.uniform(-6, 2, (300, 1)))).astype(np.float32)
+    w[:128, :128] *= 1e-4  # a tile of small values: subnormal codes
+    w[128:256, 128:] = 0  # a zero tile (scale 1)
+    q, s = quantize(w)  # tiles: 3 x 2, the last row of tiles 44 tall, the last column 72 wide
+    path = str(tmp_path / "w.safetensors")
+    save_file({"proj.weight": q, "proj.weight_scale_inv": s}, path)
+    f = SafetensorsFile(path)
+    weight, scale_inv = f.get("proj.weight"), f.get("proj.weight_scale_inv")
+    assert weight.dtype == ml_dtypes.float8_e4m3fn and scale_inv.shape == (3, 2)
+    got = fp8_blocks.dequantize(weight, scale_inv)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, decode(weight, scale_inv))
+    # And the decoding is the tensor's: within E4M3's half step (2**-4 relative, or the
+    # subnormal step 2**-10 times the tile's scale).
+    i, j = np.arange(300)[:, None] // 128, np.arange(200)[None, :] // 128
+    bound = np.maximum(np.abs(w) * 2.0**-4, scale_inv[i, j] * 2.0**-10)
+    assert (np.abs(got - w) <= bound).all()
+
+
+def test_every_code_in_every_tile_position_decodes_by_hand():
+    """Random bytes: every code (NaN, -0, subnormals, 448) in every tile, scales of any
+    mantissa; stacked experts ``[E, out, in]`` too."""
+    rng = np.random.default_rng(1)
+    weight = rng.integers(0, 256, (2, 130, 257), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    scale_inv = np.exp2(rng.uniform(-12, 4, (2, 2, 3))).astype(np.float32)
+    got = fp8_blocks.dequantize(weight, scale_inv)
+    for e in range(2):
+        np.testing.assert_array_equal(got[e], decode(weight[e], scale_inv[e]))
+
+
+F8 = ml_dtypes.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    "weight_dtype, scale_shape, scale_dtype, match",
+    [
+        (F8, (2, 2), np.float32, r"weight \(300, 200\) and weight_scale_inv \(2, 2\)"),
+        (F8, (5, 4), np.float32, r"128x128 blocks need scales \(3, 2\)"),
+        (np.float32, (3, 2), np.float32, "expected float8_e4m3fn and float32"),
+        (F8, (3, 2), ml_dtypes.bfloat16, "bfloat16"),
+        (ml_dtypes.float8_e5m2, (3, 2), np.float32, "float8_e5m2"),
+    ],
+    ids=["scales-short", "64x64-scales", "weight-f32", "scales-bf16", "e5m2"],
+)
+def test_malformed_tensors_are_refused(weight_dtype, scale_shape, scale_dtype, match):
+    weight, scale_inv = np.zeros((300, 200), weight_dtype), np.ones(scale_shape, scale_dtype)
+    with pytest.raises(ValueError, match=match):
+        fp8_blocks.dequantize(weight, scale_inv)
+
+
+@pytest.mark.parametrize(
+    "quant, match",
+    [
+        (QUANT | {"weight_block_size": None}, "per-tensor"),
+        (QUANT | {"weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]"),
+        (QUANT | {"fmt": "e5m2"}, "'e5m2'"),
+        (QUANT | {"expert_dtype": "fp4"}, "'fp4'"),
+    ],
+    ids=["per-tensor", "block-64", "e5m2", "fp4-experts"],
+)
+def test_unsupported_fp8_configs_are_refused(quant, match):
+    fp8_blocks.check_config(QUANT | {"scale_fmt": "ue8m0"}, "config.json")  # V3.1: float32 scales
+    with pytest.raises(CheckpointError, match=match):
+        fp8_blocks.check_config(quant, "config.json")
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A Llama checkpoint (intermediate 300: MLP weights 3 tiles long, the last partial)
+    rewritten as FP8 with block scales beside each Linear's weight, and the same checkpoint
+    holding those weights dequantized, in float32 (embeddings, norms and lm_head stay); the
+    decoded weights and the FP8 tensors by name."""
+    base = make("llama", str(tmp_path_factory.mktemp("llama")), overrides={"intermediate_size": 300})
+    tensors = load_file(os.path.join(base, "model.safetensors"))
+    with open(os.path.join(base, "config.json")) as f:
+        config = json.load(f)
+    fp8, dense, decoded = dict(tensors), dict(tensors), {}
+    for name in [n for n in tensors if n.endswith(tuple(f"{p}.weight" for p in LINEARS))]:
+        q, s = quantize(tensors[name])
+        fp8[name], fp8[name + "_scale_inv"] = q, s
+        dense[name] = decoded[name] = decode(q, s)
+    out = {}
+    for kind, ts, cfg in (("fp8", fp8, config | {"quantization_config": QUANT}), ("dense", dense, config)):
+        d = str(tmp_path_factory.mktemp(kind))
+        save_file(ts, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        out[kind] = d
+    return out["fp8"], out["dense"], decoded, fp8
+
+
+def test_fp8_checkpoint_loads_dequantized_and_serves_the_same_logprobs(checkpoints):
+    fp8, dense, decoded, _ = checkpoints
+    model = load_hf(fp8, dtype="float32")
+    # Exactly the decoded values, in our [in, out] layout.
+    mlp = model.layers[1].mlp
+    np.testing.assert_array_equal(mlp.down_proj.kernel[...], decoded["model.layers.1.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(mlp.up_proj.kernel[...], decoded["model.layers.1.mlp.up_proj.weight"].T)
+    want = nnx.to_pure_dict(nnx.state(load_hf(dense, dtype="float32")))
+    got = nnx.to_pure_dict(nnx.state(model))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    # In bfloat16, the serving dtype: the float32 values rounded once.
+    bf16 = load_hf(fp8, dtype="bfloat16").layers[0].mixer.k_proj.kernel[...]
+    k = decoded["model.layers.0.self_attn.k_proj.weight"].T.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(bf16), k)
+
+    ids = [int(x) for x in np.random.RandomState(0).randint(0, 512, size=40)]
+    logprobs = []
+    for path in (fp8, dense):
+        llm = LLM(model_path=path, dtype="float32", page_size=16, max_running_requests=4)
+        try:
+            out = llm.generate(
+                input_ids=ids,
+                sampling_params={"max_new_tokens": 1, "temperature": 0},
+                return_logprob=True,
+                logprob_start_len=0,
+            )
+        finally:
+            llm.close()
+        lps = out[0]["meta_info"]["input_token_logprobs"]
+        assert [x[1] for x in lps] == ids
+        logprobs.append([x[0] for x in lps[1:]])
+    assert logprobs[0] == logprobs[1]
+
+
+def test_fp8_checkpoint_with_bad_scales_is_refused(checkpoints, tmp_path):
+    fp8, _, _, tensors = checkpoints
+    name = "model.layers.0.mlp.down_proj.weight"
+    for corrupt, match in [
+        (lambda t: t.update({name + "_scale_inv": t[name + "_scale_inv"][:, :1]}), r"\(64, 300\).*\(1, 1\)"),
+        (lambda t: t.pop(name + "_scale_inv"), "float8_e4m3fn; only a Linear's weight"),
+    ]:
+        broken = dict(tensors)
+        corrupt(broken)
+        os.makedirs(tmp_path / "broken", exist_ok=True)
+        save_file(broken, str(tmp_path / "broken" / "model.safetensors"))
+        with open(os.path.join(fp8, "config.json")) as f, open(tmp_path / "broken" / "config.json", "w") as g:
+            g.write(f.read())
+        with pytest.raises(CheckpointError, match=match) as e:
+            load_hf(str(tmp_path / "broken"), dtype="float32")
+        assert name in str(e.value)
