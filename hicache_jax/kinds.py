@@ -3,11 +3,12 @@
 A model is a stack of layers of a ``LayerKind``. What the prefix cache keeps for a page of
 a prefix is one entry per ``CacheKind``, each in a pool of its own::
 
-    LayerKind   ATTENTION  SLIDING  MAMBA   GDN
-    CacheKind   FULL       SWA      STATE   STATE
-    kept        every      pages    one snapshot of every recurrent layer's state,
-                page       in the   taken at the end of the page (only the last page
-                           window   of a match needs one)
+    LayerKind   ATTENTION  SLIDING  MAMBA   GDN     MLA     DSA
+    CacheKind   FULL       SWA      STATE   STATE   LATENT  LATENT + INDEX
+    kept        every      pages    one snapshot of every   every page
+                page       in the   recurrent layer's state,
+                           window   taken at the end of the page (only the last page
+                                    of a match needs one)
 
 Every recurrent kind (``RECURRENT``) shares the ``STATE`` cache kind: a state slot holds
 one state per recurrent layer, whatever its kind, with the shapes the model declares
@@ -36,12 +37,17 @@ class LayerKind(enum.StrEnum):
     SLIDING = "sliding"  # causal attention over the last sliding_window tokens
     MAMBA = "mamba"  # Mamba2 (SSD) mixer: conv state + SSM state
     GDN = "gdn"  # Gated DeltaNet linear attention: conv state + delta-rule state
+    MLA = "mla"  # multi-head latent attention (DeepSeek): one latent row per token, every head
+    DSA = "dsa"  # MLA over the positions a lightning indexer picks (its keys paged too)
+    DSA_SHARED = "dsa_shared"  # MLA over the positions the previous DSA layer's indexer picked
 
 
 class CacheKind(enum.StrEnum):
     FULL = "full"  # full-attention KV, every page
     SWA = "swa"  # sliding-window KV, the pages a window needs
     STATE = "state"  # a recurrent-state snapshot (every recurrent layer) at a page's end
+    LATENT = "latent"  # MLA's compressed KV and rope key, every page
+    INDEX = "index"  # a sparse-attention indexer's keys, every page
 
 
 class Retention(enum.StrEnum):
@@ -56,6 +62,8 @@ RETENTION: dict[CacheKind, Retention] = {
     CacheKind.FULL: Retention.EVERY,
     CacheKind.SWA: Retention.WINDOW,
     CacheKind.STATE: Retention.SNAPSHOT,
+    CacheKind.LATENT: Retention.EVERY,
+    CacheKind.INDEX: Retention.EVERY,
 }
 
 # The cache kinds each layer kind keeps (a layer may keep several: its entries are
@@ -65,6 +73,9 @@ LAYER_CACHE: dict[LayerKind, tuple[CacheKind, ...]] = {
     LayerKind.SLIDING: (CacheKind.SWA,),
     LayerKind.MAMBA: (CacheKind.STATE,),
     LayerKind.GDN: (CacheKind.STATE,),
+    LayerKind.MLA: (CacheKind.LATENT,),
+    LayerKind.DSA: (CacheKind.LATENT, CacheKind.INDEX),
+    LayerKind.DSA_SHARED: (CacheKind.LATENT,),
 }
 RECURRENT = frozenset(k for k, c in LAYER_CACHE.items() if c == (CacheKind.STATE,))
 # Cache kinds that hold one page per page of tokens (the rest hold snapshots in slots).
@@ -76,11 +87,19 @@ POOL_NAME: dict[CacheKind, str] = {
     CacheKind.FULL: "full-attention pages",
     CacheKind.SWA: "sliding-window pages",
     CacheKind.STATE: "recurrent state slots",
+    CacheKind.LATENT: "latent-attention pages",
+    CacheKind.INDEX: "indexer key pages",
 }
 
 # The L3 object name suffix of each cache kind (``storage/layout.py`` joins it to the
 # page's hash). Renaming one orphans what servers already stored under the old name.
-L3_SUFFIX: dict[CacheKind, str] = {CacheKind.FULL: "kv", CacheKind.SWA: "swa", CacheKind.STATE: "state"}
+L3_SUFFIX: dict[CacheKind, str] = {
+    CacheKind.FULL: "kv",
+    CacheKind.SWA: "swa",
+    CacheKind.STATE: "state",
+    CacheKind.LATENT: "mla",
+    CacheKind.INDEX: "idx",
+}
 
 
 def retention(kind: str) -> Retention:

@@ -40,6 +40,18 @@ class RecurrentState(NamedTuple):
 MambaState = RecurrentState  # the name Mamba2 code and older callers use
 
 
+class LatentPages(NamedTuple):
+    """MLA's cache: per token the normed latent, then the rope-applied key every head shares."""
+
+    c: jax.Array  # [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]
+
+
+class IndexPages(NamedTuple):
+    """A sparse-attention indexer's keys."""
+
+    k: jax.Array  # [num_pages, page_size, index_head_dim]
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedSpec:
     """One cache kind's pages of one layer."""
@@ -71,6 +83,12 @@ def paged_specs(cfg: ModelConfig, kind: str) -> tuple[PagedSpec, ...]:
     if kind in (LayerKind.ATTENTION, LayerKind.SLIDING):
         group = CacheKind.FULL if kind == LayerKind.ATTENTION else CacheKind.SWA
         return (PagedSpec(group, KVPages, (cfg.num_kv_heads, cfg.head_dim), heads=True, row="kv"),)
+    if kind in (LayerKind.MLA, LayerKind.DSA, LayerKind.DSA_SHARED):
+        m = cfg.mla
+        latent = PagedSpec(CacheKind.LATENT, LatentPages, (m.latent_dim,), heads=False, row="latent")
+        if kind != LayerKind.DSA:
+            return (latent,)
+        return latent, PagedSpec(CacheKind.INDEX, IndexPages, (m.index_head_dim,), heads=False, row="index")
     if kind in RECURRENT:
         return ()
     raise ValueError(f"layer kind {kind!r} declares no cache")

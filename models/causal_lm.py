@@ -19,6 +19,7 @@ from hicache_jax.models.layers.attention import Attention
 from hicache_jax.models.layers.gated_deltanet import GatedDeltaNet
 from hicache_jax.models.layers.linear import Embed, Linear
 from hicache_jax.models.layers.mamba2 import Mamba2Mixer
+from hicache_jax.models.layers.mla import MLA
 from hicache_jax.models.layers.mlp import MLP
 from hicache_jax.models.layers.moe import MoE
 from hicache_jax.models.layers.norms import RMSNorm
@@ -32,6 +33,8 @@ from hicache_jax.models.sharding import (
     tp_size,
     vocab_sharding,
 )
+
+LATENT_KINDS = (LayerKind.MLA, LayerKind.DSA, LayerKind.DSA_SHARED)
 
 
 class DecoderLayer(nnx.Module):
@@ -62,6 +65,8 @@ class DecoderLayer(nnx.Module):
             self.mixer = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         elif kind == LayerKind.GDN:
             self.mixer = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
+        elif kind in LATENT_KINDS:
+            self.mixer = MLA(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
         else:
             self.mixer = Attention(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
         self.post_mixer_norm = norm() if post else None
@@ -82,17 +87,24 @@ class DecoderLayer(nnx.Module):
             )
         self.post_mlp_norm = norm() if post and mlp else None
 
-    def __call__(self, entry, x: jax.Array, batch: ForwardBatch):
-        entry, h = self.mixer(entry, x if self.input_norm is None else self.input_norm(x), batch)
+    def __call__(self, entry, x: jax.Array, batch: ForwardBatch, picks=None):
+        """Returns the new entry, the output and ``picks``: the positions a sparse-attention
+        layer attended, which a following ``dsa_shared`` layer reuses (passed through by
+        every other layer)."""
+        h = x if self.input_norm is None else self.input_norm(x)
+        if self.kind in LATENT_KINDS:
+            entry, h, picks = self.mixer(entry, h, batch, picks)
+        else:
+            entry, h = self.mixer(entry, h, batch)
         if self.post_mixer_norm is not None:
             h = self.post_mixer_norm(h)
         x = x + self._scaled(h)
         if self.mlp is None:
-            return entry, x
+            return entry, x, picks
         h = self.mlp(x if self.pre_mlp_norm is None else self.pre_mlp_norm(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
-        return entry, x + self._scaled(h)
+        return entry, x + self._scaled(h), picks
 
     def _scaled(self, h: jax.Array) -> jax.Array:
         if self.residual_multiplier == 1.0:
@@ -145,11 +157,11 @@ class CausalLM(nnx.Module):
         x = self.embed(batch.input_ids)
         if cfg.embed_scale != 1.0:
             x = x * jnp.asarray(cfg.embed_scale, self.dtype)
-        new_cache = []
+        new_cache, picks = [], None
         for i, (layer, entry) in enumerate(zip(self.layers, cache, strict=True)):
             if batch.loads is not None and batch.loads.pages[i] is not None:
                 entry, x = land(entry, x, batch.loads, i, paged_specs(cfg, layer.kind))
-            entry, x = layer(entry, x, batch)
+            entry, x, picks = layer(entry, x, batch, picks)
             new_cache.append(entry)
         x = self.final_norm(x[batch.logits_indices])
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)

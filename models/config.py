@@ -6,7 +6,11 @@ A model is a stack of layers, each of one ``LayerKind`` (``hicache_jax/kinds.py`
 - ``sliding``: causal attention over the last ``sliding_window`` tokens (the token itself
   included, so query position ``q`` sees keys ``q - sliding_window + 1 .. q``);
 - ``mamba``: a Mamba2 (SSD) mixer with a recurrent state;
-- ``gdn``: a Gated DeltaNet linear-attention mixer with a recurrent state.
+- ``gdn``: a Gated DeltaNet linear-attention mixer with a recurrent state;
+- ``mla``: multi-head latent attention (DeepSeek V3, ``MlaConfig``);
+- ``dsa``: MLA over the positions its lightning indexer picks (DeepSeek V3.2, GLM-5);
+- ``dsa_shared``: MLA over the positions the previous ``dsa`` layer picked (GLM-5's
+  ``indexer_types: shared``).
 
 A layer is ``x += mixer(norm(x)); x += mlp(norm(x))``; the layers in ``mlp_free_layers`` stop
 after the mixer (Nemotron-H, whose checkpoints hold mixers and MLPs as separate blocks).
@@ -95,6 +99,58 @@ class GdnConfig:
     def conv_dim(self) -> int:
         """Channels that go through the causal conv: q, k and v."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (``layers/mla.py``). Per head a query of
+    ``qk_nope_head_dim + qk_rope_head_dim`` (through a ``q_lora_rank`` bottleneck, or
+    directly when it is 0); per token one latent of ``kv_lora_rank`` (normed) and one rope
+    key of ``qk_rope_head_dim`` shared by every head, which is what the cache keeps; keys
+    and values of ``qk_nope_head_dim`` / ``v_head_dim`` per head are the latent times
+    ``kv_b_proj``. ``rope_interleave``: rope rotates channel pairs (0, 1), (2, 3) ...
+    (DeepSeek's weights) instead of halves. ``softmax_scale``: ``(qk head dim) ** -0.5``,
+    times YaRN's ``mscale(mscale_all_dim) ** 2`` when the checkpoint sets it.
+
+    The sparse-attention indexer (``dsa`` layers): ``index_n_heads`` heads of
+    ``index_head_dim`` score every cached position (the first ``qk_rope_head_dim`` channels
+    rotated, interleaved when ``index_rope_interleave``); each query attends to its top
+    ``index_topk`` positions among those it can see."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    q_lora_rank: int = 0
+    rope_interleave: bool = True
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    index_rope_interleave: bool = False
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MlaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank < 0:
+            raise ValueError(f"MlaConfig.q_lora_rank must be >= 0, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MlaConfig.qk_rope_head_dim {self.qk_rope_head_dim} must be even")
+        if self.index_n_heads and (self.index_head_dim < self.qk_rope_head_dim or self.index_topk <= 0):
+            raise ValueError(
+                f"MlaConfig: an indexer needs index_head_dim >= qk_rope_head_dim "
+                f"({self.index_head_dim} < {self.qk_rope_head_dim}?) and index_topk > 0 ({self.index_topk})"
+            )
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token's cache row holds: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
@@ -216,6 +272,7 @@ class ModelConfig:
     pre_norms: bool = True
     mamba: MambaConfig | None = None
     gdn: GdnConfig | None = None
+    mla: MlaConfig | None = None
     # Mixture-of-experts MLPs (``layers/moe.py``) in the layers ``sparse_layers`` lists; the
     # others keep the dense MLP of ``intermediate_size``.
     moe: MoEConfig | None = None
@@ -246,6 +303,16 @@ class ModelConfig:
             raise ValueError("ModelConfig has mamba layers but no MambaConfig")
         if LayerKind.GDN in self.layer_kinds and self.gdn is None:
             raise ValueError("ModelConfig has gdn layers but no GdnConfig")
+        latent = {LayerKind.MLA, LayerKind.DSA, LayerKind.DSA_SHARED} & set(self.layer_kinds)
+        if latent and self.mla is None:
+            raise ValueError(f"ModelConfig has {sorted(latent)} layers but no MlaConfig")
+        if LayerKind.DSA in self.layer_kinds and not self.mla.index_n_heads:
+            raise ValueError("ModelConfig has dsa layers but MlaConfig.index_n_heads is 0 (no indexer)")
+        first = next((k for k in self.layer_kinds if k in (LayerKind.DSA, LayerKind.DSA_SHARED)), None)
+        if first == LayerKind.DSA_SHARED:
+            raise ValueError(
+                "ModelConfig: a dsa_shared layer reuses the previous dsa layer's picks; none comes first"
+            )
         if self.qk_norm_over not in ("head", "all"):
             raise ValueError(f"ModelConfig.qk_norm_over {self.qk_norm_over!r} not in ('head', 'all')")
         if self.sparse_layers and self.moe is None:
@@ -350,6 +417,8 @@ class ModelConfig:
             d["mamba"] = MambaConfig(**d["mamba"])
         if d.get("gdn") is not None:
             d["gdn"] = GdnConfig(**d["gdn"])
+        if d.get("mla") is not None:
+            d["mla"] = MlaConfig(**d["mla"])
         if d.get("rope_yarn") is not None:
             d["rope_yarn"] = YarnConfig(**d["rope_yarn"])
         if d.get("moe") is not None:
@@ -399,6 +468,8 @@ class ModelConfig:
                 proj = m.intermediate_size + m.conv_dim + m.num_heads
                 n += h * proj + m.conv_dim * m.conv_kernel + m.intermediate_size * (h + 1)
                 n += 3 * m.num_heads + (m.conv_dim if m.conv_bias else 0)
+            elif kind in ("mla", "dsa", "dsa_shared"):
+                n += self._mla_params(kind)
             elif kind == "gdn":
                 g = self.gdn
                 # in_proj (q, k, v, z, then b, a), conv (no bias), dt_bias, A_log, norm, out_proj
@@ -411,4 +482,14 @@ class ModelConfig:
                 bias = (q_out + 2 * kv + h) if self.attention_bias else 0
                 sinks = self.num_heads if self.attention_sinks else 0
                 n += h * (q_out + 2 * kv) + q * h + qk + bias + sinks
+        return n
+
+    def _mla_params(self, kind: str) -> int:
+        m, h, H = self.mla, self.hidden_size, self.num_heads
+        q = h * H * m.qk_head_dim if not m.q_lora_rank else (h + H * m.qk_head_dim + 1) * m.q_lora_rank
+        kv = h * m.latent_dim + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+        n = q + kv + H * m.v_head_dim * h
+        if kind == "dsa":  # wq_b, wk, k_norm (weight and bias), weights_proj
+            d, nh = m.index_head_dim, m.index_n_heads
+            n += m.q_lora_rank * nh * d + h * d + 2 * d + h * nh
         return n

@@ -10,6 +10,7 @@ from hicache_jax.models.hf import config as hf_config
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 from hicache_jax.models.hf.weights import (
     BAMBA_NAMES,
+    DEEPSEEK_NAMES,
     GEMMA3_NAMES,
     GPT_OSS_NAMES,
     GRANITE_H_NAMES,
@@ -48,6 +49,9 @@ ARCHITECTURES = {
         Architecture("Qwen3NextForCausalLM", hf_config.qwen3_next, QWEN3_NEXT_NAMES),
         Architecture("Qwen3_5MoeForCausalLM", hf_config.qwen3_5_moe, LLAMA_NAMES),
         Architecture("Qwen3_5MoeForConditionalGeneration", hf_config.qwen3_5_moe, QWEN3_5_VL_NAMES),
+        Architecture("DeepseekV3ForCausalLM", hf_config.deepseek, DEEPSEEK_NAMES),
+        Architecture("DeepseekV32ForCausalLM", hf_config.deepseek, DEEPSEEK_NAMES),
+        Architecture("GlmMoeDsaForCausalLM", hf_config.deepseek, DEEPSEEK_NAMES),
     )
 }
 

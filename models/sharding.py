@@ -6,6 +6,11 @@ each layer needs one all-reduce (its row-parallel output) and XLA's partitioner 
     attention   q_proj, k_proj, v_proj   [hidden, heads * D]  columns split   (by head)
                 o_proj                   [heads * D, hidden]  rows split      -> all-reduce
                 KV pages        [pages, page_size, kv_heads, D]  split by KV head
+    MLA         q_b_proj (q_proj), kv_b_proj  [.., heads * D]  columns split  (by head)
+                o_proj                   rows split -> all-reduce; q_a_proj, kv_a_proj,
+                their norms and the indexer replicated
+                latent and indexer pages  [pages, page_size, D]  replicated: every head
+                reads every row (and every device holds the same page, so one writes L3)
     MLP         gate_proj, up_proj       columns split; down_proj rows split  -> all-reduce
     MoE         experts (gate_up, down and their biases) split whole by expert; the router
                 and its correction bias replicated; a shared expert split as the MLP is,
@@ -135,7 +140,7 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
         if name == "conv_weight":  # [K, channels], grouped like in_proj's columns
             return P(None, AXIS)
         return row if name == "out_proj" else P()
-    if name == "q_proj":
+    if name in ("q_proj", "q_b_proj", "kv_b_proj"):  # MLA's per-head up-projections too
         return column
     if name == "sinks":  # one per query head, split as the heads are
         return P(AXIS)

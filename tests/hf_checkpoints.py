@@ -180,6 +180,8 @@ def _hf_config(family: str):
             num_experts_per_tok=2,
             shared_intermediate_size=48,
         )
+    if family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+        return _deepseek(family, common)
     if family == "bamba":
         return tf.BambaConfig(
             **common,
@@ -192,6 +194,43 @@ def _hf_config(family: str):
             mamba_d_conv=4,
         )
     raise ValueError(family)
+
+
+def _deepseek(family: str, common: dict):
+    """MLA (V3: queries without the low-rank step, YaRN with mscale), or MLA with an
+    indexer whose top-k covers every position (V3.2; GLM-5 with a layer sharing the previous
+    layer's picks); a dense MLP, then MoE layers with grouped routing and a shared expert."""
+    import transformers as tf
+
+    mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=32)
+    moe = dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+    )
+    base = common | {"num_key_value_heads": 4} | mla | moe
+    if family == "deepseek_v3":
+        yarn = dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=32,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+        )
+        v3 = base | {"q_lora_rank": None, "max_position_embeddings": 128}
+        return tf.DeepseekV3Config(**v3, num_hidden_layers=3, rope_parameters=yarn)
+    indexer = dict(index_n_heads=4, index_head_dim=16, index_topk=128)
+    if family == "deepseek_v32":
+        return tf.DeepseekV32Config(**base, **indexer, num_hidden_layers=3)
+    return tf.GlmMoeDsaConfig(
+        **base, **indexer, num_hidden_layers=3, indexer_types=["full", "shared", "full"]
+    )
 
 
 def _gdn_common() -> dict:
@@ -261,6 +300,9 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "nemotron_h_moe": tf.NemotronHForCausalLM,
         "granite_h": tf.GraniteMoeHybridForCausalLM,
         "granite_h_moe": tf.GraniteMoeHybridForCausalLM,
+        "deepseek_v3": tf.DeepseekV3ForCausalLM,
+        "deepseek_v32": tf.DeepseekV32ForCausalLM,
+        "glm_moe_dsa": tf.GlmMoeDsaForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hicache_jax.models.config import GdnConfig, MambaConfig, ModelConfig, MoEConfig, YarnConfig
+from hicache_jax.models.config import GdnConfig, MambaConfig, MlaConfig, ModelConfig, MoEConfig, YarnConfig
 from hicache_jax.models.hf import fp8_blocks
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
@@ -613,4 +613,88 @@ def granite_moe_hybrid(hf: dict, where: str) -> ModelConfig:
         mamba=mamba,
         moe=moe,
         sparse_layers=tuple(range(n)) if moe else (),
+    )
+
+
+def _mla(hf: dict, where: str, arch: str) -> MlaConfig:
+    """The attention of the DeepSeek V3 line: MLA, and for V3.2 / GLM-5 its indexer."""
+    nope, rot = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    scale = (nope + rot) ** -0.5
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+        scale *= _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+    indexer = arch != "DeepseekV3ForCausalLM"
+    return MlaConfig(
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rot,
+        v_head_dim=hf["v_head_dim"],
+        softmax_scale=scale,
+        q_lora_rank=hf.get("q_lora_rank") or 0,
+        # transformers: V3 by its flag; V3.2's and GLM-5's attention always interleaved.
+        rope_interleave=bool(hf.get("rope_interleave", True)) if not indexer else True,
+        index_n_heads=hf["index_n_heads"] if indexer else 0,
+        index_head_dim=hf["index_head_dim"] if indexer else 0,
+        index_topk=hf["index_topk"] if indexer else 0,
+        index_rope_interleave=arch == "GlmMoeDsaForCausalLM",  # V3.2's indexer rotates halves
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def deepseek(hf: dict, where: str) -> ModelConfig:
+    """DeepseekV3ForCausalLM (Kimi K2 too; MLA), DeepseekV32ForCausalLM and
+    GlmMoeDsaForCausalLM (GLM-5): MLA attention, DSA's indexer in V3.2 and GLM-5 (GLM-5's
+    ``indexer_types: shared`` layers reuse the previous layer's picks), and MoE MLPs after
+    ``first_k_dense_replace`` dense ones (or where ``mlp_layer_types`` says ``sparse``):
+    sigmoid scores with a correction bias on the choice, grouped top-k, routed scaling and
+    ``n_shared_experts`` shared experts. YaRN's ``mscale_all_dim`` scales the softmax.
+    Multi-token-prediction layers (``num_nextn_predict_layers``) are not loaded: they are
+    past ``num_hidden_layers``, for speculative decoding."""
+    arch = hf["architectures"][0]
+    _check(hf, where, hidden_act="silu", attention_bias=False)
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("attention_factor") is None:
+        factor, mscale, all_dim = rope.get("factor"), rope.get("mscale"), rope.get("mscale_all_dim")
+        if factor and mscale and all_dim:  # transformers' YaRN scale for DeepSeek's two mscales
+            rope["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+        hf = {**hf, "rope_parameters": rope}
+    n = hf["num_hidden_layers"]
+    if arch == "DeepseekV3ForCausalLM":
+        kinds = ("mla",) * n
+    else:
+        types = hf.get("indexer_types") or ["full"] * n
+        bad = [t for t in types if t not in ("full", "shared")]
+        if bad or len(types) != n:
+            raise CheckpointError(f"{where}: indexer_types {types!r}: want {n} of 'full' / 'shared'")
+        kinds = tuple("dsa" if t == "full" else "dsa_shared" for t in types)
+    mlp_types = hf.get("mlp_layer_types")
+    if mlp_types is None:
+        dense = min(hf.get("first_k_dense_replace", 0), n)
+        mlp_types = ["dense"] * dense + ["sparse"] * (n - dense)
+    sparse = tuple(i for i, t in enumerate(mlp_types) if t == "sparse")
+    moe = None
+    if sparse:
+        moe = MoEConfig(
+            num_experts=hf["n_routed_experts"],
+            top_k=hf["num_experts_per_tok"],
+            intermediate=hf["moe_intermediate_size"],
+            router="sigmoid_topk",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            num_groups=hf.get("n_group") or 1,
+            topk_groups=hf.get("topk_group") or 1,
+            routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_intermediate=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
+        )
+    common = _common(hf, arch, kinds, where)
+    common["head_dim"] = hf["qk_rope_head_dim"]  # only the rope slice is rotated
+    return ModelConfig(
+        **common,
+        **_rope_by_type(hf, where, 10000.0),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mla=_mla(hf, where, arch),
+        moe=moe,
+        sparse_layers=sparse,
     )

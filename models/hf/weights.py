@@ -82,6 +82,7 @@ GRANITE_H_NAMES = HFNames(
 )
 
 QWEN3_NEXT_NAMES = HFNames(gdn_proj="fused")
+DEEPSEEK_NAMES = HFNames(shared_expert="mlp.shared_experts")
 # The text model inside a multimodal checkpoint (Qwen3.5's published ones).
 QWEN3_5_VL_NAMES = HFNames(
     final_norm="model.language_model.norm",
@@ -324,6 +325,12 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
     assert rest[0] == "mixer", path
     if kind == LayerKind.GDN:
         return _gdn_tensor(names, cfg, f"{pre}.linear_attn", rest[1:])
+    if kind in (LayerKind.MLA, LayerKind.DSA, LayerKind.DSA_SHARED):  # transformers' module names
+        *modules, leaf = rest[1:]
+        t = f"{pre}.{names.attention}.{'.'.join(modules)}"
+        if leaf == "kernel":
+            return f"{t}.weight", _t
+        return f"{t}.{leaf}", _same  # norms' weight, biases
     if kind != LayerKind.MAMBA:
         a = f"{pre}.{names.attention}"
         if rest[1] in ("q_norm", "k_norm"):

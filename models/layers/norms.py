@@ -53,3 +53,18 @@ class GatedRMSNorm(nnx.Module):
         if self.norm_before_gate:  # transformers' Qwen3NextRMSNormGated: the gate in float32
             h = (h.astype(jnp.float32) * silu).astype(x.dtype)
         return h
+
+
+class LayerNorm(nnx.Module):
+    """``w * (x - mean) / std + b`` in float32 (a sparse-attention indexer's key norm)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h - jnp.mean(h, axis=-1, keepdims=True)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return (h * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)

@@ -86,7 +86,11 @@ HYBRIDS = ["nemotron_h", "nemotron_h_moe", "granite_h", "granite_h_moe"]
 GDN = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss", *HYBRIDS, *GDN])
+# DeepSeek V3 (MLA), V3.2 and GLM-5 (MLA with an indexer; GLM-5 sharing its picks).
+LATENT = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss", *HYBRIDS, *GDN, *LATENT])
 def test_prompt_logprobs_match_transformers(checkpoint_dir, family):
     """Every prompt token's logprob through ``LLM`` (chunked prefill over paged windows,
     MoE, sinks) against transformers' log-softmax: at most 1e-4 apart, in float32."""

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hicache_jax.kinds import PAGED
 from hicache_jax.models.batch import ForwardBatch, page_groups
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.request import Req
@@ -35,10 +36,10 @@ def kv_groups(model: CausalLM) -> tuple[str, ...]:
 
 
 def sequence(tokens, pages, state_slot: int | None = None) -> Req:
-    """A request holding the whole sequence ``tokens`` in ``pages`` (both page groups)."""
+    """A request holding the whole sequence ``tokens`` in ``pages`` (every page group)."""
     pages = [int(p) for p in pages]
     req = Req(rid=f"seq{state_slot}", input_ids=[int(t) for t in tokens], sampling=SamplingParams())
-    req.cache.pages = {"full": pages, "swa": list(pages)}
+    req.cache.pages = {kind: list(pages) for kind in PAGED}
     req.cache.state_slot = state_slot
     return req
 

@@ -20,6 +20,7 @@ FAMILIES = [
     "qwen3_5",
     "qwen3_next",
     "qwen3_5_moe",
+    "glm_moe_dsa",  # MLA latent and indexer pages, a layer sharing the previous one's picks
 ]
 LENGTH = 70  # > 3 windows of 20; > 4 SSD chunks
 

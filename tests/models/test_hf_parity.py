@@ -41,6 +41,9 @@ FAMILIES = [
     "qwen3_5",
     "qwen3_next",
     "qwen3_5_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
 ]
 
 
@@ -155,7 +158,18 @@ def test_hybrid_layouts_map_onto_our_layers(checkpoint_dir):
 
 
 @pytest.mark.parametrize(
-    "family", ["nemotron_h_moe", "granite_h_moe", "gpt_oss", "gemma3", "qwen3_5", "qwen3_next", "qwen3_5_moe"]
+    "family",
+    [
+        "nemotron_h_moe",
+        "granite_h_moe",
+        "gpt_oss",
+        "gemma3",
+        "qwen3_5",
+        "qwen3_next",
+        "qwen3_5_moe",
+        "deepseek_v3",
+        "glm_moe_dsa",
+    ],
 )
 def test_param_count_is_the_models(checkpoint_dir, family):
     """``ModelConfig.num_params`` counts the parameters the model holds (MLP-free layers,

@@ -106,6 +106,9 @@ SPLITS = {  # family -> its (backend, tp_size) runs split over the mesh
     "qwen3_5": [("pallas", 2), ("xla", 4)],  # GDN key-head groups (4) split 2 and 1 per device
     "qwen3_next": [("xla", 2), ("pallas", 4)],  # fused GDN projections regrouped; a dense layer
     "qwen3_5_moe": [("pallas", 2), ("xla", 4)],  # a gated shared expert split as a dense MLP is
+    # MLA heads split, the latent and indexer pages replicated; grouped routing, a shared expert.
+    "deepseek_v3": [("xla", 2), ("pallas", 4)],
+    "glm_moe_dsa": [("pallas", 2), ("xla", 4)],
 }
 
 

@@ -1,0 +1,192 @@
+"""Multi-head latent attention (DeepSeek V3) and DeepSeek Sparse Attention (V3.2, GLM-5).
+
+Per token the cache keeps one row every head shares (``LatentPages``, ``models/cache.py``)::
+
+    row      | c: kv_a_layernorm(latent)  (kv_lora_rank) | k_rope (qk_rope_head_dim) |
+
+Keys and values per head would be ``c @ kv_b_proj`` (``W_UK``: ``qk_nope_head_dim`` per head,
+``W_UV``: ``v_head_dim``). Attention runs in the absorbed form for prefill and decode alike:
+the query's no-rope part is multiplied by ``W_UK`` into latent space (``q_lat``), scores are
+``q_lat . c + q_rope . k_rope``, the output is a weighted sum of ``c`` and goes through
+``W_UV`` after, so nothing is ever expanded per head.
+
+A ``dsa`` layer also runs the lightning indexer: its own query heads (from the same
+``q_lora_rank`` bottleneck) and one key per token (``IndexPages``), scored
+``sum_h w_h relu(q_h . k)``; each query attends to its ``index_topk`` best positions among
+those it can see (causal: a position after the query is never picked, unlike transformers'
+full forward, which ranks them too). A ``dsa_shared`` layer reuses the previous ``dsa``
+layer's picks and keeps no indexer keys. When ``index_topk`` covers every position a step
+can see, the picks are every visible position and the layer attends densely.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hicache_jax.kinds import CacheKind, LayerKind
+from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.models.cache import IndexPages, LatentPages, join, paged_specs, parts
+from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.kernels.mla_paged_attention import reference as mla_ref
+from hicache_jax.models.layers.linear import Linear
+from hicache_jax.models.layers.norms import LayerNorm, RMSNorm
+from hicache_jax.models.layers.rope import apply_rope, rope_frequencies
+
+# The low-rank query's and the latent's norms keep transformers' default epsilon whatever
+# the config's ``rms_norm_eps`` (DeepSeek V3 and GLM-5 build them without it).
+LATENT_NORM_EPS = 1e-6
+
+
+def deinterleave(x: jax.Array, rot: int) -> jax.Array:
+    """Channel pairs (0, 1), (2, 3) ... of the first ``rot`` channels laid out as halves
+    (evens, then odds), so "rotate half" rope rotates each pair (DeepSeek's layout)."""
+    order = np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2), np.arange(rot, x.shape[-1])])
+    return x[..., order]
+
+
+def token_positions(pages: jax.Array, table: jax.Array, batch: ForwardBatch, max_kv: int):
+    """Each token's sequence's cached rows ``[T, max_kv, ...]`` (through its page table
+    ``[S, max_pages]``), and which of them it sees ``[T, max_kv]``: positions up to its own."""
+    T = batch.input_ids.shape[0]
+    seq = jnp.searchsorted(batch.cu_q_lens, jnp.arange(T, dtype=jnp.int32), side="right") - 1
+    seq = jnp.clip(seq, 0, table.shape[0] - 1)
+    rows = pages[table[seq]]  # [T, max_pages, page_size, ...]
+    rows = rows.reshape(T, max_kv, *rows.shape[3:])
+    live = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs]
+    visible = (jnp.arange(max_kv)[None, :] <= batch.positions[:, None]) & live[:, None]
+    return rows, visible
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer of DeepSeek Sparse Attention (transformers' names)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        m = cfg.mla
+        self.n_heads, self.head_dim, self.rot = m.index_n_heads, m.index_head_dim, m.qk_rope_head_dim
+        self.topk, self.interleave = m.index_topk, m.index_rope_interleave
+        self.wq_b = Linear(
+            m.q_lora_rank, m.index_n_heads * m.index_head_dim, bias=False, dtype=dtype, rngs=rngs
+        )
+        self.wk = Linear(cfg.hidden_size, m.index_head_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.k_norm = LayerNorm(m.index_head_dim, eps=1e-6, dtype=dtype)
+        self.weights_proj = Linear(cfg.hidden_size, m.index_n_heads, bias=False, dtype=dtype, rngs=rngs)
+
+    def _rope(self, x: jax.Array, positions: jax.Array, rope: dict) -> jax.Array:
+        if self.interleave:
+            x = deinterleave(x, self.rot)
+        return apply_rope(x, positions, **rope)
+
+    def keys(self, x: jax.Array, positions: jax.Array, rope: dict) -> jax.Array:
+        """``[T, index_head_dim]``: each token's key, as the cache keeps it."""
+        return self._rope(self.k_norm(self.wk(x))[:, None, :], positions, rope)[:, 0]
+
+    def picks(self, x, q_resid, keys: IndexPages, batch: ForwardBatch, rope: dict, max_kv: int) -> jax.Array:
+        """``[T, K]`` int32: the positions each token attends to, best first (-1: none)."""
+        T = x.shape[0]
+        q = self._rope(self.wq_b(q_resid).reshape(T, self.n_heads, self.head_dim), batch.positions, rope)
+        k, visible = token_positions(keys.k, batch.page_tables[CacheKind.INDEX], batch, max_kv)
+        k = jnp.where(visible[..., None], k, 0.0)  # unused pages may hold anything (NaN)
+        scores = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), k.astype(jnp.float32))
+        scores = jax.nn.relu(scores) * self.head_dim**-0.5
+        w = self.weights_proj(x).astype(jnp.float32) * self.n_heads**-0.5  # [T, heads]
+        total = jnp.einsum("th,thk->tk", w, scores)
+        total = jnp.where(visible, total, -jnp.inf)
+        best, idx = jax.lax.top_k(total, min(self.topk, max_kv))
+        return jnp.where(best > -jnp.inf, idx, -1).astype(jnp.int32)
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels):
+        m, h, H = cfg.mla, cfg.hidden_size, cfg.num_heads
+        self.kind = LayerKind(kind)
+        self.specs = paged_specs(cfg, kind)
+        self.num_heads, self.nope, self.rot, self.v_dim = (
+            H,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+        )
+        self.rank, self.interleave, self.scale = m.kv_lora_rank, m.rope_interleave, m.softmax_scale
+        inv_freq, rope_scale = rope_frequencies(cfg.rope_theta, m.qk_rope_head_dim, 1.0, cfg.rope_yarn)
+        self.inv_freq, self.rope_scale = tuple(inv_freq.tolist()), rope_scale  # static: hashable
+        self.kernels = kernels
+        if m.q_lora_rank:
+            self.q_a_proj = Linear(h, m.q_lora_rank, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
+            self.q_b_proj = Linear(m.q_lora_rank, H * m.qk_head_dim, bias=False, dtype=dtype, rngs=rngs)
+            self.q_proj = None
+        else:
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+            self.q_proj = Linear(h, H * m.qk_head_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(h, m.latent_dim, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = Linear(
+            m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False, dtype=dtype, rngs=rngs
+        )
+        self.o_proj = Linear(H * m.v_head_dim, h, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if self.kind == LayerKind.DSA else None
+
+    @property
+    def rope(self) -> dict:
+        return dict(inv_freq=self.inv_freq, scale=self.rope_scale)
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        if self.interleave:
+            x = deinterleave(x, self.rot)
+        return apply_rope(x, positions, **self.rope)
+
+    @jax.named_scope("mla")
+    def __call__(self, entry, x: jax.Array, batch: ForwardBatch, picks: jax.Array | None = None):
+        """Returns the new cache entry, the output and the positions attended (``picks``,
+        for a following ``dsa_shared`` layer; None when attending densely)."""
+        T, H = x.shape[0], self.num_heads
+        if self.q_proj is None:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        else:
+            q_resid, q = None, self.q_proj(x)
+        q = q.reshape(T, H, self.nope + self.rot)
+        q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope :], batch.positions)
+        kv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(kv[:, : self.rank])
+        k_rope = self._rope(kv[:, None, self.rank :], batch.positions)[:, 0]
+        pages = dict(zip((s.kind for s in self.specs), parts(entry, self.specs)))
+        latent = LatentPages(
+            mla_ref.latent_write(
+                pages[CacheKind.LATENT].c,
+                jnp.concatenate([c, k_rope], axis=-1),
+                batch.slot_mappings[CacheKind.LATENT],
+            )
+        )
+        new = [latent]
+        max_kv = batch.page_tables[CacheKind.LATENT].shape[1] * latent.c.shape[1]
+        if self.indexer is not None:
+            keys = IndexPages(
+                mla_ref.latent_write(
+                    pages[CacheKind.INDEX].k,
+                    self.indexer.keys(x, batch.positions, self.rope),
+                    batch.slot_mappings[CacheKind.INDEX],
+                )
+            )
+            new.append(keys)
+            picks = None
+            if self.indexer.topk < max_kv:  # else every visible position is picked: dense
+                picks = self.indexer.picks(x, q_resid, keys, batch, self.rope, max_kv)
+        w = self.kv_b_proj.kernel[...].reshape(self.rank, H, self.nope + self.v_dim)
+        q_lat = jnp.einsum("thn,lhn->thl", q_nope, w[..., : self.nope])
+        o = mla_ref.mla_attention_reference(
+            q_lat,
+            q_rope,
+            latent.c,
+            batch.kv_lens,
+            batch.page_tables[CacheKind.LATENT],
+            batch.cu_q_lens,
+            batch.num_seqs,
+            sm_scale=self.scale,
+            topk=picks,
+        )
+        o = jnp.einsum("thl,lhv->thv", o.astype(x.dtype), w[..., self.nope :])
+        return join(new, self.specs), self.o_proj(o.reshape(T, H * self.v_dim)), picks
