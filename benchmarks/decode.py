@@ -61,7 +61,7 @@ def step_bytes(engine: Engine, batch: int, context: int) -> int:
         if isinstance(entry, RecurrentState):
             kv += 2 * batch * (entry.ssm[0].nbytes + entry.conv[0].nbytes)  # read + write
         else:
-            per_token = 2 * entry.k[0, 0].nbytes
+            per_token = sum(a[0, 0].nbytes for a in jax.tree_util.tree_leaves(entry))  # K and V, or a latent
             span = min(context, cfg.sliding_window) if kind == "sliding" else context
             kv += batch * span * per_token
     return weights + kv

@@ -39,6 +39,29 @@ def _span(kind: str, cfg: ModelConfig, pos: int) -> int:
     return min(pos + 1, cfg.sliding_window) if kind == "sliding" else pos + 1
 
 
+def _latent_attention_flops(cfg: ModelConfig, kind: str, seqs: list[tuple[int, int]]) -> float:
+    """MLA in the absorbed form: the query, latent and output projections per token, the
+    query's no-rope part into latent space and the output out of it (``W_UK``, ``W_UV``), and
+    scores (latent + rope) and values (latent) over the positions each query attends: all it
+    sees, or at most ``index_topk`` in a sparse layer (whose indexer is counted too)."""
+    m, h, H = cfg.mla, cfg.hidden_size, cfg.num_heads
+    L, R = m.kv_lora_rank, m.qk_rope_head_dim
+    q_proj = h * H * m.qk_head_dim if not m.q_lora_rank else (h + H * m.qk_head_dim) * m.q_lora_rank
+    per_token = 2 * (q_proj + h * (L + R) + H * m.v_head_dim * h)
+    per_token += 2 * H * L * (m.qk_nope_head_dim + m.v_head_dim)
+    sparse = kind != "mla" and m.index_topk
+    flops = 0.0
+    for q, kv in seqs:
+        positions = range(kv - q, kv)
+        keys = sum(min(p + 1, m.index_topk) if sparse else p + 1 for p in positions)
+        flops += q * per_token + 2 * H * (2 * L + R) * keys
+        if kind == "dsa":  # its projections, then every visible key scored by every indexer head
+            d, nh = m.index_head_dim, m.index_n_heads
+            flops += q * 2 * (m.q_lora_rank * nh * d + h * d + h * nh)
+            flops += 2 * nh * d * sum(p + 1 for p in positions)
+    return flops
+
+
 def step_flops(cfg: ModelConfig, seqs: list[tuple[int, int]], logits_rows: int | None = None) -> float:
     """FLOPs of one step over ``seqs`` = (new tokens, tokens in the cache after the step)."""
     h = cfg.hidden_size
@@ -62,6 +85,9 @@ def step_flops(cfg: ModelConfig, seqs: list[tuple[int, int]], logits_rows: int |
             conv = 2 * g.conv_kernel * g.conv_dim
             rule = 2 * 3 * g.num_v_heads * g.head_k_dim * g.head_v_dim  # k.S, the rank-1 update, q.S
             flops += tokens * (proj + conv + rule)
+            continue
+        if kind in ("mla", "dsa", "dsa_shared"):
+            flops += _latent_attention_flops(cfg, kind, seqs)
             continue
         flops += tokens * qkvo
         for q, kv in seqs:

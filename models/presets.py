@@ -13,7 +13,7 @@ from flax import nnx
 
 import hicache_jax
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.models.config import GdnConfig, MambaConfig, ModelConfig, MoEConfig, YarnConfig
+from hicache_jax.models.config import GdnConfig, MambaConfig, MlaConfig, ModelConfig, MoEConfig, YarnConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.sharding import shard_model
 
@@ -29,6 +29,28 @@ _TINY = dict(
     eos_token_ids=(2,),
     bos_token_id=1,
     max_position_embeddings=8192,
+)
+
+# DeepSeek-style latent attention at tiny widths: a latent of 32 + a rope key of 8 per token.
+_TINY_MLA = MlaConfig(
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    softmax_scale=24**-0.5,
+    q_lora_rank=32,
+)
+# DeepSeek V3's router: sigmoid scores, a correction bias, 2 groups of 4, a shared expert.
+_TINY_DEEPSEEK_MOE = MoEConfig(
+    num_experts=8,
+    top_k=2,
+    intermediate=32,
+    router="sigmoid_topk",
+    norm_topk_prob=True,
+    num_groups=2,
+    topk_groups=1,
+    routed_scaling=2.5,
+    shared_intermediate=32,
 )
 
 PRESETS: dict[str, ModelConfig] = {
@@ -165,6 +187,30 @@ PRESETS: dict[str, ModelConfig] = {
         sparse_layers=(0, 1, 2, 3),
         **_TINY,
     ),
+    # DeepSeek V3-style: MLA in every layer, a dense MLP, then MoE (Kimi K2's layout).
+    "tiny-mla": ModelConfig(
+        architecture="preset:tiny-mla",
+        layer_kinds=("mla",) * 3,
+        mla=_TINY_MLA,
+        moe=_TINY_DEEPSEEK_MOE,
+        sparse_layers=(1, 2),
+        **(_TINY | {"num_kv_heads": 4, "head_dim": 8}),
+    ),
+    # GLM-5-style sparse attention: the indexer keeps the best 32 positions per query (most
+    # test prompts are longer); the middle layer reuses the first layer's picks.
+    "tiny-dsa": ModelConfig(
+        architecture="preset:tiny-dsa",
+        layer_kinds=("dsa", "dsa_shared", "dsa"),
+        mla=MlaConfig(
+            **(
+                _TINY_MLA.__dict__
+                | dict(index_n_heads=4, index_head_dim=16, index_topk=32, index_rope_interleave=True)
+            )
+        ),
+        moe=_TINY_DEEPSEEK_MOE,
+        sparse_layers=(1, 2),
+        **(_TINY | {"num_kv_heads": 4, "head_dim": 8}),
+    ),
     # ~100M parameters: 5 local : 1 global, for benchmarks.
     "100m": ModelConfig(
         architecture="preset:100m",
@@ -199,6 +245,29 @@ PRESETS: dict[str, ModelConfig] = {
         norm_offset=1.0,
         attention_output_gate=True,
         gdn=GdnConfig(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128, conv_kernel=4),
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+        max_position_embeddings=32768,
+    ),
+    # ~100M parameters, DeepSeek V3's attention at its published latent (512 + 64 per token,
+    # 12 heads of 128 + 64 query dims): for the latent-cache benchmarks (``benchmarks/decode.py``).
+    "100m-mla": ModelConfig(
+        architecture="preset:100m-mla",
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=1536,
+        layer_kinds=("mla",) * 10,
+        num_heads=12,
+        num_kv_heads=12,
+        head_dim=64,
+        mla=MlaConfig(
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            softmax_scale=192**-0.5,
+            q_lora_rank=256,
+        ),
         tie_word_embeddings=True,
         eos_token_ids=(2,),
         max_position_embeddings=32768,

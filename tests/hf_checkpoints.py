@@ -219,11 +219,11 @@ def _deepseek(family: str, common: dict):
             rope_type="yarn",
             rope_theta=10000.0,
             factor=4.0,
-            original_max_position_embeddings=32,
+            original_max_position_embeddings=128,
             mscale=1.0,
             mscale_all_dim=0.8,
         )
-        v3 = base | {"q_lora_rank": None, "max_position_embeddings": 128}
+        v3 = base | {"q_lora_rank": None, "max_position_embeddings": 512}
         return tf.DeepseekV3Config(**v3, num_hidden_layers=3, rope_parameters=yarn)
     indexer = dict(index_n_heads=4, index_head_dim=16, index_topk=128)
     if family == "deepseek_v32":

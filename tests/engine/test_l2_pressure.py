@@ -39,7 +39,16 @@ def _params(n, offset):
 
 
 @pytest.mark.parametrize(
-    "preset", ["tiny-mamba", "tiny-nemotron-h", "tiny-granite-h", "tiny-qwen3.5", "tiny-qwen3-next"]
+    "preset",
+    [
+        "tiny-mamba",
+        "tiny-nemotron-h",
+        "tiny-granite-h",
+        "tiny-qwen3.5",
+        "tiny-qwen3-next",
+        "tiny-mla",
+        "tiny-dsa",
+    ],
 )
 def test_l2_hits_under_pressure_give_solo_outputs(preset):
     rng = np.random.RandomState(1)

@@ -187,6 +187,8 @@ PRESETS = [
     "tiny-qwen3.5",
     "100m-gdn",
     "tiny-qwen3-next",
+    "tiny-mla",
+    "tiny-dsa",
 ]
 
 

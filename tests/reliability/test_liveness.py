@@ -74,6 +74,8 @@ CONFIGS = [
     ("tiny-granite-h", 8, 16, 2),
     ("tiny-qwen3.5", 16, 32, 4),
     ("tiny-qwen3-next", 8, 16, 2),
+    ("tiny-mla", 16, 32, 4),
+    ("tiny-dsa", 8, 16, 2),
 ]
 
 
@@ -95,6 +97,8 @@ def _shared_prefix_trace(seed: int, n: int = 5) -> list[TraceReq]:
 @example(trace=_shared_prefix_trace(14), config=("tiny-granite-h", 8, 16, 2), tiers="l2", policy="lpm")
 @example(trace=_shared_prefix_trace(15), config=("tiny-qwen3.5", 16, 32, 4), tiers="l3", policy="lpm")
 @example(trace=_shared_prefix_trace(16), config=("tiny-qwen3-next", 8, 16, 2), tiers="l2", policy="fcfs")
+@example(trace=_shared_prefix_trace(17), config=("tiny-mla", 16, 32, 4), tiers="l3", policy="fcfs")
+@example(trace=_shared_prefix_trace(18), config=("tiny-dsa", 8, 16, 2), tiers="l3", policy="lpm")
 @settings(
     max_examples=14,
     deadline=None,

@@ -26,7 +26,20 @@ def per_token_kl(out: dict, ref: dict) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "olmo3", "gpt_oss", "nemotron_h", "granite_h_moe", "qwen3_5", "qwen3_next"]
+    "family",
+    [
+        "qwen3_moe",
+        "olmo3",
+        "gpt_oss",
+        "nemotron_h",
+        "granite_h_moe",
+        "qwen3_5",
+        "qwen3_next",
+        # MLA latent pages; with the indexer's pages too (its top-k, 128, below the prompt).
+        "deepseek_v3",
+        "deepseek_v32",
+        "glm_moe_dsa",
+    ],
 )
 def test_two_pass_l3_over_http(checkpoint_dir, tmp_path, family):
     server = Server(
