@@ -42,3 +42,21 @@ def test_gdn_state_written_at_tp2_serves_tp1(tmp_path):
     assert_same_as_recompute(hit, fresh)
     assert_same_as_recompute(fresh, first)
     llm.engine.check_integrity()
+
+
+def test_latent_and_indexer_pages_written_at_tp4_serve_tp1_layer_by_layer(tmp_path):
+    """MLA latent and indexer pages are replicated over the devices (every head reads every
+    row): written once at tp 4 (one copy per page, not one per device), they serve tp 1
+    layer by layer, with a recompute's tokens and logprobs."""
+    ids = prompt()
+    dsa = dict(preset="tiny-dsa")
+    first, second = two_pass(hicache_llm(tmp_path / "l3", tp_size=4, **dsa), ids)
+    assert second["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P, second["meta_info"]
+    llm = hicache_llm(tmp_path / "l3", tp_size=1, hicache_layerwise_pages=4, **dsa)
+    hit = run(llm, ids)
+    assert hit["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P, hit["meta_info"]
+    assert llm.engine.metrics()["host_loads_layerwise"] > 0
+    fresh = run(llm, ids, cache_salt="recompute at tp 1")
+    assert_same_as_recompute(hit, fresh)
+    assert_same_as_recompute(fresh, first)
+    llm.engine.check_integrity()
