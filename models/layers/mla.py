@@ -30,10 +30,14 @@ from hicache_jax.kinds import CacheKind, LayerKind
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import IndexPages, LatentPages, join, paged_specs, parts
 from hicache_jax.models.config import ModelConfig
-from hicache_jax.models.kernels.mla_paged_attention import reference as mla_ref
+from hicache_jax.models.kernels.ragged_paged_attention.reference import ragged_paged_attention
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import LayerNorm, RMSNorm
 from hicache_jax.models.layers.rope import apply_rope, rope_frequencies
+
+# Query rows per block of the dense path in steps with prefill (``PREFILL_Q_BLOCK`` of
+# ``layers/attention.py``, for its xla backend).
+DENSE_Q_BLOCK = 16
 
 # The low-rank query's and the latent's norms keep transformers' default epsilon whatever
 # the config's ``rms_norm_eps`` (DeepSeek V3 and GLM-5 build them without it).
@@ -45,6 +49,33 @@ def deinterleave(x: jax.Array, rot: int) -> jax.Array:
     (evens, then odds), so "rotate half" rope rotates each pair (DeepSeek's layout)."""
     order = np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2), np.arange(rot, x.shape[-1])])
     return x[..., order]
+
+
+def write_rows(pages: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """``rows [T, D]`` into ``pages [num_pages, page_size, D]`` at slots ``page * page_size +
+    offset`` (-1: not written)."""
+    n, P = pages.shape[:2]
+    flat = pages.reshape(n * P, *pages.shape[2:])
+    slots = jnp.where(slot_mapping < 0, n * P, slot_mapping)  # past the pool: dropped
+    return flat.at[slots].set(rows.astype(pages.dtype), mode="drop").reshape(pages.shape)
+
+
+def attend_picked(q: jax.Array, pages: jax.Array, table: jax.Array, batch: ForwardBatch, picks, scale: float):
+    """Each token's attention over the latent rows it picked (``picks [T, K]`` positions of
+    its sequence, -1: none): ``q [T, H, L + R]`` against rows ``[T, K, L + R]``, values the
+    rows themselves; ``[T, H, L + R]`` float32 (the caller keeps the first L)."""
+    T, P = q.shape[0], pages.shape[1]
+    seq = jnp.searchsorted(batch.cu_q_lens, jnp.arange(T, dtype=jnp.int32), side="right") - 1
+    seq = jnp.clip(seq, 0, table.shape[0] - 1)
+    pos = jnp.maximum(picks, 0)
+    page = jnp.take_along_axis(table[seq], pos // P, axis=1)  # [T, K]
+    rows = pages.reshape(-1, pages.shape[-1])[page * P + pos % P].astype(jnp.float32)  # [T, K, D]
+    live = (picks >= 0) & (jnp.arange(T) < batch.cu_q_lens[batch.num_seqs])[:, None]
+    rows = jnp.where(live[..., None], rows, 0.0)  # unused slots may hold anything (NaN)
+    s = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), rows) * scale
+    s = jnp.where(live[:, None], s, -jnp.inf)
+    p = jnp.where(live[:, None], jax.nn.softmax(s, axis=-1), 0.0)  # a padding token: all zero
+    return jnp.einsum("thk,tkd->thd", p, rows)
 
 
 def token_positions(pages: jax.Array, table: jax.Array, batch: ForwardBatch, max_kv: int):
@@ -154,22 +185,16 @@ class MLA(nnx.Module):
         c = self.kv_a_layernorm(kv[:, : self.rank])
         k_rope = self._rope(kv[:, None, self.rank :], batch.positions)[:, 0]
         pages = dict(zip((s.kind for s in self.specs), parts(entry, self.specs)))
+        row = jnp.concatenate([c, k_rope], axis=-1)
         latent = LatentPages(
-            mla_ref.latent_write(
-                pages[CacheKind.LATENT].c,
-                jnp.concatenate([c, k_rope], axis=-1),
-                batch.slot_mappings[CacheKind.LATENT],
-            )
+            write_rows(pages[CacheKind.LATENT].c, row, batch.slot_mappings[CacheKind.LATENT])
         )
         new = [latent]
         max_kv = batch.page_tables[CacheKind.LATENT].shape[1] * latent.c.shape[1]
         if self.indexer is not None:
+            keys = self.indexer.keys(x, batch.positions, self.rope)
             keys = IndexPages(
-                mla_ref.latent_write(
-                    pages[CacheKind.INDEX].k,
-                    self.indexer.keys(x, batch.positions, self.rope),
-                    batch.slot_mappings[CacheKind.INDEX],
-                )
+                write_rows(pages[CacheKind.INDEX].k, keys, batch.slot_mappings[CacheKind.INDEX])
             )
             new.append(keys)
             picks = None
@@ -177,16 +202,25 @@ class MLA(nnx.Module):
                 picks = self.indexer.picks(x, q_resid, keys, batch, self.rope, max_kv)
         w = self.kv_b_proj.kernel[...].reshape(self.rank, H, self.nope + self.v_dim)
         q_lat = jnp.einsum("thn,lhn->thl", q_nope, w[..., : self.nope])
-        o = mla_ref.mla_attention_reference(
-            q_lat,
-            q_rope,
-            latent.c,
-            batch.kv_lens,
-            batch.page_tables[CacheKind.LATENT],
-            batch.cu_q_lens,
-            batch.num_seqs,
-            sm_scale=self.scale,
-            topk=picks,
-        )
-        o = jnp.einsum("thl,lhv->thv", o.astype(x.dtype), w[..., self.nope :])
+        # One KV "head" every query head shares: keys are whole rows (latent, rope key),
+        # values the rows too, of which the output keeps the latent part.
+        q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
+        table = batch.page_tables[CacheKind.LATENT]
+        if picks is None:
+            rows = latent.c[:, :, None, :]  # [pages, page_size, 1, L + R]
+            q_block = 1 if batch.decode_only else DENSE_Q_BLOCK
+            o = ragged_paged_attention(
+                q,
+                rows,
+                rows,
+                batch.kv_lens,
+                table,
+                batch.cu_q_lens,
+                batch.num_seqs,
+                sm_scale=self.scale,
+                q_block=q_block,
+            )
+        else:
+            o = attend_picked(q, latent.c, table, batch, picks, self.scale)
+        o = jnp.einsum("thl,lhv->thv", o[..., : self.rank].astype(x.dtype), w[..., self.nope :])
         return join(new, self.specs), self.o_proj(o.reshape(T, H * self.v_dim)), picks
