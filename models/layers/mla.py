@@ -35,6 +35,9 @@ from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import LayerNorm, RMSNorm
 from hicache_jax.models.layers.rope import apply_rope, rope_frequencies
 
+# Positions the indexer scores at a time (``Indexer.picks``).
+INDEX_BLOCK = 2048
+
 # Query rows per block of the dense path in steps with prefill (``PREFILL_Q_BLOCK`` of
 # ``layers/attention.py``, for its xla backend).
 DENSE_Q_BLOCK = 16
@@ -65,8 +68,7 @@ def attend_picked(q: jax.Array, pages: jax.Array, table: jax.Array, batch: Forwa
     its sequence, -1: none): ``q [T, H, L + R]`` against rows ``[T, K, L + R]``, values the
     rows themselves; ``[T, H, L + R]`` float32 (the caller keeps the first L)."""
     T, P = q.shape[0], pages.shape[1]
-    seq = jnp.searchsorted(batch.cu_q_lens, jnp.arange(T, dtype=jnp.int32), side="right") - 1
-    seq = jnp.clip(seq, 0, table.shape[0] - 1)
+    seq = _token_seqs(batch, table.shape[0])
     pos = jnp.maximum(picks, 0)
     page = jnp.take_along_axis(table[seq], pos // P, axis=1)  # [T, K]
     rows = pages.reshape(-1, pages.shape[-1])[page * P + pos % P].astype(jnp.float32)  # [T, K, D]
@@ -78,17 +80,11 @@ def attend_picked(q: jax.Array, pages: jax.Array, table: jax.Array, batch: Forwa
     return jnp.einsum("thk,tkd->thd", p, rows)
 
 
-def token_positions(pages: jax.Array, table: jax.Array, batch: ForwardBatch, max_kv: int):
-    """Each token's sequence's cached rows ``[T, max_kv, ...]`` (through its page table
-    ``[S, max_pages]``), and which of them it sees ``[T, max_kv]``: positions up to its own."""
+def _token_seqs(batch: ForwardBatch, num_seqs: int) -> jax.Array:
+    """``[T]``: each token's sequence (padding tokens: a valid index, their rows unused)."""
     T = batch.input_ids.shape[0]
     seq = jnp.searchsorted(batch.cu_q_lens, jnp.arange(T, dtype=jnp.int32), side="right") - 1
-    seq = jnp.clip(seq, 0, table.shape[0] - 1)
-    rows = pages[table[seq]]  # [T, max_pages, page_size, ...]
-    rows = rows.reshape(T, max_kv, *rows.shape[3:])
-    live = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs]
-    visible = (jnp.arange(max_kv)[None, :] <= batch.positions[:, None]) & live[:, None]
-    return rows, visible
+    return jnp.clip(seq, 0, num_seqs - 1)
 
 
 class Indexer(nnx.Module):
@@ -115,18 +111,40 @@ class Indexer(nnx.Module):
         return self._rope(self.k_norm(self.wk(x))[:, None, :], positions, rope)[:, 0]
 
     def picks(self, x, q_resid, keys: IndexPages, batch: ForwardBatch, rope: dict, max_kv: int) -> jax.Array:
-        """``[T, K]`` int32: the positions each token attends to, best first (-1: none)."""
+        """``[T, K]`` int32: the positions each token attends to (-1: none). The keys are
+        scored ``INDEX_BLOCK`` positions at a time, merged into a running top-k, up to the
+        last position any token of the step sees: memory follows the block, not the context."""
         T = x.shape[0]
         q = self._rope(self.wq_b(q_resid).reshape(T, self.n_heads, self.head_dim), batch.positions, rope)
-        k, visible = token_positions(keys.k, batch.page_tables[CacheKind.INDEX], batch, max_kv)
-        k = jnp.where(visible[..., None], k, 0.0)  # unused pages may hold anything (NaN)
-        scores = jnp.einsum("thd,tkd->thk", q.astype(jnp.float32), k.astype(jnp.float32))
-        scores = jax.nn.relu(scores) * self.head_dim**-0.5
+        q = q.astype(jnp.float32) * self.head_dim**-0.5
         w = self.weights_proj(x).astype(jnp.float32) * self.n_heads**-0.5  # [T, heads]
-        total = jnp.einsum("th,thk->tk", w, scores)
-        total = jnp.where(visible, total, -jnp.inf)
-        best, idx = jax.lax.top_k(total, min(self.topk, max_kv))
-        return jnp.where(best > -jnp.inf, idx, -1).astype(jnp.int32)
+        table = batch.page_tables[CacheKind.INDEX]
+        P = keys.k.shape[1]
+        bp = min(table.shape[1], max(1, INDEX_BLOCK // P))  # pages per block
+        table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % bp)))  # whole blocks (past kv: unseen)
+        width = bp * P
+        seq = _token_seqs(batch, table.shape[0])
+        live = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs]
+        K = min(self.topk, max_kv)
+
+        def block(b, carry):
+            best, idx = carry
+            pages = jax.lax.dynamic_slice_in_dim(table, b * bp, bp, axis=1)[seq]  # [T, bp]
+            rows = keys.k[pages].reshape(T, width, -1).astype(jnp.float32)
+            pos = b * width + jnp.arange(width, dtype=jnp.int32)
+            seen = (pos[None, :] <= batch.positions[:, None]) & live[:, None]
+            rows = jnp.where(seen[..., None], rows, 0.0)  # unused pages may hold anything (NaN)
+            scores = jax.nn.relu(jnp.einsum("thd,tkd->thk", q, rows))
+            total = jnp.where(seen, jnp.einsum("th,thk->tk", w, scores), -jnp.inf)
+            merged = jnp.concatenate([best, total], axis=1)
+            at = jnp.concatenate([idx, jnp.broadcast_to(pos, (T, width))], axis=1)
+            best, order = jax.lax.top_k(merged, K)
+            return best, jnp.take_along_axis(at, order, axis=1)
+
+        sees = jnp.max(jnp.where(live, batch.positions, -1)) + 1  # positions some token sees
+        init = (jnp.full((T, K), -jnp.inf, jnp.float32), jnp.full((T, K), -1, jnp.int32))
+        best, idx = jax.lax.fori_loop(0, (sees + width - 1) // width, block, init)
+        return jnp.where(best > -jnp.inf, idx, -1)
 
 
 class MLA(nnx.Module):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hicache_jax import LLM
+from hicache_jax.models.layers import mla
 from tests.hf_checkpoints import load_reference, make
 
 LENGTH = 48
@@ -31,8 +32,11 @@ def _stepwise_logprobs(path: str, prompt: list[int]) -> np.ndarray:
     return np.stack(out)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
-def test_prompt_logprobs_match_the_causal_reference(tmp_path, family):
+@pytest.mark.parametrize("family, block", [("deepseek_v32", 2048), ("glm_moe_dsa", 16)])
+def test_prompt_logprobs_match_the_causal_reference(tmp_path, monkeypatch, family, block):
+    """``block``: positions the indexer scores at a time; 16 (a page) merges the running
+    top-k across blocks at every page."""
+    monkeypatch.setattr(mla, "INDEX_BLOCK", block)
     sparse = make(family, str(tmp_path / "sparse"), overrides={"index_topk": TOPK, "index_n_heads": HEADS})
     dense = make(family, str(tmp_path / "dense"), overrides={"index_topk": 128, "index_n_heads": HEADS})
     prompt = np.random.RandomState(3).randint(0, 512, LENGTH).tolist()
