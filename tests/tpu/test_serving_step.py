@@ -52,6 +52,8 @@ STEPS = {
     "granite-4.0-h-small": {V5E: "prefill", V6E: "decode"},  # 72 experts and a shared MLP; multipliers
     "qwen3-next-80b-a3b": {V5E: "decode", V6E: "prefill"},  # GDN, gated attention, 512 experts
     "qwen3.5-27b": {V5E: "prefill", V6E: "decode"},  # GDN split by key-head group (16 over 4, 8)
+    "kimi-k2": {V5E: "decode", V6E: "prefill"},  # MLA (64 heads over 8: 8 per chip), 384 experts
+    "glm-5": {V5E: "prefill", V6E: "decode"},  # MLA with DSA's indexer (top 2,048), 256 experts
 }
 # Gated DeltaNet families compile the xla GDN kernel beside Pallas attention until the GDN
 # Pallas kernels land (their own branch); the xla chunked scan makes the prefill programs
