@@ -11,7 +11,8 @@ compiled program's own ``cost_analysis`` (per chip) is set against:
   the minimum, the weights read once (of an embedding table that is not the output layer
   too, the batch's rows) plus each sequence's live KV (its window, in sliding layers) read
   once, and its recurrent state read once and written once (a decode step must store the
-  new state: the one write a floor cannot leave out);
+  new state: the one write a floor cannot leave out); for latent attention, each sequence's
+  latent rows (at most ``index_topk`` of them in a sparse layer) and its indexer keys;
 - one prefill chunk (``--chunk`` tokens of one new sequence): flops over the analytic count
   of ``benchmarks/floors.py`` divided over the chips;
 - for each of those programs and for the prefill program that reports every row's top
@@ -62,6 +63,12 @@ def min_decode_bytes(server: AbstractServer, batch: int, context: int) -> float:
             (conv, _), (ssm, _) = cfg.state_shapes(kind)
             state = math.prod(ssm) * 4 / tp + math.prod(conv) * b
             total += 2 * batch * state  # read, and the step's new state written back
+        elif kind in ("mla", "dsa", "dsa_shared"):  # one latent row per token, on every chip
+            m = cfg.mla
+            live = min(context, m.index_topk) if kind != "mla" and m.index_topk else context
+            total += batch * live * m.latent_dim * b
+            if kind == "dsa":  # the indexer scores every key
+                total += batch * context * m.index_head_dim * b
         else:
             live = min(context, cfg.sliding_window) if kind == "sliding" else context
             total += batch * live * kv_token

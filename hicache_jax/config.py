@@ -112,7 +112,7 @@ class EngineConfig:
         "tiny",
         "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, "
         "tiny-qwen3.5, tiny-qwen3-next, tiny-moe, tiny-gpt-oss, tiny-nemotron-h, tiny-granite-h, "
-        "100m, 100m-gdn, 100m-moe.",
+        "tiny-mla, tiny-dsa, 100m, 100m-gdn, 100m-moe, 100m-mla.",
     )
     dtype: str = setting(
         "auto",
