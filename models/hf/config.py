@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 from hicache_jax.models.config import GdnConfig, MambaConfig, MlaConfig, ModelConfig, MoEConfig, YarnConfig
 from hicache_jax.models.hf import fp8_blocks
 from hicache_jax.models.hf.safetensors_io import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 def _float(v) -> float:
@@ -662,6 +665,13 @@ def deepseek(hf: dict, where: str) -> ModelConfig:
             rope["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
         hf = {**hf, "rope_parameters": rope}
     n = hf["num_hidden_layers"]
+    if hf.get("num_nextn_predict_layers"):
+        log.info(
+            "%s: its %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not loaded: "
+            "they draft tokens for speculative decoding, which this server does not run",
+            where,
+            hf["num_nextn_predict_layers"],
+        )
     if arch == "DeepseekV3ForCausalLM":
         kinds = ("mla",) * n
     else:

@@ -7,6 +7,7 @@ layouts, norms or masks give errors of 1e-2 and more.
 """
 
 import json
+import math
 import os
 
 import jax
@@ -197,3 +198,22 @@ def test_preset_param_count_is_the_models(preset):
     model = build_preset(preset)
     held = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     assert model.cfg.num_params() == held
+
+
+def test_deepseek_configs_read_latent_attention(checkpoint_dir, caplog):
+    """MLA and DSA fields, DeepSeek's YaRN mscale on the softmax, the MoE layout, and the
+    multi-token-prediction layers named as not loaded."""
+    with caplog.at_level("INFO"):
+        v3 = load_hf(checkpoint_dir("deepseek_v3")).cfg
+    assert "multi-token-prediction" in caplog.text
+    assert v3.layer_kinds == ("mla",) * 3 and v3.sparse_layers == (1, 2)
+    assert v3.mla.q_lora_rank == 0 and v3.mla.rope_interleave and not v3.mla.index_n_heads
+    mscale = 0.1 * 0.8 * math.log(4.0) + 1  # mscale_all_dim 0.8, factor 4
+    assert v3.mla.softmax_scale == pytest.approx(24**-0.5 * mscale**2)
+    assert v3.moe.router == "sigmoid_topk" and (v3.moe.num_groups, v3.moe.topk_groups) == (2, 1)
+    assert v3.moe.shared_intermediate == 32 and v3.moe.routed_scaling == 2.5
+    glm = load_hf(checkpoint_dir("glm_moe_dsa")).cfg
+    assert glm.layer_kinds == ("dsa", "dsa_shared", "dsa")
+    assert glm.mla.index_rope_interleave and glm.mla.index_topk == 128
+    v32 = load_hf(checkpoint_dir("deepseek_v32")).cfg
+    assert v32.layer_kinds == ("dsa",) * 3 and not v32.mla.index_rope_interleave
