@@ -6,7 +6,8 @@ each layer needs one all-reduce (its row-parallel output) and XLA's partitioner 
     attention   q_proj, k_proj, v_proj   [hidden, heads * D]  columns split   (by head)
                 o_proj                   [heads * D, hidden]  rows split      -> all-reduce
                 KV pages        [pages, page_size, kv_heads, D]  split by KV head
-    MLA         q_b_proj (q_proj), kv_b_proj  [.., heads * D]  columns split  (by head)
+    MLA         q_b_proj (q_proj)        [.., heads * D]  columns split  (by head)
+                w_uk, w_uv (kv_b_proj)   [heads, ..]  split by head
                 o_proj                   rows split -> all-reduce; q_a_proj, kv_a_proj,
                 their norms and the indexer replicated
                 latent and indexer pages  [pages, page_size, D]  replicated: every head
@@ -140,8 +141,10 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
         if name == "conv_weight":  # [K, channels], grouped like in_proj's columns
             return P(None, AXIS)
         return row if name == "out_proj" else P()
-    if name in ("q_proj", "q_b_proj", "kv_b_proj"):  # MLA's per-head up-projections too
+    if name in ("q_proj", "q_b_proj"):  # MLA's low-rank query's up-projection too
         return column
+    if name in ("w_uk", "w_uv"):  # MLA's kv_b_proj halves [heads, ...]: split by head
+        return P(AXIS, None, None)
     if name == "sinks":  # one per query head, split as the heads are
         return P(AXIS)
     if name in ("k_proj", "v_proj"):

@@ -245,6 +245,17 @@ def _mlp_tensor(names: HFNames, module: str, proj: str):
     return f"{module}.input_linear.weight", _t_gate if proj == "gate_proj" else _t_up
 
 
+def _kv_b_half(cfg: ModelConfig, half: str):
+    """MLA's ``kv_b_proj`` weight -> W_UK ``[H, nope, L]`` or W_UV ``[H, L, v]``."""
+    m, H = cfg.mla, cfg.num_heads
+
+    def split(w):
+        w = w.reshape(H, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        return w[:, : m.qk_nope_head_dim] if half == "w_uk" else w[:, m.qk_nope_head_dim :].transpose(0, 2, 1)
+
+    return split
+
+
 def _moe_tensor(names: HFNames, pre: str, leaf: tuple, cfg: ModelConfig, ckpt):
     """An MoE layer's tensor: the router (a Linear), its correction bias, the shared expert
     or an ``Experts``."""
@@ -326,6 +337,8 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
     if kind == LayerKind.GDN:
         return _gdn_tensor(names, cfg, f"{pre}.linear_attn", rest[1:])
     if kind in (LayerKind.MLA, LayerKind.DSA, LayerKind.DSA_SHARED):  # transformers' module names
+        if rest[1] in ("w_uk", "w_uv"):  # kv_b_proj [H * (nope + v), L], split head-major
+            return Joined((f"{pre}.{names.attention}.kv_b_proj.weight",), _kv_b_half(cfg, rest[1])), _same
         *modules, leaf = rest[1:]
         t = f"{pre}.{names.attention}.{'.'.join(modules)}"
         if leaf == "kernel":

@@ -172,8 +172,15 @@ class MLA(nnx.Module):
             self.q_proj = Linear(h, H * m.qk_head_dim, bias=False, dtype=dtype, rngs=rngs)
         self.kv_a_proj_with_mqa = Linear(h, m.latent_dim, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
-        self.kv_b_proj = Linear(
-            m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False, dtype=dtype, rngs=rngs
+        # kv_b_proj's two halves, head-major (batched matmuls read them without a transpose):
+        # W_UK [H, qk_nope_head_dim, L] takes a query into latent space, W_UV [H, L, v_head_dim]
+        # takes the attended latent out (``models/hf/weights.py`` splits the checkpoint's).
+        scale = m.kv_lora_rank**-0.5
+        self.w_uk = nnx.Param(
+            (jax.random.normal(rngs.params(), (H, m.qk_nope_head_dim, m.kv_lora_rank)) * scale).astype(dtype)
+        )
+        self.w_uv = nnx.Param(
+            (jax.random.normal(rngs.params(), (H, m.kv_lora_rank, m.v_head_dim)) * scale).astype(dtype)
         )
         self.o_proj = Linear(H * m.v_head_dim, h, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if self.kind == LayerKind.DSA else None
@@ -218,8 +225,7 @@ class MLA(nnx.Module):
             picks = None
             if self.indexer.topk < max_kv:  # else every visible position is picked: dense
                 picks = self.indexer.picks(x, q_resid, keys, batch, self.rope, max_kv)
-        w = self.kv_b_proj.kernel[...].reshape(self.rank, H, self.nope + self.v_dim)
-        q_lat = jnp.einsum("thn,lhn->thl", q_nope, w[..., : self.nope])
+        q_lat = jnp.einsum("thn,hnl->thl", q_nope, self.w_uk[...])
         # One KV "head" every query head shares: keys are whole rows (latent, rope key),
         # values the rows too, of which the output keeps the latent part.
         q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
@@ -240,5 +246,5 @@ class MLA(nnx.Module):
             )
         else:
             o = attend_picked(q, latent.c, table, batch, picks, self.scale)
-        o = jnp.einsum("thl,lhv->thv", o[..., : self.rank].astype(x.dtype), w[..., self.nope :])
+        o = jnp.einsum("thl,hlv->thv", o[..., : self.rank].astype(x.dtype), self.w_uv[...])
         return join(new, self.specs), self.o_proj(o.reshape(T, H * self.v_dim)), picks
