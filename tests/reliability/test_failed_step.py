@@ -3,6 +3,8 @@ rebuilds L1 (host copies survive), and serves the next request exactly; the serv
 unhealthy until it can serve again. And a scheduler that stops making progress raises
 instead of spinning."""
 
+import threading
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -117,19 +119,21 @@ def test_server_unhealthy_until_rebuilt_then_serves(monkeypatch):
         want = client.post("/generate", json=body).json()["output_ids"]
         assert client.post("/flush_cache").status_code == 200
         fail_once(monkeypatch, engine.runner, "launch")
-        recovered = {"ok": False}
+        device_back = threading.Event()
         real_recover = engine.recover
 
-        def slow_recover():  # the first rebuild fails: /health must say so meanwhile
-            if not recovered["ok"]:
-                recovered["ok"] = True
+        def slow_recover():  # rebuilds fail until the test says the device is back
+            if not device_back.is_set():
                 raise RuntimeError("device still resetting")
             real_recover()
 
         monkeypatch.setattr(engine, "recover", slow_recover)
         r = client.post("/generate", json=body)
         assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"]
+        # Not a race against the loop's next try (0.5 s later; a loaded machine let it win):
+        # every rebuild fails until the event is set.
         assert client.get("/health").status_code == 503
+        device_back.set()
         for _ in range(100):  # rebuilt on the next try (0.5 s later)
             if client.get("/health").status_code == 200:
                 break
