@@ -88,10 +88,13 @@ class KernelConfig:
             from hicache_jax.models.kernels.ragged_paged_attention import kernel
 
             heads = dict(num_q_heads=cfg.num_heads // tp, num_kv_heads=kv_heads_on_device(cfg, tp) // tp)
+            width = cfg.head_dim
+            if getattr(cfg, "mla", None) is not None:  # one latent row every head reads, replicated
+                heads, width = dict(num_q_heads=cfg.num_heads // tp, num_kv_heads=1), cfg.mla.latent_dim
             checks.append(
                 (
                     "attention_backend",
-                    lambda: kernel.check_shapes(**heads, head_dim=cfg.head_dim, dtype=dtype),
+                    lambda: kernel.check_shapes(**heads, head_dim=width, dtype=dtype),
                 )
             )
         if self.ssd_backend == "pallas" and cfg.mamba is not None and cfg.mamba_layers:

@@ -37,6 +37,16 @@ def attention(fn: Callable, mesh: Mesh | None, sinks: bool = False, **static) ->
     return _per_shard(fn, mesh, specs, _HEADS)
 
 
+def latent_attention(fn: Callable, mesh: Mesh | None, **static) -> Callable:
+    """``fn(q, pages, pages, kv_lens, page_tables, cu_q_lens, num_seqs)`` per shard for
+    MLA: the queries split by head, the latent pages (one KV head every query head reads)
+    whole on every device."""
+    fn = functools.partial(fn, **static)
+    if mesh is None:
+        return fn
+    return _per_shard(fn, mesh, (_HEADS, P(), P(), P(), P(), P(), P()), _HEADS)
+
+
 def kv_write(fn: Callable, mesh: Mesh | None) -> Callable:
     """``fn(k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)`` per shard."""
     if mesh is None:

@@ -30,17 +30,14 @@ from hicache_jax.kinds import CacheKind, LayerKind
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import IndexPages, LatentPages, join, paged_specs, parts
 from hicache_jax.models.config import ModelConfig
-from hicache_jax.models.kernels.ragged_paged_attention.reference import ragged_paged_attention
+from hicache_jax.models.kernels import backend, sharded
+from hicache_jax.models.layers.attention import PREFILL_Q_BLOCK
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import LayerNorm, RMSNorm
 from hicache_jax.models.layers.rope import apply_rope, rope_frequencies
 
 # Positions the indexer scores at a time (``Indexer.picks``).
 INDEX_BLOCK = 2048
-
-# Query rows per block of the dense path in steps with prefill (``PREFILL_Q_BLOCK`` of
-# ``layers/attention.py``, for its xla backend).
-DENSE_Q_BLOCK = 16
 
 # The low-rank query's and the latent's norms keep transformers' default epsilon whatever
 # the config's ``rms_norm_eps`` (DeepSeek V3 and GLM-5 build them without it).
@@ -231,19 +228,12 @@ class MLA(nnx.Module):
         q = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
         table = batch.page_tables[CacheKind.LATENT]
         if picks is None:
-            rows = latent.c[:, :, None, :]  # [pages, page_size, 1, L + R]
-            q_block = 1 if batch.decode_only else DENSE_Q_BLOCK
-            o = ragged_paged_attention(
-                q,
-                rows,
-                rows,
-                batch.kv_lens,
-                table,
-                batch.cu_q_lens,
-                batch.num_seqs,
-                sm_scale=self.scale,
-                q_block=q_block,
-            )
+            name = self.kernels.attention_backend
+            q_block = 1 if batch.decode_only else PREFILL_Q_BLOCK[name]
+            fn = backend.attention_fn(name, self.kernels.interpret)
+            attend = sharded.latent_attention(fn, self.kernels.mesh, sm_scale=self.scale, q_block=q_block)
+            rows = latent.c[:, :, None, :]  # [pages, page_size, 1, L + R]: a bitcast of the pool
+            o = attend(q, rows, rows, batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs)
         else:
             o = attend_picked(q, latent.c, table, batch, picks, self.scale)
         o = jnp.einsum("thl,hlv->thv", o[..., : self.rank].astype(x.dtype), self.w_uv[...])

@@ -296,3 +296,38 @@ def test_kv_write_compiles(topology: str, D: int, Hkv: int, dtype: str, ps: int,
     est = _kernel_cost(compiled)
     assert est["bytes_accessed"] == expected and est["flops"] == 0
     assert compiled.cost_analysis()["bytes accessed"] >= expected > 0
+
+
+# MLA: one latent row per token (512 + 64 wide, bfloat16), read by every query head of the
+# chip (16 to 128), the pool kept as [pages, page_size, 576] (``LatentPages``).
+LATENT_CASES = [
+    (V5E, 16, 1, 64),  # decode, 64-token pages
+    (V5E, 128, None, 16),  # a prefill chunk with the kernel's planned blocks
+    (V6E, 128, 1, 32),
+    (V6E, 64, None, 16),
+]
+
+
+@pytest.mark.parametrize("topology, heads, q_block, page_size", LATENT_CASES)
+def test_latent_attention_compiles_and_reads_the_pool_in_place(topology, heads, q_block, page_size):
+    mesh = target.target(topology).mesh(1)
+    a = functools.partial(target.abstract, mesh)
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    seqs, tokens = (32, 32) if q_block == 1 else (8, 512)
+    args = (
+        a((tokens, heads, 576), bf16),
+        a((NUM_PAGES, page_size, 576), bf16),
+        a((seqs,), i32),
+        a((seqs, 256), i32),
+        a((seqs + 1,), i32),
+        a((), i32),
+    )
+
+    def attend(q, latent, kv_lens, tables, cu_q_lens, num_seqs):
+        rows = latent[:, :, None, :]  # one KV head: keys and values are the latent rows
+        return kernel.ragged_paged_attention(
+            q, rows, rows, kv_lens, tables, cu_q_lens, num_seqs, sm_scale=192**-0.5, q_block=q_block
+        )
+
+    compiled = target.compile_for(mesh, attend, *args)
+    assert not pool_relayouts(compiled), pool_relayouts(compiled)[:2]

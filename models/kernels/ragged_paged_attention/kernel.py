@@ -99,15 +99,16 @@ def unsupported_reason(*, num_q_heads: int, num_kv_heads: int, head_dim: int, dt
 
     ``dtype`` is the KV pages' (and the queries'). Rules: float32 or bfloat16; query heads
     group evenly over KV heads; ``head_dim`` at most 128 or a multiple of 128 (strided loads
-    take rows of <= 128 lanes); bfloat16 with one KV head or an even number, since it picks
-    a head's rows by 32-bit loads of head pairs (Mosaic has no 16-bit strided load).
+    take rows of <= 128 lanes), unless there is one KV head, whose rows are read whole (an
+    MLA latent: 512 + 64); bfloat16 with one KV head or an even number, since it picks a
+    head's rows by 32-bit loads of head pairs (Mosaic has no 16-bit strided load).
     """
     name = jnp.dtype(dtype).name
     if name not in DTYPES:
         return f"dtype={name}: the kernel takes {' or '.join(DTYPES)} KV pages"
     if num_q_heads % num_kv_heads:
         return f"num_q_heads={num_q_heads} do not group over num_kv_heads={num_kv_heads}"
-    if head_dim > LANES and head_dim % LANES:
+    if head_dim > LANES and head_dim % LANES and num_kv_heads > 1:
         return f"head_dim={head_dim}: must be <= {LANES} or a multiple of {LANES} (TPU lanes)"
     if name == "bfloat16" and num_kv_heads > 1 and num_kv_heads % 2:
         return f"num_kv_heads={num_kv_heads} per shard in bfloat16: must be 1 or even (heads load in pairs)"

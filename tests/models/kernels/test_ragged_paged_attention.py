@@ -200,6 +200,10 @@ WIDE_CONFIGS = [
     Config(16, None, 4, "bfloat16", head_dim=128, num_kv_heads=4),
     Config(16, 64, 1, "float32", head_dim=128, num_kv_heads=2, q_block=4, kv_block_pages=3),
     Config(16, 100, 8, "bfloat16", head_dim=64, num_kv_heads=8, q_block=None, sinks=True),  # gpt-oss's heads
+    # One KV head wider than 128 lanes but not a multiple of them, read as whole rows: MLA's
+    # latent (512 + 64 wide, every query head sharing it), here 128 + 32.
+    Config(16, None, 8, "bfloat16", head_dim=160, num_kv_heads=1, q_block=None),
+    Config(16, None, 4, "float32", head_dim=160, num_kv_heads=1, q_block=1),
 ]
 
 
@@ -253,6 +257,9 @@ def test_check_shapes_takes_the_model_families():
             for dtype in ("float32", "bfloat16"):
                 kw = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
                 assert kernel.unsupported_reason(num_q_heads=8 * num_kv_heads, **kw) is None
+    # MLA's latent: one KV head of 512 + 64, every query head (16 to 128 per chip) reading it.
+    for dtype in ("float32", "bfloat16"):
+        assert kernel.unsupported_reason(num_q_heads=128, num_kv_heads=1, head_dim=576, dtype=dtype) is None
     # Odd KV heads read one at a time in float32.
     assert kernel.unsupported_reason(num_q_heads=3, num_kv_heads=3, head_dim=256, dtype="float32") is None
 
