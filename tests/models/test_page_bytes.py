@@ -1,6 +1,7 @@
 """``page_bytes`` (what the planner and the L3 bandwidth estimate count) equals the bytes of
 the L2 rows the engine actually allocates, per cache kind, for every family."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -10,14 +11,17 @@ from hicache_jax.kinds import L3_SUFFIX, PAGED
 from hicache_jax.models.page_bytes import page_bytes, read_bytes_per_token
 
 
-@pytest.mark.parametrize("preset", ["tiny-swa", "tiny-mamba", "tiny-qwen3.5"])  # full + swa, + mamba, + gdn
+@pytest.mark.parametrize(
+    "preset", ["tiny-swa", "tiny-mamba", "tiny-qwen3.5", "tiny-dsa"]
+)  # + latent + indexer
 def test_page_bytes_are_the_host_rows(preset):
     cfg = EngineConfig(preset=preset, page_size=8, max_total_tokens=256, enable_hierarchical_cache=True)
     engine = Engine(cfg)
     try:
         host = engine.side.prefix_cache.host
         mc = engine.model.cfg
-        dtype_bytes = np.dtype(engine.runner.cache[0][0].dtype).itemsize  # the KV (or conv) dtype
+        first = jax.tree_util.tree_leaves(engine.runner.cache)[0]
+        dtype_bytes = np.dtype(first.dtype).itemsize  # the KV (latent, conv) dtype
         want = {L3_SUFFIX[kind]: pool.bytes_per_page for kind, pool in host.items()}
         assert page_bytes(mc, dtype_bytes, cfg.page_size) == want
         paged = sum(want.get(L3_SUFFIX[k], 0) for k in PAGED)
