@@ -80,7 +80,6 @@ LAYER_CACHE: dict[LayerKind, tuple[CacheKind, ...]] = {
 RECURRENT = frozenset(k for k, c in LAYER_CACHE.items() if c == (CacheKind.STATE,))
 # Cache kinds that hold one page per page of tokens (the rest hold snapshots in slots).
 PAGED = tuple(k for k in CacheKind if RETENTION[k] is not Retention.SNAPSHOT)
-ALL = tuple(CacheKind)
 
 # What a device pool of the kind holds, in messages (``IndexPool`` names).
 POOL_NAME: dict[CacheKind, str] = {

@@ -6,6 +6,7 @@ tokenizer (byte-level BPE, 500 tokens) ships in ``hicache_jax/assets``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
@@ -52,6 +53,9 @@ _TINY_DEEPSEEK_MOE = MoEConfig(
     routed_scaling=2.5,
     shared_intermediate=32,
 )
+
+# Every head's query of 16 + 8, a dense MLP, then two MoE layers (DeepSeek V3's layout).
+_TINY_DEEPSEEK = _TINY | dict(num_kv_heads=4, head_dim=8, moe=_TINY_DEEPSEEK_MOE, sparse_layers=(1, 2))
 
 PRESETS: dict[str, ModelConfig] = {
     # Gemma3-style local/global interleave: the default for demos.
@@ -189,27 +193,17 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # DeepSeek V3-style: MLA in every layer, a dense MLP, then MoE (Kimi K2's layout).
     "tiny-mla": ModelConfig(
-        architecture="preset:tiny-mla",
-        layer_kinds=("mla",) * 3,
-        mla=_TINY_MLA,
-        moe=_TINY_DEEPSEEK_MOE,
-        sparse_layers=(1, 2),
-        **(_TINY | {"num_kv_heads": 4, "head_dim": 8}),
+        architecture="preset:tiny-mla", layer_kinds=("mla",) * 3, mla=_TINY_MLA, **_TINY_DEEPSEEK
     ),
     # GLM-5-style sparse attention: the indexer keeps the best 32 positions per query (most
     # test prompts are longer); the middle layer reuses the first layer's picks.
     "tiny-dsa": ModelConfig(
         architecture="preset:tiny-dsa",
         layer_kinds=("dsa", "dsa_shared", "dsa"),
-        mla=MlaConfig(
-            **(
-                _TINY_MLA.__dict__
-                | dict(index_n_heads=4, index_head_dim=16, index_topk=32, index_rope_interleave=True)
-            )
+        mla=dataclasses.replace(
+            _TINY_MLA, index_n_heads=4, index_head_dim=16, index_topk=32, index_rope_interleave=True
         ),
-        moe=_TINY_DEEPSEEK_MOE,
-        sparse_layers=(1, 2),
-        **(_TINY | {"num_kv_heads": 4, "head_dim": 8}),
+        **_TINY_DEEPSEEK,
     ),
     # ~100M parameters: 5 local : 1 global, for benchmarks.
     "100m": ModelConfig(
