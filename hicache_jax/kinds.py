@@ -40,6 +40,11 @@ class LayerKind(enum.StrEnum):
     MLA = "mla"  # multi-head latent attention (DeepSeek): one latent row per token, every head
     DSA = "dsa"  # MLA over the positions a lightning indexer picks (its keys paged too)
     DSA_SHARED = "dsa_shared"  # MLA over the positions the previous DSA layer's indexer picked
+    # DeepSeek V4's attention: one K=V head over a sliding window, and (CSA, HCA) over
+    # compressed entries of the whole prefix, one per ``compress_rate`` tokens.
+    SWA_MQA = "swa_mqa"  # the sliding window alone
+    CSA = "csa"  # + compressed entries (rate 4, overlapping windows) a lightning indexer picks
+    HCA = "hca"  # + every compressed entry (rate 128)
 
 
 class CacheKind(enum.StrEnum):
@@ -48,6 +53,12 @@ class CacheKind(enum.StrEnum):
     STATE = "state"  # a recurrent-state snapshot (every recurrent layer) at a page's end
     LATENT = "latent"  # MLA's compressed KV and rope key, every page
     INDEX = "index"  # a sparse-attention indexer's keys, every page
+    CSA = "csa"  # compressed sparse attention's entries, one per compress_rate tokens
+    HCA = "hca"  # heavily compressed attention's entries, one per compress_rate tokens
+    # A compressor's unfinished window at a page's end (float32 running softmax sums), one
+    # row per page; the page the window behind a prefix's end covers is the one it needs.
+    CSA_STATE = "csa_state"
+    HCA_STATE = "hca_state"
 
 
 class Retention(enum.StrEnum):
@@ -64,6 +75,10 @@ RETENTION: dict[CacheKind, Retention] = {
     CacheKind.STATE: Retention.SNAPSHOT,
     CacheKind.LATENT: Retention.EVERY,
     CacheKind.INDEX: Retention.EVERY,
+    CacheKind.CSA: Retention.EVERY,
+    CacheKind.HCA: Retention.EVERY,
+    CacheKind.CSA_STATE: Retention.WINDOW,
+    CacheKind.HCA_STATE: Retention.WINDOW,
 }
 
 # The cache kinds each layer kind keeps (a layer may keep several: its entries are
@@ -76,6 +91,9 @@ LAYER_CACHE: dict[LayerKind, tuple[CacheKind, ...]] = {
     LayerKind.MLA: (CacheKind.LATENT,),
     LayerKind.DSA: (CacheKind.LATENT, CacheKind.INDEX),
     LayerKind.DSA_SHARED: (CacheKind.LATENT,),
+    LayerKind.SWA_MQA: (CacheKind.SWA,),
+    LayerKind.CSA: (CacheKind.SWA, CacheKind.INDEX, CacheKind.CSA, CacheKind.CSA_STATE),
+    LayerKind.HCA: (CacheKind.SWA, CacheKind.HCA, CacheKind.HCA_STATE),
 }
 RECURRENT = frozenset(k for k, c in LAYER_CACHE.items() if c == (CacheKind.STATE,))
 # Cache kinds that hold one page per page of tokens (the rest hold snapshots in slots).
@@ -88,6 +106,10 @@ POOL_NAME: dict[CacheKind, str] = {
     CacheKind.STATE: "recurrent state slots",
     CacheKind.LATENT: "latent-attention pages",
     CacheKind.INDEX: "indexer key pages",
+    CacheKind.CSA: "compressed sparse attention pages",
+    CacheKind.HCA: "heavily compressed attention pages",
+    CacheKind.CSA_STATE: "compressed sparse attention state pages",
+    CacheKind.HCA_STATE: "heavily compressed attention state pages",
 }
 
 # The L3 object name suffix of each cache kind (``storage/layout.py`` joins it to the
@@ -98,6 +120,10 @@ L3_SUFFIX: dict[CacheKind, str] = {
     CacheKind.STATE: "state",
     CacheKind.LATENT: "mla",
     CacheKind.INDEX: "idx",
+    CacheKind.CSA: "csa",
+    CacheKind.HCA: "hca",
+    CacheKind.CSA_STATE: "csast",
+    CacheKind.HCA_STATE: "hcast",
 }
 
 

@@ -2,9 +2,11 @@
 what each layer kind caches.
 
 ``paged_specs(cfg, layer_kind)`` is where a layer kind declares its paged cache: per cache
-kind it uses, the entry (a NamedTuple whose fields are ``[pages, page_size, *per_token]``
-arrays), the per-token shape, whether its first axis is KV heads (split over tensor
-parallelism) and the name of its L2/L3 row. Allocation, sharding, layer-by-layer page
+kind it uses, the entry (a NamedTuple whose fields are ``[pages, rows, *per_row]`` arrays),
+the rows a page holds (one per token, one per ``rate`` tokens for a compressed kind, or one
+per page for a state taken at the page's end), the per-row shape, its dtype when not the
+cache's, whether its first axis is KV heads (split over tensor parallelism) and the name
+of its L2/L3 row. Allocation, sharding, layer-by-layer page
 loads, the L2 row layout and transfers, page bytes and the planner read it; none of them
 knows a layer's shapes by itself. Recurrent kinds declare their state slots the same way
 through ``ModelConfig.state_shapes`` (``state_shapes`` below).
@@ -16,6 +18,7 @@ pages several has a tuple of them, in declaration order (``parts`` / ``join``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -49,7 +52,26 @@ class LatentPages(NamedTuple):
 class IndexPages(NamedTuple):
     """A sparse-attention indexer's keys."""
 
-    k: jax.Array  # [num_pages, page_size, index_head_dim]
+    k: jax.Array  # [num_pages, page_size (or compressed entries), index_head_dim]
+
+
+class SharedKVPages(NamedTuple):
+    """One head whose rows are keys and values alike (DeepSeek V4's window and its
+    compressed entries)."""
+
+    kv: jax.Array  # [num_pages, page_size (or compressed entries), head_dim]
+
+
+class CompressorState(NamedTuple):
+    """A compressor's unfinished windows after a page's last token: per channel the
+    log-sum-exp of the gates seen and the softmax-weighted mean of their values (float32),
+    one row per page (``layers/dsv4.py``)."""
+
+    lse: jax.Array  # [num_pages, 1, windows, channels]
+    mean: jax.Array  # [num_pages, 1, windows, channels]
+
+
+PAGE_ROW = 0  # ``PagedSpec.rate`` of a kind that keeps one row per page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +79,38 @@ class PagedSpec:
     """One cache kind's pages of one layer."""
 
     kind: CacheKind
-    entry: type  # NamedTuple of [num_pages, page_size, *per_token] arrays
-    per_token: tuple[int, ...]  # one token's entry in each field (the whole model's, tp_size 1)
-    heads: bool  # per_token[0] is KV heads: split over the mesh, copied when fewer than tp_size
-    row: str  # the L2 row's name: [layers, fields, page_size, *per_token] (``host_pool.py``)
+    entry: type  # NamedTuple of [num_pages, rows, *per_row] arrays
+    per_row: tuple[int, ...]  # one row of each field (the whole model's, tp_size 1)
+    heads: bool  # per_row[0] is KV heads: split over the mesh, copied when fewer than tp_size
+    row: str  # the L2 row's name: [layers, fields, rows, *per_row] (``host_pool.py``)
+    rate: int = 1  # tokens per row (PAGE_ROW: one row per page)
+    dtype: str | None = None  # None: the cache's dtype
+
+    def rows(self, page_size: int) -> int:
+        """Rows a page of ``page_size`` tokens holds."""
+        if self.rate == PAGE_ROW:
+            return 1
+        if page_size % self.rate:
+            raise ValueError(
+                f"page_size {page_size} is not a multiple of {self.rate}, the tokens per entry "
+                f"of the {self.kind} cache (a page holds whole entries: set --page_size to a multiple)"
+            )
+        return page_size // self.rate
 
     def shape(self, num_pages: int, page_size: int, heads: int | None = None) -> tuple[int, ...]:
         """One field's array; ``heads``: KV heads on the device, when they differ."""
-        per_token = self.per_token
+        per_row = self.per_row
         if self.heads and heads is not None:
-            per_token = (heads, *per_token[1:])
-        return (num_pages, page_size, *per_token)
+            per_row = (heads, *per_row[1:])
+        return (num_pages, self.rows(page_size), *per_row)
 
-    def token_values(self) -> int:
-        """Values one token stores in this layer (every field)."""
-        n = len(self.entry._fields)
-        for d in self.per_token:
-            n *= d
-        return n
+    def page_values(self, page_size: int) -> int:
+        """Values one page stores in this layer (every field)."""
+        return len(self.entry._fields) * self.rows(page_size) * math.prod(self.per_row)
+
+    def value_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one value: the cache's, or this kind's own dtype's."""
+        return dtype_bytes if self.dtype is None else jnp.dtype(self.dtype).itemsize
 
 
 def paged_specs(cfg: ModelConfig, kind: str) -> tuple[PagedSpec, ...]:
@@ -89,9 +125,46 @@ def paged_specs(cfg: ModelConfig, kind: str) -> tuple[PagedSpec, ...]:
         if kind != LayerKind.DSA:
             return (latent,)
         return latent, PagedSpec(CacheKind.INDEX, IndexPages, (m.index_head_dim,), heads=False, row="index")
+    if kind in (LayerKind.SWA_MQA, LayerKind.CSA, LayerKind.HCA):
+        return _dsv4_specs(cfg, kind)
     if kind in RECURRENT:
         return ()
     raise ValueError(f"layer kind {kind!r} declares no cache")
+
+
+def _dsv4_specs(cfg: ModelConfig, kind: LayerKind) -> tuple[PagedSpec, ...]:
+    """A DeepSeek V4 layer: its window's rows; a compressed layer also its entries (and the
+    indexer's keys), and its compressor's state at each page's end."""
+    v, D = cfg.dsv4, cfg.head_dim
+    window = PagedSpec(CacheKind.SWA, SharedKVPages, (D,), heads=False, row="kv")
+    if kind == LayerKind.SWA_MQA:
+        return (window,)
+    rate = v.rate(kind)
+    if kind == LayerKind.HCA:
+        entries = PagedSpec(CacheKind.HCA, SharedKVPages, (D,), heads=False, row="hca", rate=rate)
+        state = PagedSpec(
+            CacheKind.HCA_STATE,
+            CompressorState,
+            (1, D),
+            heads=False,
+            row="state",
+            rate=PAGE_ROW,
+            dtype="float32",
+        )
+        return window, entries, state
+    entries = PagedSpec(CacheKind.CSA, SharedKVPages, (D,), heads=False, row="csa", rate=rate)
+    keys = PagedSpec(CacheKind.INDEX, IndexPages, (v.index_head_dim,), heads=False, row="index", rate=rate)
+    # Two running windows (overlapping by one), the entries' channels then the indexer's.
+    state = PagedSpec(
+        CacheKind.CSA_STATE,
+        CompressorState,
+        (2, D + v.index_head_dim),
+        heads=False,
+        row="state",
+        rate=PAGE_ROW,
+        dtype="float32",
+    )
+    return window, entries, keys, state
 
 
 def parts(entry, specs: tuple[PagedSpec, ...]) -> tuple:
@@ -105,8 +178,15 @@ def join(entries, specs: tuple[PagedSpec, ...]):
 
 
 def layer_specs(cfg: ModelConfig) -> tuple[tuple[PagedSpec, ...], ...]:
-    """Every layer's paged specs, in layer order."""
-    return tuple(paged_specs(cfg, k) for k in cfg.layer_kinds)
+    """Every layer's paged specs, in layer order. Every layer that pages a cache kind pages
+    it alike (one L2/L3 row stacks them)."""
+    out = tuple(paged_specs(cfg, k) for k in cfg.layer_kinds)
+    first: dict = {}
+    for specs in out:
+        for s in specs:
+            if first.setdefault(s.kind, s) != s:
+                raise ValueError(f"layers page the {s.kind} cache differently: {first[s.kind]} and {s}")
+    return out
 
 
 def state_shapes(cfg: ModelConfig, kind: str, dtype) -> RecurrentState:
@@ -143,6 +223,7 @@ def allocate_cache(
         for s in specs:
             n = num_pages if isinstance(num_pages, int) else num_pages[s.kind]
             shape = s.shape(n, page_size, kv_heads)
-            made.append(s.entry(*(jnp.full(shape, fill, dtype) for _ in s.entry._fields)))
+            dt = dtype if s.dtype is None else jnp.dtype(s.dtype)
+            made.append(s.entry(*(jnp.full(shape, fill, dt) for _ in s.entry._fields)))
         entries.append(join(made, specs))
     return tuple(entries)

@@ -17,6 +17,7 @@ from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.layers.attention import Attention
 from hicache_jax.models.layers.gated_deltanet import GatedDeltaNet
+from hicache_jax.models.layers.hyper import HyperDecoderLayer, HyperHead
 from hicache_jax.models.layers.linear import Embed, Linear
 from hicache_jax.models.layers.mamba2 import Mamba2Mixer
 from hicache_jax.models.layers.mla import MLA
@@ -129,20 +130,29 @@ class CausalLM(nnx.Module):
         check_tp(cfg, tp_size(self.mesh))
         kernels.check_model(cfg, self.dtype)
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List(
-            [
-                DecoderLayer(
-                    cfg,
-                    k,
-                    dtype=dtype,
-                    rngs=rngs,
-                    kernels=kernels,
-                    sparse=i in cfg.sparse_layers,
-                    mlp=i not in cfg.mlp_free_layers,
-                )
+        if cfg.dsv4 is not None:  # DeepSeek V4: residual streams (``layers/hyper.py``)
+            made = [
+                HyperDecoderLayer(cfg, k, i, dtype=dtype, rngs=rngs, kernels=kernels)
                 for i, k in enumerate(cfg.layer_kinds)
             ]
-        )
+            self.layers = nnx.List(made)
+            self.hc_head = HyperHead(cfg)
+        else:
+            self.hc_head = None
+            self.layers = nnx.List(
+                [
+                    DecoderLayer(
+                        cfg,
+                        k,
+                        dtype=dtype,
+                        rngs=rngs,
+                        kernels=kernels,
+                        sparse=i in cfg.sparse_layers,
+                        mlp=i not in cfg.mlp_free_layers,
+                    )
+                    for i, k in enumerate(cfg.layer_kinds)
+                ]
+            )
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         self.lm_head = (
             None
@@ -157,13 +167,18 @@ class CausalLM(nnx.Module):
         x = self.embed(batch.input_ids)
         if cfg.embed_scale != 1.0:
             x = x * jnp.asarray(cfg.embed_scale, self.dtype)
+        if self.hc_head is not None:  # the residual streams start as copies of the embedding
+            x = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.dsv4.hc_mult, x.shape[1]))
         new_cache, picks = [], None
         for i, (layer, entry) in enumerate(zip(self.layers, cache, strict=True)):
             if batch.loads is not None and batch.loads.pages[i] is not None:
                 entry, x = land(entry, x, batch.loads, i, paged_specs(cfg, layer.kind))
             entry, x, picks = layer(entry, x, batch, picks)
             new_cache.append(entry)
-        x = self.final_norm(x[batch.logits_indices])
+        x = x[batch.logits_indices]
+        if self.hc_head is not None:
+            x = self.hc_head(x)
+        x = self.final_norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         # Each device computes its vocabulary shard (left to itself, XLA gathers the whole
         # embedding instead), and the logits stay split: the sampler gathers the rows it
@@ -180,10 +195,11 @@ class CausalLM(nnx.Module):
     def forward_full(self, input_ids: jax.Array) -> jax.Array:
         """Whole sequences from an empty cache: ``[B, T]`` ids -> ``[B, T, vocab]`` logits."""
         Bsz, T = input_ids.shape
-        cache = self.allocate_cache(num_pages=Bsz, page_size=T, num_state_slots=Bsz)
+        P = -(-T // self.cfg.page_multiple) * self.cfg.page_multiple  # pages hold whole entries
+        cache = self.allocate_cache(num_pages=Bsz, page_size=P, num_state_slots=Bsz)
         seqs = jnp.arange(Bsz, dtype=jnp.int32)
         groups = page_groups(self.cfg.layer_kinds)
-        slots = (seqs[:, None] * T + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
+        slots = (seqs[:, None] * P + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
         batch = ForwardBatch(
             input_ids=input_ids.reshape(-1).astype(jnp.int32),
             positions=jnp.tile(jnp.arange(T, dtype=jnp.int32), Bsz),

@@ -153,8 +153,55 @@ class MlaConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
-ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
-EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped", "relu2")  # relu2: not gated
+@dataclasses.dataclass(frozen=True)
+class Dsv4Config:
+    """DeepSeek V4's attention (``layers/dsv4.py``) and residual streams. Every layer attends
+    with ``ModelConfig.num_heads`` query heads over one K=V head of ``head_dim`` (its last
+    ``qk_rope_head_dim`` channels rotated, pairs interleaved) in a ``sliding_window``, plus
+    in ``csa`` / ``hca`` layers compressed entries: one per ``csa_rate`` tokens (windows
+    overlapping by one, a lightning indexer of ``index_n_heads`` x ``index_head_dim``
+    picking ``index_topk`` per query) or per ``hca_rate`` tokens (every one attended).
+    Queries go through a ``q_lora_rank`` bottleneck; the output through ``o_groups`` groups
+    of ``o_lora_rank``. Compressed layers rotate with ``compress_rope_theta`` (and
+    ``compress_yarn``), sliding ones with ``ModelConfig.rope_theta``. ``hc_mult`` residual
+    streams are mixed around each block by Sinkhorn-normalised matrices (``layers/hyper.py``).
+    The MoE layers in ``hash_layers`` choose experts by token id (``tid2eid``)."""
+
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    qk_rope_head_dim: int
+    csa_rate: int = 4
+    hca_rate: int = 128
+    compress_rope_theta: float = 160000.0
+    compress_yarn: YarnConfig | None = None
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    hash_layers: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 0
+
+    def __post_init__(self):
+        for name in ("q_lora_rank", "o_groups", "o_lora_rank", "qk_rope_head_dim", "csa_rate", "hca_rate"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Dsv4Config.{name} must be positive, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"Dsv4Config.qk_rope_head_dim {self.qk_rope_head_dim} must be even")
+        if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
+            raise ValueError(f"Dsv4Config: hc_mult {self.hc_mult} and hc_sinkhorn_iters must be >= 1")
+        object.__setattr__(self, "hash_layers", tuple(self.hash_layers))
+
+    def rate(self, kind: str) -> int:
+        """Tokens per compressed entry of a ``csa`` or ``hca`` layer."""
+        return self.csa_rate if kind == LayerKind.CSA else self.hca_rate
+
+
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "sqrtsoftplus_topk")
+# relu2: not gated; silu_clamped: silu(min(gate, limit)) * clip(up, -limit, limit) (DeepSeek V4)
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped", "relu2", "silu_clamped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +216,8 @@ class MoEConfig:
     activation: str = "silu"  # EXPERT_ACTIVATIONS
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    # sigmoid_topk (DeepSeek-V3, Nemotron-H): experts chosen within the best ``topk_groups``
+    # sigmoid_topk (DeepSeek-V3, Nemotron-H) and sqrtsoftplus_topk (DeepSeek V4):
+    # experts chosen within the best ``topk_groups``
     # of ``num_groups`` equal groups; the chosen weights multiplied by ``routed_scaling``.
     num_groups: int = 1
     topk_groups: int = 1
@@ -194,7 +242,7 @@ class MoEConfig:
             raise ValueError(f"topk_groups={self.topk_groups}: must be in [1, num_groups={self.num_groups}]")
         if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
             raise ValueError("num_groups: a group ranks by its top two experts, so needs at least two")
-        if self.num_groups > 1 and self.router != "sigmoid_topk":
+        if self.num_groups > 1 and self.router not in ("sigmoid_topk", "sqrtsoftplus_topk"):
             raise ValueError(f"num_groups={self.num_groups}: only the sigmoid_topk router groups experts")
         if self.top_k > self.topk_groups * self.num_experts // self.num_groups:
             raise ValueError(f"top_k={self.top_k}: more than the experts of topk_groups={self.topk_groups}")
@@ -273,6 +321,7 @@ class ModelConfig:
     mamba: MambaConfig | None = None
     gdn: GdnConfig | None = None
     mla: MlaConfig | None = None
+    dsv4: Dsv4Config | None = None
     # Mixture-of-experts MLPs (``layers/moe.py``) in the layers ``sparse_layers`` lists; the
     # others keep the dense MLP of ``intermediate_size``.
     moe: MoEConfig | None = None
@@ -313,6 +362,13 @@ class ModelConfig:
             raise ValueError(
                 "ModelConfig: a dsa_shared layer reuses the previous dsa layer's picks; none comes first"
             )
+        v4 = {LayerKind.SWA_MQA, LayerKind.CSA, LayerKind.HCA} & set(self.layer_kinds)
+        if v4 and (self.dsv4 is None or not self.sliding_window):
+            raise ValueError(f"ModelConfig has {sorted(v4)} layers but no Dsv4Config or sliding_window")
+        if LayerKind.CSA in self.layer_kinds and not (self.dsv4.index_n_heads and self.dsv4.index_topk):
+            raise ValueError(
+                "ModelConfig has csa layers but Dsv4Config has no indexer (index_n_heads, index_topk)"
+            )
         if self.qk_norm_over not in ("head", "all"):
             raise ValueError(f"ModelConfig.qk_norm_over {self.qk_norm_over!r} not in ('head', 'all')")
         if self.sparse_layers and self.moe is None:
@@ -338,6 +394,14 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    @property
+    def page_multiple(self) -> int:
+        """What ``page_size`` must be a multiple of: pages hold whole compressed entries."""
+        if self.dsv4 is None:
+            return 1
+        rates = [self.dsv4.rate(k) for k in self.layer_kinds if k in (LayerKind.CSA, LayerKind.HCA)]
+        return math.lcm(*rates) if rates else 1
 
     @property
     def rotary_dim(self) -> int:
@@ -419,6 +483,11 @@ class ModelConfig:
             d["gdn"] = GdnConfig(**d["gdn"])
         if d.get("mla") is not None:
             d["mla"] = MlaConfig(**d["mla"])
+        if d.get("dsv4") is not None:
+            v4 = dict(d["dsv4"])
+            if v4.get("compress_yarn") is not None:
+                v4["compress_yarn"] = YarnConfig(**v4["compress_yarn"])
+            d["dsv4"] = Dsv4Config(**v4)
         if d.get("rope_yarn") is not None:
             d["rope_yarn"] = YarnConfig(**d["rope_yarn"])
         if d.get("moe") is not None:
@@ -431,15 +500,20 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count (for presets and benchmarks)."""
-        h, v = self.hidden_size, self.vocab_size
-        n = v * h * (1 if self.tie_word_embeddings else 2) + h
-        return n + self._layer_params(active=False)
+        return self._outer_params() + self._layer_params(active=False)
 
     def active_params(self) -> int:
         """Parameters one token's forward reads (its ``top_k`` experts of each MoE layer)."""
+        return self._outer_params() + self._layer_params(active=True)
+
+    def _outer_params(self) -> int:
+        """Embeddings, LM head, final norm (and DeepSeek V4's stream-collapsing head)."""
         h, v = self.hidden_size, self.vocab_size
         n = v * h * (1 if self.tie_word_embeddings else 2) + h
-        return n + self._layer_params(active=True)
+        if self.dsv4 is not None:
+            hc = self.dsv4.hc_mult
+            n += hc * (hc * h + 1) + 1  # hc_head: fn, base, scale
+        return n
 
     def mlp_params(self, layer: int, active: bool = False) -> int:
         """The MLP's parameters in layer ``layer`` (with ``active``, those one token uses)."""
@@ -454,7 +528,11 @@ class ModelConfig:
         up = (2 if m.gated else 1) * m.intermediate
         per_expert = matrices * h * m.intermediate + ((up + h) if m.expert_bias else 0)
         router = h * m.num_experts + (m.num_experts if m.router_bias else 0)
-        router += m.num_experts if m.router == "sigmoid_topk" else 0  # the choice's correction bias
+        hashed = self.dsv4 is not None and layer in self.dsv4.hash_layers
+        if hashed:  # experts chosen by token id: the tid2eid table, no correction bias
+            router += self.vocab_size * m.top_k
+        elif m.router in ("sigmoid_topk", "sqrtsoftplus_topk"):  # the choice's correction bias
+            router += m.num_experts
         shared = matrices * h * m.shared_intermediate + (h if m.shared_gate else 0)
         return router + experts * per_expert + shared
 
@@ -470,6 +548,8 @@ class ModelConfig:
                 n += 3 * m.num_heads + (m.conv_dim if m.conv_bias else 0)
             elif kind in ("mla", "dsa", "dsa_shared"):
                 n += self._mla_params(kind)
+            elif kind in ("swa_mqa", "csa", "hca"):
+                n += self._dsv4_params(kind)
             elif kind == "gdn":
                 g = self.gdn
                 # in_proj (q, k, v, z, then b, a), conv (no bias), dt_bias, A_log, norm, out_proj
@@ -482,6 +562,24 @@ class ModelConfig:
                 bias = (q_out + 2 * kv + h) if self.attention_bias else 0
                 sinks = self.num_heads if self.attention_sinks else 0
                 n += h * (q_out + 2 * kv) + q * h + qk + bias + sinks
+        return n
+
+    def _dsv4_params(self, kind: str) -> int:
+        """A DeepSeek V4 layer's attention and both hyper-connections (its norms are counted
+        with every layer's)."""
+        v, h, H, D = self.dsv4, self.hidden_size, self.num_heads, self.head_dim
+        n = (h + 1) * v.q_lora_rank + v.q_lora_rank * H * D + h * D + D  # q_a, q_a_norm, q_b, kv, kv_norm
+        n += H * D * v.o_lora_rank + v.o_groups * v.o_lora_rank * h + H  # o_a (grouped), o_b, sinks
+        hc = v.hc_mult
+        n += 2 * ((2 + hc) * hc * (hc * h + 1) + 3)  # attn_hc and ffn_hc: fn, base, scale
+        if kind == "swa_mqa":
+            return n
+        overlap = 2 if kind == "csa" else 1  # CSA's windows overlap: two series
+        rate = v.rate(kind)
+        n += 2 * h * overlap * D + rate * overlap * D + D  # kv, gate, position_bias, kv_norm
+        if kind == "csa":
+            d, nh = v.index_head_dim, v.index_n_heads
+            n += 2 * h * 2 * d + rate * 2 * d + d + v.q_lora_rank * nh * d + h * nh
         return n
 
     def _mla_params(self, kind: str) -> int:

@@ -1,8 +1,9 @@
 """Bytes of one L2/L3 page of each kind a model stores, and the L3 bandwidth at a token rate.
 
 Pages are stored whole (the same at every tp_size), as the layers declare them
-(``models/cache.py``, ``paged_specs``): per token, every layer that pages a cache kind
-stores its fields (K and V of every KV head for attention). A prefix hit reads every page of
+(``models/cache.py``, ``paged_specs``): per page, every layer that pages a cache kind
+stores its fields' rows (K and V of every KV head of every token for attention, one row per
+``rate`` tokens of a compressed kind, one per page of a compressor's state). A prefix hit reads every page of
 an every-page kind, only the window behind its end of a window kind, and one state snapshot
 for recurrent layers (at most one per page).
 """
@@ -19,11 +20,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def page_bytes(cfg, dtype_bytes: int, page_size: int) -> dict[str, int]:
     """Bytes of one page of each kind the model stores, by L3 suffix."""
-    values: dict[str, int] = collections.Counter()
+    out: dict[str, int] = collections.Counter()
     for specs in layer_specs(cfg):
         for s in specs:
-            values[s.kind] += s.token_values()
-    out = {L3_SUFFIX[kind]: n * page_size * dtype_bytes for kind, n in values.items()}
+            out[L3_SUFFIX[s.kind]] += s.page_values(page_size) * s.value_bytes(dtype_bytes)
+    out = dict(out)
     recurrent = [k for k in cfg.layer_kinds if k in RECURRENT]
     if recurrent:  # one snapshot holds every recurrent layer's state
         out[L3_SUFFIX[layer_cache(recurrent[0])[0]]] = cfg.state_bytes(dtype_bytes)

@@ -27,7 +27,7 @@ from hicache_jax.models.cache import PagedSpec, join, parts
 @dataclasses.dataclass(frozen=True)
 class PageLoads:
     idx: dict  # page group -> [capacity] int32 device page indices (past the pool: none)
-    # Per layer: {page group: its entry of [capacity, page_size, *per_token] arrays in host
+    # Per layer: {page group: its entry of [capacity, rows, *per_row] arrays in host
     # memory}, or None.
     pages: tuple
 

@@ -11,6 +11,7 @@ from hicache_jax.models.hf.safetensors_io import CheckpointError
 from hicache_jax.models.hf.weights import (
     BAMBA_NAMES,
     DEEPSEEK_NAMES,
+    DEEPSEEK_V4_NAMES,
     GEMMA3_NAMES,
     GPT_OSS_NAMES,
     GRANITE_H_NAMES,
@@ -52,6 +53,7 @@ ARCHITECTURES = {
         Architecture("DeepseekV3ForCausalLM", hf_config.deepseek, DEEPSEEK_NAMES),
         Architecture("DeepseekV32ForCausalLM", hf_config.deepseek, DEEPSEEK_NAMES),
         Architecture("GlmMoeDsaForCausalLM", hf_config.deepseek, DEEPSEEK_NAMES),
+        Architecture("DeepseekV4ForCausalLM", hf_config.deepseek_v4, DEEPSEEK_V4_NAMES),
     )
 }
 

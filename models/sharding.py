@@ -207,7 +207,7 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple:
         specs = paged_specs(cfg, kind)
         made = []
         for s in specs:
-            split = P(None, None, AXIS, *([None] * (len(s.per_token) - 1))) if s.heads else P()
+            split = P(None, None, AXIS, *([None] * (len(s.per_row) - 1))) if s.heads else P()
             made.append(s.entry(*(NamedSharding(mesh, split) for _ in s.entry._fields)))
         out.append(join(made, specs))
     return tuple(out)

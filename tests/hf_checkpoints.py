@@ -182,6 +182,8 @@ def _hf_config(family: str):
         )
     if family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         return _deepseek(family, common)
+    if family == "deepseek_v4":
+        return _deepseek_v4(common)
     if family == "bamba":
         return tf.BambaConfig(
             **common,
@@ -233,6 +235,49 @@ def _deepseek(family: str, common: dict):
     )
 
 
+def _deepseek_v4(common: dict, **overrides):
+    """Every DeepSeek V4 layer kind (sliding, CSA at 4 tokens an entry, HCA at 16: one page),
+    a hash-routed MoE layer then top-k ones, two residual streams, YaRN on the compressed
+    layers; ``index_topk`` covers every entry up to 512 tokens (transformers is
+    self-consistent only then)."""
+    import transformers as tf
+
+    v4 = dict(
+        vocab_size=common["vocab_size"],
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=24,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": PAGE},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        sliding_window=20,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=128,
+        hc_mult=2,
+        partial_rotary_factor=8 / 32,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024),
+        max_position_embeddings=4096,
+        num_nextn_predict_layers=0,
+        eos_token_id=2,
+    )
+    return tf.DeepseekV4Config(**(v4 | overrides))
+
+
 def _gdn_common() -> dict:
     """Qwen3-Next / Qwen3.5 layers: 4 key heads (so tp 4 splits them) each shared by 2 value
     heads, key and value head dims apart (16, 8) so a swapped axis shows."""
@@ -277,6 +322,10 @@ def randomize(model, seed: int = 0) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # Nemotron-H's router: shifts the choice
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
+            if name.endswith("tid2eid"):  # DeepSeek V4's hash routing: distinct experts per token
+                experts = model.config.n_routed_experts
+                rows = [torch.randperm(experts, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]
+                b.copy_(torch.stack(rows))
 
 
 def hf_model(family: str, seed: int = 0, **overrides):
@@ -303,6 +352,7 @@ def hf_model(family: str, seed: int = 0, **overrides):
         "deepseek_v3": tf.DeepseekV3ForCausalLM,
         "deepseek_v32": tf.DeepseekV32ForCausalLM,
         "glm_moe_dsa": tf.GlmMoeDsaForCausalLM,
+        "deepseek_v4": tf.DeepseekV4ForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()

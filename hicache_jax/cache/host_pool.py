@@ -4,7 +4,7 @@ One row per page (or snapshot) holds every layer's data for it, so a page is one
 contiguous block: copied to and from the device in one transfer, written to L3 as one
 value::
 
-    paged kinds: <row>       [num_pages, layers, fields, page_size, *per_token]
+    paged kinds: <row>       [num_pages, layers, fields, rows, *per_row]
                  as the layers declare them (``models/cache.py``, ``paged_specs``): full
                  and sliding-window attention store ``kv``, [.., 2 (k, v), page_size,
                  kv_heads, head_dim]

@@ -278,14 +278,15 @@ class ModelRunner:
 
     def kv_bytes_per_token(self) -> int:
         """Device bytes one token takes in every paged layer (shape arithmetic: indexing
-        would compile), KV heads as the device holds them."""
+        would compile), KV heads as the device holds them: a page's bytes over its tokens
+        (a compressed kind holds a row per several tokens, a state kind one per page)."""
         b = 0
         for entry in self.cache:
             if not isinstance(entry, RecurrentState):
                 b += sum(
-                    int(np.prod(a.shape[2:])) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(entry)
+                    int(np.prod(a.shape[1:])) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(entry)
                 )
-        return b
+        return round(b / self.page_size)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

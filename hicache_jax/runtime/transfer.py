@@ -27,7 +27,7 @@ from its own devices, and a write gives every process the same whole pages.
 
 What a row of a cache kind holds comes from the layers' declaration (``models/cache.py``,
 ``paged_specs``): every layer that pages the kind, each with its entry's fields stacked
-(``[layers, fields, page_size, *per_token]``: K and V of full attention, an MLA latent), or
+(``[layers, fields, rows, *per_row]``: K and V of full attention, an MLA latent), or
 for the state kind each recurrent layer kind's states.
 
 Layer by layer (``step_pages > 0``): a write of attention pages only queues them. The next
@@ -109,7 +109,7 @@ class PageTransfer:
             return out
         spec, first = self.spec[kind], self._first(kind)
         fields = len(spec.entry._fields)
-        return {spec.row: ((len(self.layers[kind]), fields, first.shape[1], *spec.per_token), first.dtype)}
+        return {spec.row: ((len(self.layers[kind]), fields, first.shape[1], *spec.per_row), first.dtype)}
 
     def _first(self, kind: str):
         """The first device array of ``kind`` (its pages or slots lead)."""
@@ -123,7 +123,7 @@ class PageTransfer:
         """Device copies of each KV head (> 1 when tensor parallelism replicates them)."""
         if kind == self.state_kind or not self.spec[kind].heads:
             return 1
-        return self._first(kind).shape[2] // self.spec[kind].per_token[0]
+        return self._first(kind).shape[2] // self.spec[kind].per_row[0]
 
     def max_pages(self, kind: str) -> int:
         """Pages per chunk: no more than the device holds, nor than ``chunk_bytes``."""
@@ -203,7 +203,7 @@ class PageTransfer:
         idx, pages = {}, [None] * len(self.runner.cache)
         for kind, spec in self.spec.items():  # the host pools' kinds are the page groups' names
             got, kv = taken.get(kind, ([], None))
-            ((shape, dtype),) = self.layout(kind).values()  # (layers, fields, page, *per_token)
+            ((shape, dtype),) = self.layout(kind).values()  # (layers, fields, rows, *per_row)
             r = self._kv_repeat(kind)
             per_layer = (c, shape[2], shape[3] * r, *shape[4:])
             fields = range(shape[1])
@@ -295,7 +295,7 @@ def _gather(cache, idx, *, groups, recurrent, kv_repeat, replicate):
         else:
             r = kv_repeat  # keep one copy of each replicated KV head
             rows = [jnp.stack([a[idx][:, :, ::r] for a in _part(cache[i], n)], axis=1) for i, n in layers]
-            out[prefix] = jnp.stack(rows, axis=1)  # [n, layers, fields, page, *per_token]
+            out[prefix] = jnp.stack(rows, axis=1)  # [n, layers, fields, rows, *per_row]
     return sharding.constrain(out, replicate)
 
 
@@ -318,7 +318,7 @@ def _scatter(cache, idx, data, *, groups, recurrent, kv_repeat, shardings):
                     )
                 )
                 continue
-            rows = data[prefix][:, j]  # [n, fields, page, *per_token]
+            rows = data[prefix][:, j]  # [n, fields, rows, *per_row]
             if kv_repeat > 1:
                 rows = jnp.repeat(rows, kv_repeat, axis=3)
             part = _part(e, n)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import logging
 import math
 
-from hicache_jax.models.config import GdnConfig, MambaConfig, MlaConfig, ModelConfig, MoEConfig, YarnConfig
+from hicache_jax.models.config import (
+    Dsv4Config,
+    GdnConfig,
+    MambaConfig,
+    MlaConfig,
+    ModelConfig,
+    MoEConfig,
+    YarnConfig,
+)
 from hicache_jax.models.hf import fp8_blocks
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
@@ -707,4 +715,117 @@ def deepseek(hf: dict, where: str) -> ModelConfig:
         mla=_mla(hf, where, arch),
         moe=moe,
         sparse_layers=sparse,
+    )
+
+
+V4_LAYER_KINDS = {
+    "sliding_attention": "swa_mqa",
+    "compressed_sparse_attention": "csa",
+    "heavily_compressed_attention": "hca",
+}
+
+
+def deepseek_v4(hf: dict, where: str) -> ModelConfig:
+    """DeepseekV4ForCausalLM: a sliding window of one K=V head in every layer, plus
+    compressed entries in ``compressed_sparse_attention`` / ``heavily_compressed_attention``
+    layers (``layer_types``, or the published configs' ``compress_ratios`` 0 / 4 / 128),
+    ``hc_mult`` residual streams, and MoE in every layer: ``sqrtsoftplus`` scores with a
+    correction bias, or in ``hash_moe`` layers (``mlp_layer_types``, or the first
+    ``num_hash_layers``) experts chosen by token id. The multi-token-prediction layer
+    (``num_nextn_predict_layers``) is counted, not loaded: speculative decoding is not run."""
+    arch = hf["architectures"][0]
+    _check(hf, where, hidden_act="silu", attention_bias=False, scoring_func="sqrtsoftplus")
+    n = hf["num_hidden_layers"]
+    rates = dict(hf.get("compress_rates") or {})
+    rates.setdefault("compressed_sparse_attention", hf.get("compress_rate_csa", 4))
+    rates.setdefault("heavily_compressed_attention", hf.get("compress_rate_hca", 128))
+    types = hf.get("layer_types")
+    if types is None and hf.get("compress_ratios") is not None:
+        by_ratio = {
+            0: "sliding_attention",
+            rates["compressed_sparse_attention"]: "compressed_sparse_attention",
+        }
+        by_ratio[rates["heavily_compressed_attention"]] = "heavily_compressed_attention"
+        types = [by_ratio.get(r, f"compress ratio {r}") for r in hf["compress_ratios"]]
+    if types is None:  # transformers' default: two HCA layers, then CSA and HCA alternating
+        types = ["heavily_compressed_attention"] * min(n, 2)
+        types += [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(n - 2)
+        ]
+    types = list(types)[:n]
+    bad = [t for t in types if t not in V4_LAYER_KINDS]
+    if bad or len(types) != n:
+        raise CheckpointError(f"{where}: layer_types {types!r}: want {n} of {sorted(V4_LAYER_KINDS)}")
+    mlp_types = hf.get("mlp_layer_types")
+    if mlp_types is None:
+        hashed = min(n, hf.get("num_hash_layers", 3))
+        mlp_types = ["hash_moe"] * hashed + ["moe"] * (n - hashed)
+    mlp_types = list(mlp_types)[:n]
+    if any(t not in ("hash_moe", "moe") for t in mlp_types) or len(mlp_types) != n:
+        raise CheckpointError(f"{where}: mlp_layer_types {mlp_types!r}: want {n} of 'hash_moe' / 'moe'")
+    head_dim = hf["head_dim"]
+    rot = hf.get("qk_rope_head_dim") or int(head_dim * float(hf.get("partial_rotary_factor") or 64 / 512))
+    rope = hf.get("rope_parameters") or {}
+    main = rope.get("main") or {"rope_theta": hf.get("rope_theta", 10000.0)}
+    compress = rope.get("compress")
+    if compress is None:  # a published config: YaRN (if any) at the top level, compress layers only
+        compress = {
+            k: v for k, v in (hf.get("rope_scaling") or rope).items() if k not in ("main", "compress")
+        }
+        compress["rope_theta"] = hf.get("compress_rope_theta", 160000.0)
+        if compress.get("rope_type", compress.get("type")) == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    if main.get("rope_type", "default") != "default":
+        raise CheckpointError(f"{where}: rope_parameters.main.rope_type {main['rope_type']!r}: only default")
+    kind = compress.get("rope_type", compress.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise CheckpointError(f"{where}: rope_parameters.compress.rope_type {kind!r}: default or yarn")
+    yarn = _yarn(compress, hf, compress.get("truncate", True)) if kind == "yarn" else None
+    v4 = Dsv4Config(
+        q_lora_rank=hf["q_lora_rank"],
+        o_groups=hf["o_groups"],
+        o_lora_rank=hf["o_lora_rank"],
+        qk_rope_head_dim=rot,
+        csa_rate=int(rates["compressed_sparse_attention"]),
+        hca_rate=int(rates["heavily_compressed_attention"]),
+        compress_rope_theta=float(compress.get("rope_theta", hf.get("compress_rope_theta", 160000.0))),
+        compress_yarn=yarn,
+        index_n_heads=hf.get("index_n_heads", 0),
+        index_head_dim=hf.get("index_head_dim", 0),
+        index_topk=hf.get("index_topk", 0),
+        hc_mult=hf.get("hc_mult", 4),
+        hc_sinkhorn_iters=hf.get("hc_sinkhorn_iters", 20),
+        hc_eps=float(hf.get("hc_eps", 1e-6)),
+        hash_layers=tuple(i for i, t in enumerate(mlp_types) if t == "hash_moe"),
+        num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0),
+    )
+    if v4.num_nextn_predict_layers:
+        log.info(
+            "%s: its %d multi-token-prediction layer(s) are not loaded (speculative decoding is not run)",
+            where,
+            v4.num_nextn_predict_layers,
+        )
+    moe = MoEConfig(
+        num_experts=hf["n_routed_experts"],
+        top_k=hf["num_experts_per_tok"],
+        intermediate=hf["moe_intermediate_size"],
+        router="sqrtsoftplus_topk",
+        norm_topk_prob=True,  # transformers' V4 routers always renormalise
+        activation="silu_clamped",
+        swiglu_limit=float(hf.get("swiglu_limit", 10.0)),
+        routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+        shared_intermediate=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
+    )
+    common = _common({**hf, "intermediate_size": hf["moe_intermediate_size"]}, arch, (), where)
+    common["layer_kinds"] = tuple(V4_LAYER_KINDS[t] for t in types)
+    return ModelConfig(
+        **common,
+        rope_theta=float(main.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        partial_rotary_factor=rot / head_dim,
+        sliding_window=hf["sliding_window"],
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_sinks=True,
+        moe=moe,
+        sparse_layers=tuple(range(n)),
+        dsv4=v4,
     )

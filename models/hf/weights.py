@@ -51,6 +51,9 @@ class HFNames:
     # ``in_proj_b``, ``in_proj_a``) or "fused" (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``,
     # grouped by key head).
     gdn_proj: str = "split"
+    # DeepSeek V4: the checkpoint's own names (``attn.wq_a``, ``ffn.experts.<e>.w1`` ...),
+    # as published and as transformers' save_pretrained writes them (``_dsv4_tensor``).
+    dsv4: bool = False
 
 
 LLAMA_NAMES = HFNames()
@@ -83,6 +86,7 @@ GRANITE_H_NAMES = HFNames(
 
 QWEN3_NEXT_NAMES = HFNames(gdn_proj="fused")
 DEEPSEEK_NAMES = HFNames(shared_expert="mlp.shared_experts")
+DEEPSEEK_V4_NAMES = HFNames(dsv4=True)
 # The text model inside a multimodal checkpoint (Qwen3.5's published ones).
 QWEN3_5_VL_NAMES = HFNames(
     final_norm="model.language_model.norm",
@@ -302,9 +306,81 @@ def _moe_tensor(names: HFNames, pre: str, leaf: tuple, cfg: ModelConfig, ckpt):
     return Experts(E, (f"{full}_blocks", f"{full}_scales"), dequantized), _same
 
 
+# DeepSeek V4: our module path -> the checkpoint's module name, in a layer.
+_DSV4_MODULES = {
+    ("attn_hc",): "hc_attn_",
+    ("ffn_hc",): "hc_ffn_",
+    ("input_norm",): "attn_norm",
+    ("pre_mlp_norm",): "ffn_norm",
+    ("mixer", "q_a_proj"): "attn.wq_a",
+    ("mixer", "q_a_norm"): "attn.q_norm",
+    ("mixer", "q_b_proj"): "attn.wq_b",
+    ("mixer", "kv_proj"): "attn.wkv",
+    ("mixer", "kv_norm"): "attn.norm",
+    ("mixer", "o_b_proj"): "attn.wo_b",
+    ("mixer", "compressor", "kv_proj"): "attn.compressor.wkv",
+    ("mixer", "compressor", "gate_proj"): "attn.compressor.wgate",
+    ("mixer", "compressor", "kv_norm"): "attn.compressor.norm",
+    ("mixer", "indexer", "kv_proj"): "attn.indexer.compressor.wkv",
+    ("mixer", "indexer", "gate_proj"): "attn.indexer.compressor.wgate",
+    ("mixer", "indexer", "kv_norm"): "attn.indexer.compressor.norm",
+    ("mixer", "index_q_b_proj"): "attn.indexer.wq_b",
+    ("mixer", "index_weights_proj"): "attn.indexer.weights_proj",
+    ("mlp", "router"): "ffn.gate",
+    ("mlp", "shared_expert", "gate_proj"): "ffn.shared_experts.w1",
+    ("mlp", "shared_expert", "up_proj"): "ffn.shared_experts.w3",
+    ("mlp", "shared_expert", "down_proj"): "ffn.shared_experts.w2",
+}
+_DSV4_LEAVES = {
+    ("mixer", "sinks"): "attn.attn_sink",
+    ("mixer", "compressor", "position_bias"): "attn.compressor.ape",
+    ("mixer", "indexer", "position_bias"): "attn.indexer.compressor.ape",
+    ("mlp", "score_correction_bias"): "ffn.gate.bias",
+    ("mlp", "tid2eid"): "ffn.gate.tid2eid",
+}
+
+
+def _dsv4_tensor(cfg: ModelConfig, p: tuple, ckpt) -> tuple:
+    """A DeepSeek V4 parameter's tensor. The published checkpoints name layers
+    ``layers.<i>`` (``embed``, ``head``, ``hc_head_fn``); transformers' save_pretrained
+    writes ``model.layers.<i>`` (``model.embed_tokens``, ``model.hc_head.hc_fn``)."""
+    nested = ckpt is None or "embed.weight" not in ckpt
+    top = {
+        ("embed", "embedding"): "model.embed_tokens.weight" if nested else "embed.weight",
+        ("lm_head", "kernel"): "head.weight",
+        ("final_norm", "weight"): "model.norm.weight" if nested else "norm.weight",
+    }
+    if p in top:
+        return top[p], _t if p[0] == "lm_head" else _same
+    if p[0] == "hc_head":
+        return (f"model.hc_head.{p[1]}" if nested else f"hc_head_{p[1][3:]}"), _same
+    pre = f"{'model.' if nested else ''}layers.{p[1]}"
+    *module, leaf = p[2:]
+    module = tuple(module)
+    if (*module, leaf) in _DSV4_LEAVES:
+        return f"{pre}.{_DSV4_LEAVES[(*module, leaf)]}", _same
+    if module in (("attn_hc",), ("ffn_hc",)):
+        return f"{pre}.{_DSV4_MODULES[module]}{leaf}", _same
+    if module == ("mixer",) and leaf == "o_a":  # wo_a [groups * o_lora, in]: a block per group
+        G = cfg.dsv4.o_groups
+        return Joined(
+            (f"{pre}.attn.wo_a.weight",), lambda w: w.reshape(G, -1, w.shape[1]).transpose(0, 2, 1)
+        ), _same
+    if module == ("mlp",) and leaf in ("gate_up", "down"):
+        e = f"{pre}.ffn.experts.<e>"
+        if leaf == "down":
+            return Experts(cfg.moe.num_experts, (f"{e}.w2.weight",), lambda d: d.T), _same
+        parts = (f"{e}.w1.weight", f"{e}.w3.weight")
+        return Experts(cfg.moe.num_experts, parts, lambda g, u: np.concatenate([g.T, u.T], axis=-1)), _same
+    name = f"{pre}.{_DSV4_MODULES[module]}"
+    return (f"{name}.weight", _t) if leaf == "kernel" else (f"{name}.{leaf}", _same)
+
+
 def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple[str, callable]:
     """The HF tensor (and the transform to our layout) behind one parameter path."""
     p = tuple(str(x) for x in path)
+    if names.dsv4:
+        return _dsv4_tensor(cfg, p, ckpt)
     if p == ("embed", "embedding"):
         return f"{names.embed}.weight", _same
     if p == ("lm_head", "kernel"):
@@ -386,7 +462,10 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
         else:
             where = ckpt.file_of(name)
             raw = ckpt.get(name)
-        if not (np.issubdtype(raw.dtype, np.floating) or raw.dtype == jnp.bfloat16):
+        if jnp.issubdtype(leaf.dtype, jnp.integer):  # a lookup table (DeepSeek V4's tid2eid)
+            if not np.issubdtype(raw.dtype, np.integer):
+                raise CheckpointError(f"{where}: tensor {name} has dtype {raw.dtype}, expected integers")
+        elif not (np.issubdtype(raw.dtype, np.floating) or raw.dtype == jnp.bfloat16):
             raise CheckpointError(f"{where}: tensor {name} has dtype {raw.dtype}, expected a float type")
         try:
             arr = transform(raw)
@@ -400,9 +479,10 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
         return _place(arr, leaf, kp)
 
     def _place(arr, leaf, kp):
+        want = leaf.dtype if jnp.issubdtype(leaf.dtype, jnp.integer) else dtype
         if sharding is None:
-            return jnp.asarray(np.asarray(arr), dtype=dtype)
-        np_dtype = jnp.dtype(dtype)
+            return jnp.asarray(np.asarray(arr), dtype=want)
+        np_dtype = jnp.dtype(want)
         return jax.make_array_from_callback(
             leaf.shape, sharding(kp, leaf), lambda index: np.asarray(arr[index], dtype=np_dtype)
         )

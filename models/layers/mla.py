@@ -108,40 +108,48 @@ class Indexer(nnx.Module):
         return self._rope(self.k_norm(self.wk(x))[:, None, :], positions, rope)[:, 0]
 
     def picks(self, x, q_resid, keys: IndexPages, batch: ForwardBatch, rope: dict, max_kv: int) -> jax.Array:
-        """``[T, K]`` int32: the positions each token attends to (-1: none). The keys are
-        scored ``INDEX_BLOCK`` positions at a time, merged into a running top-k, up to the
-        last position any token of the step sees: memory follows the block, not the context."""
+        """``[T, K]`` int32: the positions each token attends to (-1: none)."""
         T = x.shape[0]
         q = self._rope(self.wq_b(q_resid).reshape(T, self.n_heads, self.head_dim), batch.positions, rope)
-        q = q.astype(jnp.float32) * self.head_dim**-0.5
         w = self.weights_proj(x).astype(jnp.float32) * self.n_heads**-0.5  # [T, heads]
         table = batch.page_tables[CacheKind.INDEX]
-        P = keys.k.shape[1]
-        bp = min(table.shape[1], max(1, INDEX_BLOCK // P))  # pages per block
-        table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % bp)))  # whole blocks (past kv: unseen)
-        width = bp * P
-        seq = _token_seqs(batch, table.shape[0])
-        live = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs]
-        K = min(self.topk, max_kv)
+        return top_k_rows(q, w, keys.k, table, batch, batch.positions, min(self.topk, max_kv))
 
-        def block(b, carry):
-            best, idx = carry
-            pages = jax.lax.dynamic_slice_in_dim(table, b * bp, bp, axis=1)[seq]  # [T, bp]
-            rows = keys.k[pages].reshape(T, width, -1).astype(jnp.float32)
-            pos = b * width + jnp.arange(width, dtype=jnp.int32)
-            seen = (pos[None, :] <= batch.positions[:, None]) & live[:, None]
-            rows = jnp.where(seen[..., None], rows, 0.0)  # unused pages may hold anything (NaN)
-            scores = jax.nn.relu(jnp.einsum("thd,tkd->thk", q, rows))
-            total = jnp.where(seen, jnp.einsum("th,thk->tk", w, scores), -jnp.inf)
-            merged = jnp.concatenate([best, total], axis=1)
-            at = jnp.concatenate([idx, jnp.broadcast_to(pos, (T, width))], axis=1)
-            best, order = jax.lax.top_k(merged, K)
-            return best, jnp.take_along_axis(at, order, axis=1)
 
-        sees = jnp.max(jnp.where(live, batch.positions, -1)) + 1  # positions some token sees
-        init = (jnp.full((T, K), -jnp.inf, jnp.float32), jnp.full((T, K), -1, jnp.int32))
-        best, idx = jax.lax.fori_loop(0, (sees + width - 1) // width, block, init)
-        return jnp.where(best > -jnp.inf, idx, -1)
+def top_k_rows(q, w, keys, table, batch: ForwardBatch, last, K: int) -> jax.Array:
+    """A lightning indexer's choice: ``[T, K]`` int32, the rows of its sequence each token
+    attends to (-1: none), ranked by ``sum_h w_h relu(q_h . k / sqrt(d))`` among rows
+    ``0 .. last[t]``. ``keys [pages, rows, d]``: one key per row (per token for DSA, per
+    compressed entry for DeepSeek V4), ``table``: each sequence's pages. The keys are scored
+    ``INDEX_BLOCK`` rows at a time, merged into a running top-k, up to the last row any
+    token of the step sees: memory follows the block, not the context."""
+    T, d = q.shape[0], q.shape[-1]
+    q = q.astype(jnp.float32) * d**-0.5
+    P = keys.shape[1]
+    bp = min(table.shape[1], max(1, INDEX_BLOCK // P))  # pages per block
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % bp)))  # whole blocks (past kv: unseen)
+    width = bp * P
+    seq = _token_seqs(batch, table.shape[0])
+    live = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs]
+
+    def block(b, carry):
+        best, idx = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, b * bp, bp, axis=1)[seq]  # [T, bp]
+        rows = keys[pages].reshape(T, width, -1).astype(jnp.float32)
+        pos = b * width + jnp.arange(width, dtype=jnp.int32)
+        seen = (pos[None, :] <= last[:, None]) & live[:, None]
+        rows = jnp.where(seen[..., None], rows, 0.0)  # unused pages may hold anything (NaN)
+        scores = jax.nn.relu(jnp.einsum("thd,tkd->thk", q, rows))
+        total = jnp.where(seen, jnp.einsum("th,thk->tk", w, scores), -jnp.inf)
+        merged = jnp.concatenate([best, total], axis=1)
+        at = jnp.concatenate([idx, jnp.broadcast_to(pos, (T, width))], axis=1)
+        best, order = jax.lax.top_k(merged, K)
+        return best, jnp.take_along_axis(at, order, axis=1)
+
+    sees = jnp.max(jnp.where(live, last, -1)) + 1  # rows some token sees
+    init = (jnp.full((T, K), -jnp.inf, jnp.float32), jnp.full((T, K), -1, jnp.int32))
+    best, idx = jax.lax.fori_loop(0, (sees + width - 1) // width, block, init)
+    return jnp.where(best > -jnp.inf, idx, -1)
 
 
 class MLA(nnx.Module):

@@ -44,9 +44,13 @@ from hicache_jax.models.layers.mlp import MLP
 from hicache_jax.models.sharding import AXIS
 
 
-def route(logits: jax.Array, cfg: MoEConfig, correction: jax.Array | None = None) -> tuple[jax.Array, ...]:
+def route(
+    logits: jax.Array, cfg: MoEConfig, correction: jax.Array | None = None, experts: jax.Array | None = None
+) -> tuple[jax.Array, ...]:
     """Router logits ``[T, E]`` -> (weights ``[T, k]`` float32, experts ``[T, k]`` int32).
-    ``correction [E]``: ``sigmoid_topk``'s bias on the choice (not on the weights)."""
+    ``correction [E]``: ``sigmoid_topk``'s bias on the choice (not on the weights).
+    ``experts [T, k]``: the choice made already (DeepSeek V4's hash layers: by token id);
+    the scores still weigh them."""
     if cfg.router == "softmax_topk":
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, cfg.top_k)
@@ -56,15 +60,17 @@ def route(logits: jax.Array, cfg: MoEConfig, correction: jax.Array | None = None
         top, experts = jax.lax.top_k(logits, cfg.top_k)
         weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
     else:
-        scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+        logits = logits.astype(jnp.float32)
+        scores = jax.nn.sigmoid(logits) if cfg.router == "sigmoid_topk" else jnp.sqrt(jax.nn.softplus(logits))
         choice = scores if correction is None else scores + correction.astype(jnp.float32)
-        if cfg.num_groups > 1:
+        if experts is None and cfg.num_groups > 1:
             T, E, G = scores.shape[0], cfg.num_experts, cfg.num_groups
             group_score = jax.lax.top_k(choice.reshape(T, G, E // G), 2)[0].sum(axis=-1)  # [T, G]
             best = jax.lax.top_k(group_score, cfg.topk_groups)[1]
             keep = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], best].set(True)
             choice = jnp.where(jnp.repeat(keep, E // G, axis=1), choice, -jnp.inf)
-        experts = jax.lax.top_k(choice, cfg.top_k)[1]
+        if experts is None:
+            experts = jax.lax.top_k(choice, cfg.top_k)[1]
         weights = jnp.take_along_axis(scores, experts, axis=-1)
         if cfg.norm_topk_prob:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -79,6 +85,10 @@ def expert_activation(gate_up: jax.Array, cfg: MoEConfig) -> jax.Array:
     gate, up = jnp.split(gate_up, 2, axis=-1)
     if cfg.activation == "silu":
         return jax.nn.silu(gate) * up
+    if cfg.activation == "silu_clamped":
+        return jax.nn.silu(jnp.minimum(gate, cfg.swiglu_limit)) * jnp.clip(
+            up, -cfg.swiglu_limit, cfg.swiglu_limit
+        )
     gate = jnp.minimum(gate, cfg.swiglu_limit)
     up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
@@ -210,7 +220,15 @@ class MoE(nnx.Module):
     (``moe_expert_parallel``)."""
 
     def __init__(
-        self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs, mesh=None, path: str = "grouped"
+        self,
+        hidden: int,
+        cfg: MoEConfig,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
+        mesh=None,
+        path: str = "grouped",
+        hash_vocab: int = 0,
     ):
         self.cfg = cfg
         self.mesh = mesh
@@ -218,9 +236,10 @@ class MoE(nnx.Module):
         E, I = cfg.num_experts, cfg.intermediate
         up = 2 * I if cfg.gated else I
         self.router = Linear(hidden, E, bias=cfg.router_bias, dtype=dtype, rngs=rngs)
-        self.score_correction_bias = (
-            nnx.Param(jnp.zeros((E,), dtype)) if cfg.router == "sigmoid_topk" else None
-        )
+        biased = cfg.router in ("sigmoid_topk", "sqrtsoftplus_topk") and not hash_vocab
+        self.score_correction_bias = nnx.Param(jnp.zeros((E,), dtype)) if biased else None
+        # ``hash_vocab``: experts chosen by token id, ``tid2eid [vocab, k]`` (DeepSeek V4).
+        self.tid2eid = nnx.Param(jnp.zeros((hash_vocab, cfg.top_k), jnp.int32)) if hash_vocab else None
         normal = lambda shape, fan_in: (jax.random.normal(rngs.params(), shape) * fan_in**-0.5).astype(dtype)  # noqa: E731
         self.gate_up = nnx.Param(normal((E, hidden, up), hidden))
         self.down = nnx.Param(normal((E, I, hidden), I))
@@ -228,7 +247,12 @@ class MoE(nnx.Module):
         self.down_bias = nnx.Param(jnp.zeros((E, hidden), dtype)) if cfg.expert_bias else None
         if cfg.shared_intermediate:
             width, act = cfg.shared_intermediate, cfg.activation
-            self.shared_expert = MLP(hidden, width, activation=act, gated=cfg.gated, dtype=dtype, rngs=rngs)
+            limit = None
+            if act == "silu_clamped":
+                act, limit = "silu", cfg.swiglu_limit
+            self.shared_expert = MLP(
+                hidden, width, activation=act, gated=cfg.gated, dtype=dtype, rngs=rngs, limit=limit
+            )
         else:
             self.shared_expert = None
         if cfg.shared_gate:
@@ -242,11 +266,13 @@ class MoE(nnx.Module):
         return self.gate_up_bias[...], self.down_bias[...]
 
     @jax.named_scope("moe")
-    def __call__(self, x: jax.Array, *, reference: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, *, reference: bool = False, ids: jax.Array | None = None) -> jax.Array:
+        """``ids``: the tokens' ids, which choose the experts of a hash layer."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         correction = None if self.score_correction_bias is None else self.score_correction_bias[...]
-        weights, experts = route(self.router(x2), self.cfg, correction)
+        chosen = None if self.tid2eid is None else self.tid2eid[...][ids.reshape(-1)]
+        weights, experts = route(self.router(x2), self.cfg, correction, chosen)
         args = (x2, weights, experts, self.gate_up[...], self.down[...], self.cfg)
         if reference:
             out = moe_dense_reference(*args, *self.biases())

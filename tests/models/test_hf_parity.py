@@ -45,6 +45,7 @@ FAMILIES = [
     "deepseek_v3",
     "deepseek_v32",
     "glm_moe_dsa",
+    "deepseek_v4",
 ]
 
 
@@ -170,6 +171,7 @@ def test_hybrid_layouts_map_onto_our_layers(checkpoint_dir):
         "qwen3_5_moe",
         "deepseek_v3",
         "glm_moe_dsa",
+        "deepseek_v4",
     ],
 )
 def test_param_count_is_the_models(checkpoint_dir, family):
