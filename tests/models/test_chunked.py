@@ -21,6 +21,7 @@ FAMILIES = [
     "qwen3_next",
     "qwen3_5_moe",
     "glm_moe_dsa",  # MLA latent and indexer pages, a layer sharing the previous one's picks
+    "deepseek_v4",  # window, compressed entries and the compressors' state across chunks and pages
 ]
 LENGTH = 70  # > 3 windows of 20; > 4 SSD chunks
 
