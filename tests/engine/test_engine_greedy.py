@@ -86,8 +86,9 @@ HYBRIDS = ["nemotron_h", "nemotron_h_moe", "granite_h", "granite_h_moe"]
 GDN = ["qwen3_5", "qwen3_next", "qwen3_5_moe"]
 
 
-# DeepSeek V3 (MLA), V3.2 and GLM-5 (MLA with an indexer; GLM-5 sharing its picks).
-LATENT = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
+# DeepSeek V3 (MLA), V3.2 and GLM-5 (MLA with an indexer; GLM-5 sharing its picks); V4
+# (window, compressed sparse and heavily compressed attention, hyper-connections, hash MoE).
+LATENT = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo3", "gpt_oss", *HYBRIDS, *GDN, *LATENT])
