@@ -52,3 +52,32 @@ def test_prompt_logprobs_match_the_causal_reference(tmp_path, monkeypatch, famil
     assert np.abs(got["sparse"] - want).max() <= 1e-4
     # The selection matters: attending densely gives other logprobs past the first TOPK.
     assert np.abs(got["dense"] - want)[TOPK:].max() > 1e-2
+
+
+@pytest.mark.parametrize("block", [2048, 16])
+def test_deepseek_v4_compressed_sparse_attention_is_causal(tmp_path, monkeypatch, block):
+    """DeepSeek V4's CSA layers with ``index_topk`` 4 among up to 24 compressed entries (one
+    per 4 tokens, each visible once its window is complete): prompt logprobs through ``LLM``
+    equal transformers' decoding one token at a time, and its full forward (both causal
+    here); attending to every entry instead moves them by > 1e-2. ``block`` 16: the indexer
+    merges its running top-k every 16 entries (four pages)."""
+    monkeypatch.setattr(mla, "INDEX_BLOCK", block)
+    topk = {"index_n_heads": HEADS}
+    sparse = make("deepseek_v4", str(tmp_path / "sparse"), overrides=topk | {"index_topk": 4})
+    dense = make("deepseek_v4", str(tmp_path / "dense"), overrides=topk | {"index_topk": 128})
+    length = 96
+    prompt = np.random.RandomState(3).randint(0, 512, length).tolist()
+    logp = _stepwise_logprobs(sparse, prompt)
+    want = np.array([logp[i - 1, prompt[i]] for i in range(1, length)])
+    with torch.no_grad():
+        full = torch.log_softmax(load_reference(sparse)(torch.tensor([prompt])).logits[0], -1).numpy()
+    kw = dict(sampling_params={"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
+    got = {}
+    for name, path in (("sparse", sparse), ("dense", dense)):
+        llm = LLM(model_path=path, dtype="float32", page_size=16, chunked_prefill_size=16)
+        out = llm.generate(input_ids=[prompt], **kw)[0]
+        got[name] = np.array([x[0] for x in out["meta_info"]["input_token_logprobs"][1:]])
+        llm.engine.close()
+    assert np.abs(got["sparse"] - want).max() <= 1e-4
+    assert np.abs(got["sparse"] - [full[i - 1, prompt[i]] for i in range(1, length)]).max() <= 1e-4
+    assert np.abs(got["dense"] - want).max() > 1e-2
