@@ -10,6 +10,12 @@ a prefix is one entry per ``CacheKind``, each in a pool of its own::
                            window   taken at the end of the page (only the last page
                                     of a match needs one)
 
+    LayerKind   SWA_MQA    CSA                              HCA
+    CacheKind   SWA        SWA + CSA + INDEX + CSA_STATE    SWA + HCA + HCA_STATE
+    kept        window     window, every, every, window     window, every, window
+    (DeepSeek V4: a compressed kind holds a row per ``rate`` tokens, a state kind one row
+    per page: the compressor's running softmax after the page's last token)
+
 Every recurrent kind (``RECURRENT``) shares the ``STATE`` cache kind: a state slot holds
 one state per recurrent layer, whatever its kind, with the shapes the model declares
 (``models/cache.py``, ``state_shapes``). Slots, snapshots, the rule for the usable prefix
