@@ -735,6 +735,11 @@ def deepseek_v4(hf: dict, where: str) -> ModelConfig:
     (``num_nextn_predict_layers``) is counted, not loaded: speculative decoding is not run."""
     arch = hf["architectures"][0]
     _check(hf, where, hidden_act="silu", attention_bias=False, scoring_func="sqrtsoftplus")
+    quant = hf.get("quantization_config")
+    if quant and quant.get("quant_method") == "fp8":  # FP8 with E8M0 scales, FP4 experts
+        fp8_blocks.check_config(quant, where)
+    elif quant:
+        raise CheckpointError(f"{where}: quantization {quant.get('quant_method')!r} is not supported (fp8)")
     n = hf["num_hidden_layers"]
     rates = dict(hf.get("compress_rates") or {})
     rates.setdefault("compressed_sparse_attention", hf.get("compress_rate_csa", 4))

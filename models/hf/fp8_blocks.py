@@ -18,12 +18,17 @@ mantissa bits; exponent 0 is subnormal (``m / 8 * 2**-6``); ``0x7f`` and ``0xff`
 so the largest value is 448. The product is rounded once to float32 (as DeepSeek's own
 ``weight_dequant`` and transformers' dequantization compute it), then to the serving dtype.
 
+DeepSeek V4's published weights (``scale_fmt: "ue8m0"``, ``expert_dtype: "fp4"``) store the
+scales as E8M0 bytes (``float8_e8m0fnu``: a power of two, ``2 ** (byte - 127)``; 0xff is NaN)
+and the routed experts' weights as FP4: ``N.weight`` ``[out, in / 2]`` int8, two E2M1 values
+a byte (the even column in the low four bits, as MXFP4, ``mxfp4.py``), with
+``N.weight_scale_inv`` ``[out, in / 32]``: each run of 32 values along a row shares a scale.
+Both read dequantized here; the weight's dtype (E4M3 or int8) says which rule applies.
+
 Not supported, and refused by ``check_config`` or on read: per-tensor or per-channel
-scales (``weight_block_size`` null, ``weight_scale`` tensors), other block sizes, E5M2,
-scales stored as E8M0 bytes (DeepSeek V4's ``scale_fmt: "ue8m0"`` storage; V3.1's
-power-of-two scales stored as float32 are fine) and FP4-packed experts. Activation
-scales (``activation_scheme``) do not matter here: weights are dequantized and activations
-stay in the serving dtype.
+scales (``weight_block_size`` null, ``weight_scale`` tensors), other block sizes and E5M2.
+Activation scales (``activation_scheme``) do not matter here: weights are dequantized and
+activations stay in the serving dtype.
 """
 
 from __future__ import annotations
@@ -31,22 +36,45 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from hicache_jax.models.hf import mxfp4
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 
 BLOCK = (128, 128)  # (rows, cols) of a weight that share one scale
 SCALE = "_scale_inv"  # N.weight's scales are N.weight_scale_inv
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+FP4_GROUP = (1, mxfp4.GROUP)  # an FP4 weight: 32 values of a row share a scale
+
+
+def scales_f32(scale_inv: np.ndarray) -> np.ndarray:
+    """Stored scales as float32: float32 as they are, E8M0 bytes as their powers of two."""
+    if scale_inv.dtype == E8M0:
+        return np.asarray(scale_inv).astype(np.float32)
+    return scale_inv
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    """``[..., n]`` int8 (or uint8), two E2M1 codes a byte, low nibble first -> ``[..., 2n]``
+    float32."""
+    b = np.asarray(packed).view(np.uint8)
+    out = np.empty(b.shape[:-1] + (2 * b.shape[-1],), np.float32)
+    out[..., 0::2] = mxfp4.FP4[b & 0x0F]
+    out[..., 1::2] = mxfp4.FP4[b >> 4]
+    return out
 
 
 def dequantize(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = BLOCK) -> np.ndarray:
     """``weight [..., out, in]`` float8_e4m3fn and ``scale_inv [..., ceil(out / b0),
     ceil(in / b1)]`` float32 -> ``[..., out, in]`` float32. Raises ValueError naming the
     shapes (or dtypes) when they do not fit together."""
-    if weight.dtype != E4M3 or scale_inv.dtype != np.float32:
+    if weight.dtype not in (E4M3, np.int8) or scale_inv.dtype not in (np.float32, E8M0):
         raise ValueError(
             f"weight {tuple(weight.shape)} {weight.dtype} and weight_scale_inv {tuple(scale_inv.shape)} "
-            f"{scale_inv.dtype}: expected float8_e4m3fn and float32"
+            f"{scale_inv.dtype}: expected float8_e4m3fn (or FP4 packed in int8) and float32 (or E8M0)"
         )
+    scale_inv = scales_f32(scale_inv)
+    if weight.dtype == np.int8:  # FP4: unpacked, then one scale per 32 values of a row
+        weight, block = unpack_fp4(weight), FP4_GROUP
     b0, b1 = block
     if b0 < 1 or b1 < 1:
         raise ValueError(f"block {tuple(block)}: expected two positive sizes")
@@ -80,8 +108,14 @@ def check_config(quant: dict, where: str) -> None:
         raise CheckpointError(
             f"{where}: FP8 weight_block_size {list(block)} is not supported ({list(BLOCK)})"
         )
-    if quant.get("expert_dtype", "fp8") != "fp8":
-        raise CheckpointError(f"{where}: FP8 expert_dtype {quant['expert_dtype']!r} is not supported (fp8)")
+    if quant.get("expert_dtype", "fp8") not in ("fp8", "fp4"):
+        raise CheckpointError(
+            f"{where}: FP8 expert_dtype {quant['expert_dtype']!r} is not supported (fp8, fp4)"
+        )
+    if quant.get("scale_fmt") not in (None, "float", "ue8m0"):
+        raise CheckpointError(
+            f"{where}: FP8 scale_fmt {quant['scale_fmt']!r} is not supported (float, ue8m0)"
+        )
 
 
 class Dequantized:

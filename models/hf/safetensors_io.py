@@ -19,6 +19,7 @@ DTYPES = {
     "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn,  # block-scaled FP8 weights (fp8_blocks.py)
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # their scales as powers of two (DeepSeek V4's ue8m0)
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,

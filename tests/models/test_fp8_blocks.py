@@ -106,7 +106,7 @@ F8 = ml_dtypes.float8_e4m3fn
     [
         (F8, (2, 2), np.float32, r"weight \(300, 200\) and weight_scale_inv \(2, 2\)"),
         (F8, (5, 4), np.float32, r"128x128 blocks need scales \(3, 2\)"),
-        (np.float32, (3, 2), np.float32, "expected float8_e4m3fn and float32"),
+        (np.float32, (3, 2), np.float32, "expected float8_e4m3fn"),
         (F8, (3, 2), ml_dtypes.bfloat16, "bfloat16"),
         (ml_dtypes.float8_e5m2, (3, 2), np.float32, "float8_e5m2"),
     ],
@@ -124,12 +124,14 @@ def test_malformed_tensors_are_refused(weight_dtype, scale_shape, scale_dtype, m
         (QUANT | {"weight_block_size": None}, "per-tensor"),
         (QUANT | {"weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]"),
         (QUANT | {"fmt": "e5m2"}, "'e5m2'"),
-        (QUANT | {"expert_dtype": "fp4"}, "'fp4'"),
+        (QUANT | {"expert_dtype": "int4"}, "'int4'"),
+        (QUANT | {"scale_fmt": "e4m3"}, "scale_fmt 'e4m3'"),
     ],
-    ids=["per-tensor", "block-64", "e5m2", "fp4-experts"],
+    ids=["per-tensor", "block-64", "e5m2", "int4-experts", "scale-e4m3"],
 )
 def test_unsupported_fp8_configs_are_refused(quant, match):
-    fp8_blocks.check_config(QUANT | {"scale_fmt": "ue8m0"}, "config.json")  # V3.1: float32 scales
+    fp8_blocks.check_config(QUANT | {"scale_fmt": "ue8m0"}, "config.json")  # V3.1, V4
+    fp8_blocks.check_config(QUANT | {"scale_fmt": "ue8m0", "expert_dtype": "fp4"}, "config.json")  # V4
     with pytest.raises(CheckpointError, match=match):
         fp8_blocks.check_config(quant, "config.json")
 
@@ -212,3 +214,112 @@ def test_fp8_checkpoint_with_bad_scales_is_refused(checkpoints, tmp_path):
         with pytest.raises(CheckpointError, match=match) as e:
             load_hf(str(tmp_path / "broken"), dtype="float32")
         assert name in str(e.value)
+
+
+# DeepSeek V4's published format: E8M0 scales (powers of two), routed experts in FP4.
+
+
+def e8m0(code: int) -> float:
+    """One E8M0 byte: an exponent alone, bias 127 (0xff is NaN)."""
+    return float("nan") if code == 0xFF else 2.0 ** (code - 127)
+
+
+def e2m1(code: int) -> float:
+    """One E2M1 nibble from its bits: sign, two exponent bits (bias 1), one mantissa bit;
+    exponent 0 is subnormal (``m / 2``)."""
+    sign = -1.0 if code & 0x8 else 1.0
+    exponent, mantissa = (code >> 1) & 0x3, code & 0x1
+    return sign * (mantissa / 2 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1))
+
+
+FP4_VALUES = np.array([e2m1(c) for c in range(16)])
+
+
+def quantize_ue8m0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize`` with each tile's scale rounded up to a power of two, stored as E8M0."""
+    q, s = quantize(w)
+    exponent = np.ceil(np.log2(np.maximum(s, 2.0**-126)))
+    s2 = np.exp2(exponent).astype(np.float32)
+    rows, cols = w.shape
+    i, j = np.arange(rows)[:, None] // 128, np.arange(cols)[None, :] // 128
+    q = np.clip(w / s2[i, j], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return q, (exponent + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per 32 values of a row, the power of two mapping their largest |value| to at most 6;
+    each value to the nearest E2M1 code; two codes a byte, the even column low."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // 32, 32)
+    amax = np.maximum(np.abs(groups).max(-1), 2.0**-126)
+    exponent = np.ceil(np.log2(amax / 6.0))
+    scaled = groups / np.exp2(exponent)[..., None]
+    codes = np.abs(scaled[..., None] - FP4_VALUES).argmin(-1).reshape(rows, cols).astype(np.uint8)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.int8)
+    return packed, (exponent + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def decode_fp4(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    b = packed.view(np.uint8)
+    codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(b.shape[0], -1)
+    scale = np.array([e8m0(c) for c in range(256)])[scales.view(np.uint8)]
+    return (FP4_VALUES[codes] * np.repeat(scale, 32, axis=1)).astype(np.float32)
+
+
+def decode_ue8m0(weight: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    s = np.array([e8m0(c) for c in range(256)])[scales.view(np.uint8)]
+    return decode(weight, s)
+
+
+def test_deepseek_v4_fp8_and_fp4_checkpoint_loads_as_decoded(tmp_path):
+    """The tiny V4 checkpoint rewritten as published: attention and shared-expert Linears in
+    FP8 with E8M0 128x128 scales, routed experts in FP4 with an E8M0 scale per 32 values;
+    it loads to exactly what the decoders above give, and serves the prompt logprobs of the
+    same checkpoint holding those values in float32."""
+    base = make("deepseek_v4", str(tmp_path / "base"))
+    tensors = load_file(os.path.join(base, "model.safetensors"))
+    with open(os.path.join(base, "config.json")) as f:
+        config = json.load(f)
+    quantized, dense = dict(tensors), dict(tensors)
+    fp8 = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.", ".shared_experts.")
+    for name, w in tensors.items():
+        if not name.endswith(".weight"):
+            continue
+        if ".ffn.experts." in name:
+            q, s = quantize_fp4(w)
+            dense[name] = decode_fp4(q, s)
+        elif any(p in name for p in fp8):
+            q, s = quantize_ue8m0(w)
+            dense[name] = decode_ue8m0(q, s)
+        else:
+            continue
+        quantized[name], quantized[name + "_scale_inv"] = q, s
+    quant = QUANT | {"scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    paths = {}
+    variants = (("q", quantized, config | {"quantization_config": quant}), ("dense", dense, config))
+    for kind, ts, cfg in variants:
+        d = str(tmp_path / kind)
+        os.makedirs(d)
+        save_file(ts, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        paths[kind] = d
+    got = nnx.to_pure_dict(nnx.state(load_hf(paths["q"], dtype="float32")))
+    want = nnx.to_pure_dict(nnx.state(load_hf(paths["dense"], dtype="float32")))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    experts = got["layers"][1]["mlp"]["down"]  # [E, I, H]: expert 0's w2 [H, I], transposed
+    np.testing.assert_array_equal(experts[0], dense["model.layers.1.ffn.experts.0.w2.weight"].T)
+    assert len(np.unique(dense["model.layers.1.ffn.experts.0.w2.weight"])) <= 16 * 64  # FP4 codes x scales
+
+    ids = [int(x) for x in np.random.RandomState(0).randint(0, 512, size=40)]
+    logprobs = []
+    for path in (paths["q"], paths["dense"]):
+        llm = LLM(model_path=path, dtype="float32", page_size=16, max_running_requests=4)
+        try:
+            out = llm.generate(
+                input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0
+            )
+        finally:
+            llm.close()
+        logprobs.append([x[0] for x in out[0]["meta_info"]["input_token_logprobs"][1:]])
+    assert logprobs[0] == logprobs[1]
