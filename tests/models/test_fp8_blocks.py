@@ -273,9 +273,10 @@ def decode_ue8m0(weight: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def test_deepseek_v4_fp8_and_fp4_checkpoint_loads_as_decoded(tmp_path):
     """The tiny V4 checkpoint rewritten as published: attention and shared-expert Linears in
-    FP8 with E8M0 128x128 scales, routed experts in FP4 with an E8M0 scale per 32 values;
-    it loads to exactly what the decoders above give, and serves the prompt logprobs of the
-    same checkpoint holding those values in float32."""
+    FP8 with E8M0 128x128 scales, routed experts in FP4 with an E8M0 scale per 32 values,
+    and the published names (``layers.<i>``, ``embed``, ``norm``, ``hc_head_fn``; transformers
+    writes ``model.layers.<i>`` ...); it loads to exactly what the decoders above give, and
+    serves the prompt logprobs of the same checkpoint holding those values in float32."""
     base = make("deepseek_v4", str(tmp_path / "base"))
     tensors = load_file(os.path.join(base, "model.safetensors"))
     with open(os.path.join(base, "config.json")) as f:
@@ -294,6 +295,10 @@ def test_deepseek_v4_fp8_and_fp4_checkpoint_loads_as_decoded(tmp_path):
         else:
             continue
         quantized[name], quantized[name + "_scale_inv"] = q, s
+    published = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    published |= {f"model.hc_head.hc_{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}
+    quantized = {published.get(n, n.removeprefix("model.")): t for n, t in quantized.items()}
+    assert "layers.1.attn.wkv.weight_scale_inv" in quantized
     quant = QUANT | {"scale_fmt": "ue8m0", "expert_dtype": "fp4"}
     paths = {}
     variants = (("q", quantized, config | {"quantization_config": quant}), ("dense", dense, config))
