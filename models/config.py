@@ -365,6 +365,10 @@ class ModelConfig:
         v4 = {LayerKind.SWA_MQA, LayerKind.CSA, LayerKind.HCA} & set(self.layer_kinds)
         if v4 and (self.dsv4 is None or not self.sliding_window):
             raise ValueError(f"ModelConfig has {sorted(v4)} layers but no Dsv4Config or sliding_window")
+        if v4 and self.sliding_window < 2:  # the window rule keeps the state page before a prefix's end
+            raise ValueError(
+                f"ModelConfig: DeepSeek V4 layers need sliding_window >= 2, got {self.sliding_window}"
+            )
         if LayerKind.CSA in self.layer_kinds and not (self.dsv4.index_n_heads and self.dsv4.index_topk):
             raise ValueError(
                 "ModelConfig has csa layers but Dsv4Config has no indexer (index_n_heads, index_topk)"

@@ -68,3 +68,64 @@ def test_hybrid_takes_every_kind_at_once():
 def test_availability_shorter_than_prompt():
     assert end(rules(), 1000, full=[T, T]) == 32
     assert end(rules(full=False, window=20), 1000, swa=[T]) == 16
+
+
+# Any set of cache kinds, DeepSeek V4's included: the rule against its definition, by brute force.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hicache_jax.cache.prefix import PrefixRules  # noqa: E402
+from hicache_jax.kinds import RETENTION, CacheKind, Retention  # noqa: E402
+
+DSV4 = (
+    CacheKind.SWA,
+    CacheKind.INDEX,
+    CacheKind.CSA,
+    CacheKind.HCA,
+    CacheKind.CSA_STATE,
+    CacheKind.HCA_STATE,
+)
+PAGED_KINDS = tuple(k for k in CacheKind if RETENTION[k] is not Retention.SNAPSHOT)
+
+
+def defined_end(kinds, window, input_len, lsl, held) -> int:
+    """The longest page-aligned end e <= the cap such that every page before e of an
+    every-page kind is held, and every page holding one of tokens e - window + 1 .. e - 1 of
+    a window kind (a compressor's state page: the last one before e); and no kind's
+    availability list ends before e (it lists only the pages some tier holds)."""
+    cap = min(input_len - 1, lsl if lsl >= 0 else input_len)
+    for e in range(max(cap, 0) // P * P, 0, -P):
+        ok = True
+        for kind in kinds:
+            h = held[kind]
+            if RETENTION[kind] is Retention.EVERY:
+                need = range(e // P)
+            else:
+                need = {t // P for t in range(max(0, e - window + 1), e)}
+            ok &= e // P <= len(h) and all(h[j] for j in need)
+        if ok:
+            return e
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    kinds=st.one_of(
+        st.just(DSV4), st.lists(st.sampled_from(PAGED_KINDS), min_size=1, unique=True).map(tuple)
+    ),
+    window=st.integers(1, 80),
+    input_len=st.integers(1, 160),
+    lsl=st.integers(-1, 160),
+)
+def test_any_paged_kinds_end_where_the_definition_says(data, kinds, window, input_len, lsl):
+    rules = PrefixRules(page_size=P, kinds=kinds, window=window)
+    pages = st.lists(st.booleans(), max_size=input_len // P + 1)
+    held = {k: data.draw(pages, label=str(k)) for k in kinds}
+    assert usable_prefix_end(rules, input_len, lsl, held) == defined_end(kinds, window, input_len, lsl, held)
+    # The state page a V4 prefix needs (the page before its end) is among its window's pages
+    # (a window of 2 tokens or more: ModelConfig refuses a V4 model with less).
+    e = usable_prefix_end(rules, input_len, lsl, held)
+    for kind in set(kinds) & {CacheKind.CSA_STATE, CacheKind.HCA_STATE}:
+        assert e == 0 or window < 2 or held[kind][e // P - 1]
