@@ -112,7 +112,8 @@ class EngineConfig:
         "tiny",
         "Built-in random-weight preset when --model_path is unset: tiny, tiny-swa, tiny-mamba, "
         "tiny-qwen3.5, tiny-qwen3-next, tiny-moe, tiny-gpt-oss, tiny-nemotron-h, tiny-granite-h, "
-        "tiny-mla, tiny-dsa, 100m, 100m-gdn, 100m-moe, 100m-mla.",
+        "tiny-mla, tiny-dsa, tiny-dsv4, 100m, 100m-gdn, 100m-moe, 100m-mla, 100m-dsv4 "
+        "(--page_size a multiple of 16 for tiny-dsv4, of 128 for 100m-dsv4).",
     )
     dtype: str = setting(
         "auto",

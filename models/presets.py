@@ -10,11 +10,20 @@ import dataclasses
 import os
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import hicache_jax
 from hicache_jax.models.causal_lm import CausalLM
-from hicache_jax.models.config import GdnConfig, MambaConfig, MlaConfig, ModelConfig, MoEConfig, YarnConfig
+from hicache_jax.models.config import (
+    Dsv4Config,
+    GdnConfig,
+    MambaConfig,
+    MlaConfig,
+    ModelConfig,
+    MoEConfig,
+    YarnConfig,
+)
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.sharding import shard_model
 
@@ -56,6 +65,39 @@ _TINY_DEEPSEEK_MOE = MoEConfig(
 
 # Every head's query of 16 + 8, a dense MLP, then two MoE layers (DeepSeek V3's layout).
 _TINY_DEEPSEEK = _TINY | dict(num_kv_heads=4, head_dim=8, moe=_TINY_DEEPSEEK_MOE, sparse_layers=(1, 2))
+
+
+def _dsv4_moe(num_experts: int, top_k: int, intermediate: int) -> MoEConfig:
+    """DeepSeek V4's MoE: sqrt(softplus) scores with a correction bias, renormalised, routed
+    scaling 1.5, clamped SwiGLU experts (limit 10) and one shared expert of their width."""
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate=intermediate,
+        router="sqrtsoftplus_topk",
+        norm_topk_prob=True,
+        activation="silu_clamped",
+        swiglu_limit=10.0,
+        routed_scaling=1.5,
+        shared_intermediate=intermediate,
+    )
+
+
+def _dsv4(name: str, v4: Dsv4Config, moe: MoEConfig, **fields) -> ModelConfig:
+    """A DeepSeek V4 preset as ``models/hf/config.py`` reads one: one K=V head, a sink per
+    head, MoE in every layer (``intermediate_size``, the experts' width, is no dense MLP's)."""
+    kinds = fields["layer_kinds"]
+    fields |= dict(num_kv_heads=1, intermediate_size=moe.intermediate)
+    return ModelConfig(
+        architecture=f"preset:{name}",
+        partial_rotary_factor=v4.qk_rope_head_dim / fields["head_dim"],
+        attention_sinks=True,
+        moe=moe,
+        sparse_layers=tuple(range(len(kinds))),
+        dsv4=v4,
+        **fields,
+    )
+
 
 PRESETS: dict[str, ModelConfig] = {
     # Gemma3-style local/global interleave: the default for demos.
@@ -205,6 +247,32 @@ PRESETS: dict[str, ModelConfig] = {
         ),
         **_TINY_DEEPSEEK,
     ),
+    # DeepSeek V4-style: a sliding window of one K=V head of 32 (its last 8 channels rotated)
+    # in every layer, CSA (an entry per 4 tokens; the indexer keeps the best 8 entries, 32
+    # tokens, per query: most test prompts are longer) and HCA (an entry per 16 tokens, so
+    # one per page at the suite's page size 16); the window of 20 is a page and a bit. A
+    # hash-routed MoE layer, then top-k ones; two residual streams; YaRN on compressed layers.
+    "tiny-dsv4": _dsv4(
+        "tiny-dsv4",
+        Dsv4Config(
+            q_lora_rank=24,
+            o_groups=2,
+            o_lora_rank=16,
+            qk_rope_head_dim=8,
+            csa_rate=4,
+            hca_rate=16,
+            compress_yarn=YarnConfig(factor=4.0, original_max_position=1024),
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=8,
+            hc_mult=2,
+            hash_layers=(0,),
+        ),
+        _dsv4_moe(num_experts=4, top_k=2, intermediate=32),
+        layer_kinds=("swa_mqa", "csa", "hca"),
+        sliding_window=20,
+        **(_TINY | dict(head_dim=32)),
+    ),
     # ~100M parameters: 5 local : 1 global, for benchmarks.
     "100m": ModelConfig(
         architecture="preset:100m",
@@ -286,6 +354,38 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(2,),
         max_position_embeddings=32768,
     ),
+    # ~100M parameters, DeepSeek V4 Flash's attention at its published widths (one K=V head
+    # of 512, 64 channels rotated, a window of 128, CSA at 4 tokens an entry with an indexer
+    # of 128-wide keys, HCA at 128) and its layout (two sliding layers, then CSA and HCA
+    # alternating; three hash-routed MoE layers), narrower: 8 heads, hidden 512, 16 experts
+    # (99.5M parameters, 55.4M active). ``page_size`` must be a multiple of 128. For
+    # ``benchmarks/decode.py``.
+    "100m-dsv4": _dsv4(
+        "100m-dsv4",
+        Dsv4Config(
+            q_lora_rank=256,
+            o_groups=2,
+            o_lora_rank=256,
+            qk_rope_head_dim=64,
+            csa_rate=4,
+            hca_rate=128,
+            index_n_heads=8,
+            index_head_dim=128,
+            index_topk=64,
+            hc_mult=4,
+            hash_layers=(0, 1, 2),
+        ),
+        _dsv4_moe(num_experts=16, top_k=2, intermediate=256),
+        vocab_size=32000,
+        hidden_size=512,
+        layer_kinds=("swa_mqa",) * 2 + ("csa", "hca") * 3,
+        num_heads=8,
+        head_dim=512,
+        sliding_window=128,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+        max_position_embeddings=32768,
+    ),
 }
 
 
@@ -295,9 +395,23 @@ def preset_config(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
+def _hash_routes(model: CausalLM, cfg: ModelConfig, seed: int) -> None:
+    """Random routes for DeepSeek V4's hash layers: each token id's ``top_k`` distinct
+    experts (a checkpoint's ``tid2eid`` is loaded; the layer's own is zeros, which would send
+    every token to expert 0 twice)."""
+    m = cfg.moe
+    rng = np.random.default_rng(seed)
+    for i in cfg.dsv4.hash_layers:
+        routes = np.argsort(rng.random((cfg.vocab_size, m.num_experts)), axis=1)[:, : m.top_k]
+        model.layers[i].mlp.tid2eid[...] = jnp.asarray(routes, jnp.int32)
+
+
 def build_preset(
     name: str, *, seed: int = 0, dtype=jnp.float32, kernels: KernelConfig | None = None
 ) -> CausalLM:
-    model = CausalLM(preset_config(name), dtype=dtype, rngs=nnx.Rngs(seed), kernels=kernels)
+    cfg = preset_config(name)
+    model = CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), kernels=kernels)
+    if cfg.dsv4 is not None:
+        _hash_routes(model, cfg, seed)
     shard_model(model)  # the same random weights at every tp_size, split over the mesh
     return model

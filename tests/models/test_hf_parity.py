@@ -192,6 +192,8 @@ PRESETS = [
     "tiny-qwen3-next",
     "tiny-mla",
     "tiny-dsa",
+    "tiny-dsv4",
+    "100m-dsv4",
 ]
 
 

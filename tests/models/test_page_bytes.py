@@ -12,10 +12,15 @@ from hicache_jax.models.page_bytes import page_bytes, read_bytes_per_token
 
 
 @pytest.mark.parametrize(
-    "preset", ["tiny-swa", "tiny-mamba", "tiny-qwen3.5", "tiny-dsa"]
-)  # + latent + indexer
-def test_page_bytes_are_the_host_rows(preset):
-    cfg = EngineConfig(preset=preset, page_size=8, max_total_tokens=256, enable_hierarchical_cache=True)
+    "preset, page_size",
+    # + latent + indexer; DeepSeek V4's window, entries, indexer keys and float32 states per
+    # page (its pages hold whole HCA entries of 16 tokens)
+    [("tiny-swa", 8), ("tiny-mamba", 8), ("tiny-qwen3.5", 8), ("tiny-dsa", 8), ("tiny-dsv4", 16)],
+)
+def test_page_bytes_are_the_host_rows(preset, page_size):
+    cfg = EngineConfig(
+        preset=preset, page_size=page_size, max_total_tokens=256, enable_hierarchical_cache=True
+    )
     engine = Engine(cfg)
     try:
         host = engine.side.prefix_cache.host
