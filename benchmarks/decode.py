@@ -9,7 +9,8 @@ runner alone. Two floors, both from yardsticks measured in the same run:
 
 - memory: the bytes a step must read (weights, plus each sequence's KV: the whole context
   for full-attention layers, the window for sliding ones, plus Mamba states read and
-  written) over the copy bandwidth (benchmarks/bandwidth.py). Of a mixture-of-experts
+  written; for DeepSeek V4 each pool's rows a query reads, ``dsv4_bytes``) over the copy
+  bandwidth (benchmarks/bandwidth.py). Of a mixture-of-experts
   layer only the experts the step's tokens route to count: ``E (1 - (1 - k/E)^B)`` of them
   at batch B, as expected under uniform routing;
 - compute: the step's FLOPs (benchmarks/floors.py) over the best float32 matmul rate; for
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 
 import jax
@@ -39,12 +41,34 @@ from trace_summary import top_ops
 
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine.engine import Engine
-from hicache_jax.models.cache import RecurrentState
+from hicache_jax.kinds import CacheKind
+from hicache_jax.models.cache import PAGE_ROW, RecurrentState, paged_specs
+from hicache_jax.models.presets import preset_config
 
 
 def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
     """Distinct experts ``tokens`` tokens route to, expected under uniform routing."""
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def dsv4_bytes(cfg, kind: str, dtype_bytes: int, context: int) -> int:
+    """Bytes one sequence's decode step at ``context`` reads from a DeepSeek V4 layer's pools
+    (``models/cache.py``, ``_dsv4_specs``): the window's rows; a CSA layer's ``index_topk``
+    picked entries and every visible indexer key (all scored), an HCA layer's every visible
+    entry; a compressed layer's float32 compressor state, read before the step and written
+    after it."""
+    out = 0
+    for s in paged_specs(cfg, kind):
+        row = len(s.entry._fields) * math.prod(s.per_row) * s.value_bytes(dtype_bytes)
+        if s.kind == CacheKind.SWA:
+            rows = min(context, cfg.sliding_window)
+        elif s.rate == PAGE_ROW:
+            rows = 2
+        else:
+            visible = context // s.rate
+            rows = min(visible, cfg.dsv4.index_topk) if s.kind == CacheKind.CSA else visible
+        out += rows * row
+    return out
 
 
 def step_bytes(engine: Engine, batch: int, context: int) -> int:
@@ -56,9 +80,13 @@ def step_bytes(engine: Engine, batch: int, context: int) -> int:
         per_expert = (cfg.mlp_params(first) - cfg.mlp_params(first, active=True)) / (m.num_experts - m.top_k)
         untouched = m.num_experts - experts_touched(m.num_experts, m.top_k, batch)
         weights -= int(len(cfg.sparse_layers) * untouched * per_expert * itemsize)
+    if cfg.dsv4 is not None:  # a hash layer reads its tid2eid rows of the step's tokens only
+        weights -= len(cfg.dsv4.hash_layers) * (cfg.vocab_size - batch) * cfg.moe.top_k * 4
     kv = 0
     for kind, entry in zip(cfg.layer_kinds, engine.runner.cache):
-        if isinstance(entry, RecurrentState):
+        if kind in ("swa_mqa", "csa", "hca"):
+            kv += batch * dsv4_bytes(cfg, kind, jax.tree_util.tree_leaves(entry)[0].dtype.itemsize, context)
+        elif isinstance(entry, RecurrentState):
             kv += 2 * batch * (entry.ssm[0].nbytes + entry.conv[0].nbytes)  # read + write
         else:
             per_token = sum(a[0, 0].nbytes for a in jax.tree_util.tree_leaves(entry))  # K and V, or a latent
@@ -70,13 +98,14 @@ def step_bytes(engine: Engine, batch: int, context: int) -> int:
 def bench(
     preset: str, batch: int, context: int, steps: int, bandwidth: float, rate: float, profile_dir: str = ""
 ) -> dict:
+    page = max(16, preset_config(preset).page_multiple)  # DeepSeek V4: pages hold whole entries
     engine = Engine(
         EngineConfig(
             preset=preset,
-            page_size=16,
-            chunked_prefill_size=max(512, context),
+            page_size=page,
+            chunked_prefill_size=-(-max(512, context) // page) * page,
             max_running_requests=max(batch, 1),
-            max_total_tokens=batch * (context + 6 * steps + batch + 64) + 1024,
+            max_total_tokens=batch * (context + 6 * steps + batch + 64 + page) + 1024,
             warmup=False,  # the steps before timing compile what the timed ones run
         )
     )

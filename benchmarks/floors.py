@@ -3,7 +3,8 @@
 ``step_flops(cfg, seqs, logits_rows)`` counts the multiply-adds a step cannot avoid (2 FLOPs
 each): every projection and MLP matmul for each new token (for a mixture-of-experts layer,
 its router and the ``top_k`` experts each token uses), attention scores and values over
-the keys each query may see (its causal prefix, or the window for sliding layers), the Mamba
+the keys each query may see (its causal prefix, or the window for sliding layers; for
+DeepSeek V4 the window plus the compressed entries it attends, and CSA's indexer), the Mamba
 and Gated DeltaNet projections and state updates, and the LM head for the rows whose logits the step returns.
 Norms, RoPE, softmax and the sampler are not counted: they are elementwise, and the memory
 floor accounts for them. ``matmul_rate()`` is the best FLOPs/s of a few large float32
@@ -62,6 +63,38 @@ def _latent_attention_flops(cfg: ModelConfig, kind: str, seqs: list[tuple[int, i
     return flops
 
 
+def _dsv4_flops(cfg: ModelConfig, kind: str, seqs: list[tuple[int, int]]) -> float:
+    """A DeepSeek V4 layer: its query (through ``q_lora_rank``), K=V and grouped output
+    projections and its two hyper-connections per token; a compressed layer's compressor
+    projections (and a CSA layer's indexer: its keys' compressor, queries and head weights);
+    scores and values over the rows each query attends: the window's, plus every visible
+    entry (HCA) or at most ``index_topk`` of them (CSA), whose indexer scores every visible
+    entry with every head."""
+    v, h, H, D = cfg.dsv4, cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    n = v.hc_mult
+    proj = h * v.q_lora_rank + v.q_lora_rank * H * D + h * D + H * D * v.o_lora_rank
+    proj += v.o_groups * v.o_lora_rank * h
+    hyper = 2 * ((2 + n) * n * n * h + n * n * h + 2 * n * h)  # mixes, then collapse, comb, post
+    rate = v.rate(kind) if kind != "swa_mqa" else 0
+    if rate:
+        proj += 2 * h * (2 if kind == "csa" else 1) * D  # kv and gate, two series for CSA
+    if kind == "csa":
+        d, nh = v.index_head_dim, v.index_n_heads
+        proj += 2 * h * 2 * d + v.q_lora_rank * nh * d + h * nh
+    flops = 0.0
+    for q, kv in seqs:
+        keys = scored = 0
+        for p in range(kv - q, kv):
+            visible = (p + 1) // rate if rate else 0
+            keys += min(p + 1, cfg.sliding_window) + (
+                min(visible, v.index_topk) if kind == "csa" else visible
+            )
+            scored += visible if kind == "csa" else 0
+        flops += q * 2 * (proj + hyper) + 2 * 2 * H * D * keys
+        flops += 2 * v.index_n_heads * (v.index_head_dim + 1) * scored  # scores, head weights
+    return flops
+
+
 def step_flops(cfg: ModelConfig, seqs: list[tuple[int, int]], logits_rows: int | None = None) -> float:
     """FLOPs of one step over ``seqs`` = (new tokens, tokens in the cache after the step)."""
     h = cfg.hidden_size
@@ -69,8 +102,11 @@ def step_flops(cfg: ModelConfig, seqs: list[tuple[int, int]], logits_rows: int |
     qkvo = 2 * h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     flops = 0.0
     for i, kind in enumerate(cfg.layer_kinds):
-        # Dense: gate, up and down. MoE: the router, and each token's top_k experts only.
+        # Dense: gate, up and down. MoE: the router, and each token's top_k experts only
+        # (a hash layer looks its experts up: its table is no matmul).
         flops += tokens * 2 * cfg.mlp_params(i, active=True)
+        if cfg.dsv4 is not None and i in cfg.dsv4.hash_layers:
+            flops -= tokens * 2 * cfg.vocab_size * cfg.moe.top_k
         if kind == "mamba":
             m = cfg.mamba
             inner = m.intermediate_size
@@ -88,6 +124,9 @@ def step_flops(cfg: ModelConfig, seqs: list[tuple[int, int]], logits_rows: int |
             continue
         if kind in ("mla", "dsa", "dsa_shared"):
             flops += _latent_attention_flops(cfg, kind, seqs)
+            continue
+        if kind in ("swa_mqa", "csa", "hca"):
+            flops += _dsv4_flops(cfg, kind, seqs)
             continue
         flops += tokens * qkvo
         for q, kv in seqs:
