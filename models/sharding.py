@@ -25,11 +25,23 @@ each layer needs one all-reduce (its row-parallel output) and XLA's partitioner 
                            groups; the conv weight and conv state split the same way
                 delta rule and state   [slots, v_heads, Dk, Dv]  split by value head
                 out_proj   [v_heads * Dv, hidden]  rows split -> all-reduce
+    DeepSeek V4 (one K=V head; ``layers/dsv4.py``)
+                q_b_proj   [q_lora_rank, heads * D]  columns split (by head); sinks by head
+                o_a        [o_groups, heads * D / o_groups, o_lora_rank]  split by group
+                o_b_proj   [o_groups * o_lora_rank, hidden]  rows split -> all-reduce
+                (more devices than groups: o_a and o_b_proj replicated, and XLA splits each
+                group's rows over its devices as the head-split attention output lies);
+                kv_proj (the K=V rows), the compressors, the indexer, q_a_proj and the mHC
+                mixes replicated (every device computes them); window rows, compressed
+                entries, indexer keys and compressor state replicated (``heads=False``);
+                MoE as above, hash layers' tid2eid replicated
     embedding / lm_head   split by vocabulary; logits are gathered (replicated) for sampling
     everything else (norms, conv, biases of row-parallel layers)  replicated
 
 The attention and SSD kernels (both backends) run per shard under ``shard_map``: a shard
 sees its own query heads and the KV heads they read, and never talks to another shard.
+DeepSeek V4's attention is plain JAX, which XLA partitions: the layer pins its queries and
+output to the head split, and every device gathers the (replicated) rows its heads read.
 
 Fewer KV heads than ``tp_size``: KV heads are *replicated*, not refused. ``k_proj`` and
 ``v_proj`` stay whole, and each shard stores the one KV head its query heads read, so the
@@ -39,7 +51,8 @@ and storage (L3) pages keep each KV head once (see ``hicache_jax/runtime/transfe
 
 Split sizes must divide: query heads, intermediate size (of dense MLPs and shared experts),
 experts, Mamba heads and (with Mamba layers) hidden size, GDN key (so also value) heads by
-``tp_size``; KV heads and Mamba groups must divide ``tp_size`` or be divided by it.
+``tp_size``; KV heads, Mamba groups and DeepSeek V4's output groups must divide ``tp_size``
+or be divided by it.
 ``check_tp`` names the one that does not.
 """
 
@@ -89,6 +102,8 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
         split.append(("mamba.num_heads", cfg.mamba.num_heads))
         split.append(("hidden_size", cfg.hidden_size))  # in_proj's rows
         either.append(("mamba.num_groups", cfg.mamba.num_groups))
+    if cfg.dsv4 is not None:  # o_a split by group, or (more devices) each group's rows
+        either.append(("dsv4.o_groups", cfg.dsv4.o_groups))
     if cfg.gdn is not None and cfg.gdn_layers:  # whole key-head groups per device
         split.append(("gdn.num_k_heads", cfg.gdn.num_k_heads))
         split.append(("gdn.num_v_heads", cfg.gdn.num_v_heads))
@@ -147,6 +162,10 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
         return P(AXIS, None, None)
     if name == "sinks":  # one per query head, split as the heads are
         return P(AXIS)
+    if name in ("o_a", "o_b_proj"):  # DeepSeek V4's grouped output: by group, when tp divides them
+        if cfg.dsv4.o_groups % tp:
+            return P()
+        return P(AXIS, None, None) if name == "o_a" else row
     if name in ("k_proj", "v_proj"):
         return column if cfg.num_kv_heads % tp == 0 else P()
     if name in ("o_proj", "in_proj", "out_proj"):

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hicache_jax.kinds import CacheKind, LayerKind
 from hicache_jax.models.batch import ForwardBatch
@@ -43,6 +45,7 @@ from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.mla import _token_seqs, top_k_rows, write_rows
 from hicache_jax.models.layers.norms import RMSNorm, rms_normalize
 from hicache_jax.models.layers.rope import rope_frequencies
+from hicache_jax.models.sharding import AXIS, constrain
 
 NEG_INF = -jnp.inf
 
@@ -215,8 +218,11 @@ def gather_rows(pages: jax.Array, table: jax.Array, seq: jax.Array, idx: jax.Arr
 
 
 class Dsv4Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, mesh=None):
         v, h, H, D = cfg.dsv4, cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        # Tensor parallelism (``models/sharding.py``): queries and the attention's output
+        # are pinned to the head split; XLA partitions the rest around them.
+        self.heads_split = None if mesh is None else NamedSharding(mesh, P(None, AXIS, None))
         self.kind = LayerKind(kind)
         self.specs = paged_specs(cfg, kind)
         self.num_heads, self.head_dim, self.window = H, D, cfg.sliding_window
@@ -266,7 +272,7 @@ class Dsv4Attention(nnx.Module):
         pages = dict(zip((s.kind for s in self.specs), parts(entry, self.specs)))
         pos = batch.positions
         q_resid = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).reshape(T, H, D)
+        q = constrain(self.q_b_proj(q_resid).reshape(T, H, D), self.heads_split)
         q = self._rope(rms_normalize(q, self.eps).astype(x.dtype), pos)
         kv = self._rope(self.kv_norm(self.kv_proj(x)), pos)
         window = pages[CacheKind.SWA]
@@ -285,7 +291,7 @@ class Dsv4Attention(nnx.Module):
             c_rows, c_valid = self._compressed(pages, new, x, q_resid, batch, steps)
             rows = jnp.concatenate([rows, c_rows], axis=1)
             valid = jnp.concatenate([valid, c_valid], axis=1)
-        o = attend_rows(q, rows, valid, self.sinks[...], D**-0.5)
+        o = constrain(attend_rows(q, rows, valid, self.sinks[...], D**-0.5), self.heads_split)
         o = rope_tail(o, -pos, self.inv_freq, self.rope_scale).astype(x.dtype)  # rotate back
         o = jnp.einsum("tgi,gio->tgo", o.reshape(T, self.o_groups, -1), self.o_a[...])
         out = self.o_b_proj(o.reshape(T, -1))

@@ -60,3 +60,23 @@ def test_latent_and_indexer_pages_written_at_tp4_serve_tp1_layer_by_layer(tmp_pa
     assert_same_as_recompute(hit, fresh)
     assert_same_as_recompute(fresh, first)
     llm.engine.check_integrity()
+
+
+def test_dsv4_pages_written_at_tp4_serve_tp1_layer_by_layer(tmp_path):
+    """DeepSeek V4's pages (window rows, compressed entries, indexer keys, compressor state)
+    are replicated over the devices: written once at tp 4 (queries split by head, output
+    groups' rows split over two devices each, experts one per device), they serve tp 1 layer
+    by layer with a recompute's tokens and logprobs, every page boundary a valid prefix end."""
+    ids = prompt()
+    v4 = dict(preset="tiny-dsv4")
+    first, second = two_pass(hicache_llm(tmp_path / "l3", tp_size=4, **v4), ids)
+    assert second["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P, second["meta_info"]
+    llm = hicache_llm(tmp_path / "l3", tp_size=1, hicache_layerwise_pages=4, **v4)
+    hit = run(llm, ids)
+    assert hit["meta_info"]["cached_tokens_details"]["storage"] >= len(ids) - P, hit["meta_info"]
+    assert llm.engine.metrics()["host_loads_layerwise"] > 0
+    fresh = run(llm, ids, cache_salt="recompute at tp 1")
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    assert_same_as_recompute(hit, fresh)
+    assert_same_as_recompute(fresh, first)
+    llm.engine.check_integrity()

@@ -11,6 +11,7 @@ times).
 Costs are compiles (two programs per model, backend and size; Pallas interpret mode the
 most), so each family runs its sizes in a row against one reference."""
 
+import dataclasses
 import importlib.util
 
 import jax
@@ -109,6 +110,9 @@ SPLITS = {  # family -> its (backend, tp_size) runs split over the mesh
     # MLA heads split, the latent and indexer pages replicated; grouped routing, a shared expert.
     "deepseek_v3": [("xla", 2), ("pallas", 4)],
     "glm_moe_dsa": [("pallas", 2), ("xla", 4)],
+    # One K=V head and its pages replicated, queries and sinks split by head, o_a by group (2:
+    # at tp 4 replicated, each group's rows split over 2 devices); 4 experts, a hash layer.
+    "deepseek_v4": [("xla", 2), ("pallas", 4)],
 }
 
 
@@ -159,6 +163,13 @@ def test_undividable_sizes_are_refused():
         ValueError, match=r"moe.num_experts=6 is not a multiple of 4"
     ):  # and 8: fewer than devices
         check_tp(moe, 4)
+    v4 = preset_config("tiny-dsv4")  # 4 heads in 2 output groups, 4 experts
+    check_tp(v4, 4)  # more devices than groups: each group's rows over 2
+    with pytest.raises(ValueError, match=r"num_heads=4 is not a multiple of 8"):
+        check_tp(v4, 8)
+    six = dataclasses.replace(v4, num_heads=6, dsv4=dataclasses.replace(v4.dsv4, o_groups=3))
+    with pytest.raises(ValueError, match=r"dsv4.o_groups=3 must divide or be divided by 2"):
+        check_tp(six, 2)
 
 
 def test_weights_load_into_their_shards(checkpoint_dir, tmp_path):
@@ -218,3 +229,31 @@ def test_shared_expert_splits_like_a_dense_mlp(checkpoint_dir):
         assert not got.sharding.is_fully_replicated, name
         want = getattr(whole.layers[1].mlp.shared_expert, name).kernel[...]
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
+def test_dsv4_splits_heads_and_groups(checkpoint_dir):
+    """DeepSeek V4 at tp 2: queries and sinks split by head, o_a and o_b_proj by output group
+    (2 groups), experts whole; the K=V projection, compressors, indexer, mHC mixes and
+    tid2eid replicated. At tp 4 (more devices than groups) o_a and o_b_proj are replicated."""
+    from jax.sharding import PartitionSpec as Spec
+
+    path = checkpoint_dir("deepseek_v4")
+    for tp, by_group in ((2, True), (4, False)):
+        model = load_hf(path, kernels=kernels("xla", tp))
+        layer = model.layers[1]  # a CSA layer: compressor and indexer
+        attn = layer.mixer
+        spec = lambda x: x[...].sharding.spec  # noqa: E731
+        assert spec(attn.q_b_proj.kernel) == Spec(None, "tp")
+        assert spec(attn.sinks) == Spec("tp")
+        assert spec(attn.o_a) == (Spec("tp", None, None) if by_group else Spec())
+        assert spec(attn.o_b_proj.kernel) == (Spec("tp", None) if by_group else Spec())
+        assert spec(layer.mlp.gate_up)[0] == "tp"
+        for name, x in [
+            ("kv_proj", attn.kv_proj.kernel),
+            ("compressor", attn.compressor.kv_proj.kernel),
+            ("indexer", attn.indexer.gate_proj.kernel),
+            ("index_q_b_proj", attn.index_q_b_proj.kernel),
+            ("attn_hc", layer.attn_hc.fn),
+            ("tid2eid", model.layers[0].mlp.tid2eid),
+        ]:
+            assert x[...].sharding.is_fully_replicated, (tp, name)
