@@ -48,6 +48,9 @@ def _params(n, offset):
         "tiny-qwen3-next",
         "tiny-mla",
         "tiny-dsa",
+        # Branches inside compression windows (CSA 4 tokens, HCA 16): the compressors' state
+        # pages come back from L2 with the window and compressed pages.
+        "tiny-dsv4",
     ],
 )
 def test_l2_hits_under_pressure_give_solo_outputs(preset):
