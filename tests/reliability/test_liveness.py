@@ -76,6 +76,7 @@ CONFIGS = [
     ("tiny-qwen3-next", 8, 16, 2),
     ("tiny-mla", 16, 32, 4),
     ("tiny-dsa", 8, 16, 2),
+    ("tiny-dsv4", 16, 32, 2),  # pages hold whole compressed entries: 16 only
 ]
 
 
@@ -99,6 +100,7 @@ def _shared_prefix_trace(seed: int, n: int = 5) -> list[TraceReq]:
 @example(trace=_shared_prefix_trace(16), config=("tiny-qwen3-next", 8, 16, 2), tiers="l2", policy="fcfs")
 @example(trace=_shared_prefix_trace(17), config=("tiny-mla", 16, 32, 4), tiers="l3", policy="fcfs")
 @example(trace=_shared_prefix_trace(18), config=("tiny-dsa", 8, 16, 2), tiers="l3", policy="lpm")
+@example(trace=_shared_prefix_trace(19), config=("tiny-dsv4", 16, 32, 2), tiers="l3", policy="fcfs")
 @settings(
     max_examples=14,
     deadline=None,
