@@ -136,7 +136,7 @@ class CausalLM(nnx.Module):
                 for i, k in enumerate(cfg.layer_kinds)
             ]
             self.layers = nnx.List(made)
-            self.hc_head = HyperHead(cfg)
+            self.hc_head = HyperHead(cfg, rngs=rngs)
         else:
             self.hc_head = None
             self.layers = nnx.List(

@@ -25,12 +25,18 @@ from hicache_jax.models.layers.moe import MoE
 from hicache_jax.models.layers.norms import RMSNorm, rms_normalize
 
 
+def _init(rngs: nnx.Rngs, shape) -> jax.Array:
+    """transformers' initialisation of the mixing projections (normal, std 0.02): random
+    models mix their streams by their input, as trained ones do."""
+    return jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02
+
+
 class HyperConnection(nnx.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         v = cfg.dsv4
         n = v.hc_mult
         self.n, self.iters, self.eps, self.norm_eps = n, v.hc_sinkhorn_iters, v.hc_eps, cfg.rms_norm_eps
-        self.fn = nnx.Param(jnp.zeros(((2 + n) * n, n * cfg.hidden_size), jnp.float32))
+        self.fn = nnx.Param(_init(rngs, ((2 + n) * n, n * cfg.hidden_size)))
         self.base = nnx.Param(jnp.zeros(((2 + n) * n,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
 
@@ -61,10 +67,10 @@ def expand(streams: jax.Array, out: jax.Array, post: jax.Array, comb: jax.Array)
 
 
 class HyperHead(nnx.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         n = cfg.dsv4.hc_mult
         self.eps, self.norm_eps = cfg.dsv4.hc_eps, cfg.rms_norm_eps
-        self.hc_fn = nnx.Param(jnp.zeros((n, n * cfg.hidden_size), jnp.float32))
+        self.hc_fn = nnx.Param(_init(rngs, (n, n * cfg.hidden_size)))
         self.hc_base = nnx.Param(jnp.zeros((n,), jnp.float32))
         self.hc_scale = nnx.Param(jnp.ones((1,), jnp.float32))
 
@@ -81,8 +87,8 @@ class HyperDecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, kind: str, layer: int, *, dtype, rngs: nnx.Rngs, kernels):
         self.kind = kind
-        self.attn_hc = HyperConnection(cfg)
-        self.ffn_hc = HyperConnection(cfg)
+        self.attn_hc = HyperConnection(cfg, rngs=rngs)
+        self.ffn_hc = HyperConnection(cfg, rngs=rngs)
         self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mixer = Dsv4Attention(cfg, kind, dtype=dtype, rngs=rngs, mesh=kernels.mesh)
