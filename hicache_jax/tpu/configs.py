@@ -369,6 +369,47 @@ HF_CONFIGS: dict[str, dict] = {
         "max_position_embeddings": 202752,
         "rms_norm_eps": 1e-5,
     },
+    # DeepSeek V4 Flash (284B, 13B active): one K=V head of 512 over a window of 128 in every
+    # layer; layers 0 and 1 the window alone, then CSA (an entry per 4 tokens, an indexer of
+    # 64 heads of 128 picking 512) at even and HCA (an entry per 128) at odd layers (the
+    # trailing 0 of compress_ratios is the MTP layer, not loaded); 3 hash-routed MoE layers,
+    # then 256 experts top 6 and a shared one; 4 residual streams. Pages: a multiple of 128.
+    "deepseek-v4-flash": {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "hidden_size": 4096,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 43,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 1,
+        "scoring_func": "sqrtsoftplus",
+        "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True,
+        "num_hash_layers": 3,
+        "swiglu_limit": 10.0,
+        "sliding_window": 128,
+        "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "vocab_size": 129280,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-6,
+        "num_nextn_predict_layers": 1,
+    },
 }
 HF_CONFIGS["olmo-3-7b"]["layer_types"] *= 8
 
@@ -380,7 +421,11 @@ def real_config(name: str, num_layers: int | None = None) -> ModelConfig:
     kinds = cut_layers(cfg.layer_kinds, num_layers)
     sparse = tuple(i for i in cfg.sparse_layers if i < len(kinds))
     mlp_free = tuple(i for i in cfg.mlp_free_layers if i < len(kinds))
-    return dataclasses.replace(cfg, layer_kinds=kinds, sparse_layers=sparse, mlp_free_layers=mlp_free)
+    cut = dict(layer_kinds=kinds, sparse_layers=sparse, mlp_free_layers=mlp_free)
+    if cfg.dsv4 is not None:  # DeepSeek V4's hash-routed MoE layers among those kept
+        hashed = tuple(i for i in cfg.dsv4.hash_layers if i < len(kinds))
+        cut["dsv4"] = dataclasses.replace(cfg.dsv4, hash_layers=hashed)
+    return dataclasses.replace(cfg, **cut)
 
 
 def cut_layers(layer_kinds: tuple[str, ...], num_layers: int) -> tuple[str, ...]:

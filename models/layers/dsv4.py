@@ -48,6 +48,13 @@ from hicache_jax.models.layers.rope import rope_frequencies
 from hicache_jax.models.sharding import AXIS, constrain
 
 NEG_INF = -jnp.inf
+# Queries are attended a block at a time (``query_blocks``): at most QUERY_BLOCK tokens, and
+# fewer (a multiple of 8) where each reads many rows, so a block gathers at most BLOCK_ROWS
+# rows (an ``hca`` layer reads every entry the page table could hold: 8,192 of 512 channels
+# at a 1M context and page size 128, 8 MiB a token in bfloat16; unblocked, a 512-token
+# prefill chunk of V4 Flash at tp 8 needed 4.5 GiB of temporaries per chip, 0.6 in blocks).
+QUERY_BLOCK = 256
+BLOCK_ROWS = 1 << 19
 
 
 def rope_tail(x: jax.Array, positions: jax.Array, inv_freq, scale: float = 1.0) -> jax.Array:
@@ -208,6 +215,22 @@ def attend_rows(q, rows, valid, sinks, scale: float):
     return jnp.einsum("thn,tnd->thd", p, rows)
 
 
+def query_blocks(fn, block: int, *xs):
+    """``fn`` over ``xs`` (each ``[T, ...]``) ``block`` tokens at a time (``jax.lax.map``; the
+    last block padded with zeros), the results ``[T, ...]``; one call when ``T <= block``."""
+    T = xs[0].shape[0]
+    if T <= block:
+        return fn(*xs)
+    n = -(-T // block)
+
+    def split(x):
+        x = jnp.pad(x, [(0, n * block - T)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(n, block, *x.shape[1:])
+
+    out = jax.lax.map(lambda a: fn(*a), tuple(split(x) for x in xs))
+    return out.reshape(n * block, *out.shape[2:])[:T]
+
+
 def gather_rows(pages: jax.Array, table: jax.Array, seq: jax.Array, idx: jax.Array) -> jax.Array:
     """Rows ``idx [T, N]`` (row index within the sequence, clipped at 0) of each token's
     sequence from ``pages [num_pages, rows, D]``: ``[T, N, D]``."""
@@ -285,21 +308,32 @@ class Dsv4Attention(nnx.Module):
         # The window: positions pos - window + 1 .. pos of the token's sequence.
         back = jnp.arange(self.window, dtype=jnp.int32)[::-1]
         wpos = pos[:, None] - back[None, :]
-        rows = gather_rows(window.kv, table, seq, wpos)
-        valid = (wpos >= 0) & steps.live[:, None]
+        sources = [(window.kv, table)]  # each token's rows: (pages, table) at indices idx
+        idx, valid = [wpos], [(wpos >= 0) & steps.live[:, None]]
         if self.compressor is not None:
-            c_rows, c_valid = self._compressed(pages, new, x, q_resid, batch, steps)
-            rows = jnp.concatenate([rows, c_rows], axis=1)
-            valid = jnp.concatenate([valid, c_valid], axis=1)
-        o = constrain(attend_rows(q, rows, valid, self.sinks[...], D**-0.5), self.heads_split)
+            c_pages, c_table, c_idx, c_valid = self._compressed(pages, new, x, q_resid, batch, steps)
+            sources.append((c_pages, c_table))
+            idx.append(c_idx)
+            valid.append(c_valid)
+        sinks = self.sinks[...]
+
+        def attend(q, seq, *idx_valid):
+            n = len(sources)
+            rows = [gather_rows(kv, t, seq, i) for (kv, t), i in zip(sources, idx_valid[:n])]
+            ok = jnp.concatenate(idx_valid[n:], axis=1)
+            return attend_rows(q, jnp.concatenate(rows, axis=1), ok, sinks, D**-0.5)
+
+        width = sum(i.shape[1] for i in idx)  # rows each token reads
+        block = max(8, min(QUERY_BLOCK, BLOCK_ROWS // width) // 8 * 8)
+        o = constrain(query_blocks(attend, block, q, seq, *idx, *valid), self.heads_split)
         o = rope_tail(o, -pos, self.inv_freq, self.rope_scale).astype(x.dtype)  # rotate back
         o = jnp.einsum("tgi,gio->tgo", o.reshape(T, self.o_groups, -1), self.o_a[...])
         out = self.o_b_proj(o.reshape(T, -1))
         return join([new[s.kind] for s in self.specs], self.specs), out
 
     def _compressed(self, pages, new, x, q_resid, batch: ForwardBatch, steps: Steps):
-        """Write this step's compressed entries and states; the rows each token attends to
-        (``[T, N, D]``) and which are valid."""
+        """Write this step's compressed entries and states; the entries' pages and table, and
+        the rows each token attends to there (``[T, N]`` indices) and which are valid."""
         entry_kind = CacheKind.CSA if self.kind == LayerKind.CSA else CacheKind.HCA
         state_kind = CacheKind.CSA_STATE if self.kind == LayerKind.CSA else CacheKind.HCA_STATE
         pos, r = batch.positions, self.rate
@@ -325,7 +359,7 @@ class Dsv4Attention(nnx.Module):
                 (x.shape[0], table.shape[1] * per_page),
             )
             valid = (idx < visible[:, None]) & steps.live[:, None]
-            return gather_rows(stored.kv, table, steps.seq, idx), valid
+            return stored.kv, table, idx, valid
         keys = self._rope(self.indexer.kv_norm(means[:, D:]), starts)
         keys = IndexPages(
             write_rows(pages[CacheKind.INDEX].k, keys, jnp.where(ends & (slots >= 0), slots // r, -1))
@@ -337,4 +371,4 @@ class Dsv4Attention(nnx.Module):
         K = min(self.topk, table.shape[1] * per_page)
         idx = top_k_rows(iq, w, keys.k, batch.page_tables[CacheKind.INDEX], batch, visible - 1, K)
         valid = (idx >= 0) & steps.live[:, None]
-        return gather_rows(stored.kv, table, steps.seq, idx), valid
+        return stored.kv, table, idx, valid

@@ -257,3 +257,16 @@ def test_dsv4_splits_heads_and_groups(checkpoint_dir):
             ("tid2eid", model.layers[0].mlp.tid2eid),
         ]:
             assert x[...].sharding.is_fully_replicated, (tp, name)
+
+
+def test_dsv4_query_blocks_match(checkpoint_dir, monkeypatch):
+    """DeepSeek V4's attention in query blocks (``layers/dsv4.py``: ``jax.lax.map`` over
+    blocks, the last padded) gives the logits of one block, at tp 1 and split at tp 2."""
+    from hicache_jax.models.layers import dsv4
+
+    path = checkpoint_dir("deepseek_v4")
+    want = steps(load_hf(path, kernels=kernels("xla", 1)))
+    monkeypatch.setattr(dsv4, "QUERY_BLOCK", 8)  # the 24-token prefill steps: 3 blocks
+    for tp in (1, 2):
+        got = steps(load_hf(path, kernels=kernels("xla", tp)))
+        assert_same(got, want, f"query blocks of 8, tp={tp}")

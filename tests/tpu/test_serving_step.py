@@ -1,6 +1,8 @@
 """The serving step and the L2 page copies of every family, compiled for TPU slices with the
 Pallas backends: built from shapes by the engine's own code (``hicache_jax/tpu/abstract.py``),
-at real widths, cut to one layer of each kind the model has to bound compile time.
+at real widths, cut to one layer of each kind the model has to bound compile time (DeepSeek
+V4 Flash to its first four: its first three route by token id), at page size 16 (128 where
+pages must hold whole compressed entries).
 
 Each family compiles a step program on both slices (v5e:2x2 at tp 4, v6e:2x4 at tp 8): its
 largest decode bucket on one and its largest prefill bucket (mixed batches run it) on the
@@ -26,6 +28,7 @@ hicache_jax.plan``) compiles the real flags at full depth.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -54,7 +57,13 @@ STEPS = {
     "qwen3.5-27b": {V5E: "prefill", V6E: "decode"},  # GDN split by key-head group (16 over 4, 8)
     "kimi-k2": {V5E: "decode", V6E: "prefill"},  # MLA (64 heads over 8: 8 per chip), 384 experts
     "glm-5": {V5E: "prefill", V6E: "decode"},  # MLA with DSA's indexer (top 2,048), 256 experts
+    # One K=V head of 512 (64 query heads over 8: 8 per chip), a window of 128, CSA's indexer
+    # (top 512) and HCA's every entry, 4 mHC streams, 256 experts (hash-routed, then top 6).
+    "deepseek-v4-flash": {V5E: "decode", V6E: "prefill"},
 }
+# Deeper cuts than one layer per kind: DeepSeek V4 Flash's first 3 layers are hash-routed, so
+# its 4th (window, window, CSA, HCA) is the one whose experts the router picks.
+NUM_LAYERS = {"deepseek-v4-flash": 4}
 # Gated DeltaNet families compile the xla GDN kernel beside Pallas attention until the GDN
 # Pallas kernels land (their own branch); the xla chunked scan makes the prefill programs
 # the slowest here (60-80 s).
@@ -97,8 +106,11 @@ def copy_names(server: AbstractServer) -> set[str]:
 
 def compile_chosen(family: str, topology: str):
     gdn = {} if GDN_PALLAS or family not in GDN_FAMILIES else {"ssd_backend": "xla"}
-    cfg = EngineConfig(tp_size=TP[topology], **SERVING, **gdn)
-    server = AbstractServer.build(real_config(family, num_layers=1), cfg, target(topology))
+    model_cfg = real_config(family, num_layers=NUM_LAYERS.get(family, 1))
+    # Pages hold whole compressed entries (DeepSeek V4: a multiple of 128).
+    page_size = math.lcm(SERVING["page_size"], model_cfg.page_multiple)
+    cfg = EngineConfig(tp_size=TP[topology], **(SERVING | {"page_size": page_size}), **gdn)
+    server = AbstractServer.build(model_cfg, cfg, target(topology))
     kinds = {"decode", "prefill", "rows"} if FULL else {STEPS[family][topology]}
     want = step_names(server, kinds) | copy_names(server)
     compiled = dict(server.compile(lambda name: name in want))
@@ -132,4 +144,10 @@ def test_serving_programs_compile(family, topology):
 # heads of 64 per chip) pad 8-16x in the TPU's (8, 128) tiles, so XLA lays the pool out
 # page-index-minor and copies it whole into the kernel's row layout every step. Storing
 # pools as [pages, page_size, Hkv * D] (rows of 128 lanes, heads side by side) would fix it.
-POOL_COPIED = {"gpt-oss-20b"}
+#
+# DeepSeek V4's attention is XLA's own gathers (no kernel reads its pools by DMA), and XLA
+# stages pools that fit in VMEM there whole, every step: at this 65,536-token budget the
+# compressed ones on v5e (CSA entries 16 MiB, indexer keys 4 MiB, HCA entries and state) and
+# the window rows too (64 MiB) in v6e's prefill. Pools of a serving budget outgrow VMEM; a
+# kernel reading the window and the picked entries by DMA would fix it at any size.
+POOL_COPIED = {"gpt-oss-20b", "deepseek-v4-flash"}
