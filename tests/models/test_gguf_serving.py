@@ -23,6 +23,7 @@ from tests.cache.l3_helpers import P, assert_same_as_recompute, hicache_llm, two
 
 COMMON = dict(dtype="float32", page_size=P, chunked_prefill_size=64, max_running_requests=4)
 CHAT = {"max_new_tokens": 16, "temperature": 0}
+POOL_TOKENS = 13 * P  # 13 device pages: the two conversations do not fit in L1 together
 # Two conversations with their own system prompts (no shared prefix), (system, questions).
 CONVERSATIONS = {
     "a": (
@@ -52,7 +53,9 @@ def path():
 
 @pytest.fixture(scope="module")
 def recompute(path):
-    llm = LLM(model_path=path, disable_radix_cache=True, **COMMON)
+    # The tiers' pool size too: the same step shapes, so their programs are compiled once
+    # (each real-weights program costs about 5 s to compile on this machine).
+    llm = LLM(model_path=path, disable_radix_cache=True, max_total_tokens=POOL_TOKENS, **COMMON)
     yield llm
     llm.close()
 
@@ -64,7 +67,7 @@ def tiers(path, tmp_path_factory):
     llm = hicache_llm(
         tmp_path_factory.mktemp("l3"),
         model_path=path,
-        max_total_tokens=13 * P,
+        max_total_tokens=POOL_TOKENS,
         hicache_prefetch_threshold=64,
         **COMMON,
     )
