@@ -108,15 +108,14 @@ def plan(
     weights = server.weights_bytes()
     split = server.cache_bytes_by_kind()
     kv, state = split["kv"], split["state"]
-    progress(f"weights {weights / GiB:.2f} GiB, cache {(kv + state) / GiB:.2f} GiB per chip; compiling")
+    progress(f"weights {weights / GiB:.2f} GiB, cache {(kv + state) / GiB:.2f} GiB per chip")
+    if weights + kv + state > hbm:  # no program compiles (the compiler refuses it): say so now
+        raise DoesNotFit(_over(weights, kv + state, None, hbm, target))
+    progress("compiling")
     temp, temp_program = _temporaries(server, progress)
     need = weights + kv + state + temp
     if need > hbm:
-        raise DoesNotFit(
-            f"does not fit: {need / GiB:.2f} GiB per chip needed (weights {weights / GiB:.2f}, cache "
-            f"{(kv + state) / GiB:.2f}, temporaries {temp / GiB:.2f}), {target.chip.name} has "
-            f"{hbm / GiB:.2f} GiB: {(need - hbm) / GiB:.2f} GiB over"
-        )
+        raise DoesNotFit(_over(weights, kv + state, temp, hbm, target))
     free = hbm - need
     per_token = kv / cfg.max_total_tokens  # both page pools scale with max_total_tokens
     tokens = cfg.max_total_tokens + int(free // per_token) if per_token else cfg.max_total_tokens
@@ -143,6 +142,18 @@ def plan(
         state_slots_that_fit=slots_fit,
         steps=steps,
         l3_read_bytes_per_token=read_bytes_per_token(model_cfg, dtype_bytes, cfg.page_size),
+    )
+
+
+def _over(weights: int, cache: int, temp: int | None, hbm: int, target: TpuTarget) -> str:
+    """The one line saying by how much a configuration does not fit (``temp`` None: its
+    weights and cache alone do not, so nothing was compiled)."""
+    need = weights + cache + (temp or 0)
+    parts = f"weights {weights / GiB:.2f}, cache {cache / GiB:.2f}"
+    parts += ", before temporaries" if temp is None else f", temporaries {temp / GiB:.2f}"
+    return (
+        f"does not fit: {need / GiB:.2f} GiB per chip needed ({parts}), {target.chip.name} has "
+        f"{hbm / GiB:.2f} GiB: {(need - hbm) / GiB:.2f} GiB over"
     )
 
 
