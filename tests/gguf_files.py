@@ -5,6 +5,8 @@ the real SmolLM2-135M-Instruct GGUF when its wheel is installed."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 
@@ -83,6 +85,31 @@ def smollm2_path() -> str:
         return installed_model("smollm2-135m-instruct")
     except ModelNotFound as e:
         pytest.skip(str(e))
+
+
+@contextlib.contextmanager
+def parsed_once():
+    """Inside, transformers' GGUF loading parses each file once: it parses the file for the
+    config, again for the weights and again for the tokenizer (about 4 s each for SmolLM2,
+    most of it the 49,152-token vocabulary), and rebuilds gguf's tensor-name table for every
+    tensor (397 times, 5.5 s). Each parse and table is made once and shared (both are pure
+    functions of the read-only file and of the architecture); transformers' conversion runs
+    as it is."""
+    import gguf
+
+    parse, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = parse(path, *args, **kwargs)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+    assert readers, "transformers no longer reads GGUF files through gguf.GGUFReader"
 
 
 def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:

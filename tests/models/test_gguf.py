@@ -44,31 +44,11 @@ def llm(path):
 
 @pytest.fixture(scope="module")
 def reference(path):
-    """transformers' model and tokenizer from the GGUF. transformers parses the file three
-    times (config, weights, tokenizer: about 4 s each here, most of it the 49,152-token
-    vocabulary) and rebuilds gguf's tensor-name table for every tensor (397 times, 5.5 s);
-    here each parse and table is made once and shared (both are pure functions of the
-    read-only file and of the architecture), which leaves transformers' conversion as it is."""
-    import functools
-
-    import gguf
     import transformers as tf
 
-    readers = {}
-
-    def reader(path, *args, **kwargs):
-        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = parse(path, *args, **kwargs)
-        return readers[key]
-
-    parse = gguf.GGUFReader
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", reader)
-        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    with gguf_files.parsed_once():  # transformers' own conversion, without its repeated parses
         model = gguf_files.load_reference(path)
         tok = tf.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    assert len(readers) == 1  # transformers still reads the file through gguf.GGUFReader
     return model, tok
 
 
