@@ -324,7 +324,9 @@ class Dsv4Attention(nnx.Module):
             return attend_rows(q, jnp.concatenate(rows, axis=1), ok, sinks, D**-0.5)
 
         width = sum(i.shape[1] for i in idx)  # rows each token reads
-        block = max(8, min(QUERY_BLOCK, BLOCK_ROWS // width) // 8 * 8)
+        most = max(8, min(QUERY_BLOCK, BLOCK_ROWS // width) // 8 * 8)
+        n = -(-T // most)  # blocks of equal size (a multiple of 8), the least padding
+        block = -(-T // (8 * n)) * 8
         o = constrain(query_blocks(attend, block, q, seq, *idx, *valid), self.heads_split)
         o = rope_tail(o, -pos, self.inv_freq, self.rope_scale).astype(x.dtype)  # rotate back
         o = jnp.einsum("tgi,gio->tgo", o.reshape(T, self.o_groups, -1), self.o_a[...])
