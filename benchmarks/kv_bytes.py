@@ -44,46 +44,8 @@ from hicache_jax.tpu.configs import HF_CONFIGS, real_config
 BF16 = 2
 KIB = 1024
 
-# DeepSeek V4 Flash's published config.json (the fields the reader uses; layers 0 and 1
-# sliding only, then CSA at even and HCA at odd layers; the trailing 0 is the MTP layer).
-V4_FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "vocab_size": 129280,
-    "hidden_size": 4096,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 43,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 1,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1024,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "n_routed_experts": 256,
-    "num_experts_per_tok": 6,
-    "n_shared_experts": 1,
-    "scoring_func": "sqrtsoftplus",
-    "routed_scaling_factor": 1.5,
-    "norm_topk_prob": True,
-    "num_hash_layers": 3,
-    "swiglu_limit": 10.0,
-    "sliding_window": 128,
-    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
-    "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "index_topk": 512,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 1048576,
-    "rms_norm_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
+# DeepSeek V4 Flash's published config.json (``tpu/configs.py``).
+V4_FLASH = HF_CONFIGS["deepseek-v4-flash"]
 # V4 Pro's attention layout on Flash's attention widths (KV only: its hidden size, heads and
 # experts differ and are not needed here).
 V4_PRO_KV = V4_FLASH | {
