@@ -1,0 +1,66 @@
+"""Compile-only: DeepSeek V4's attention kernel over per-token row lists
+(``models/kernels/paged_row_attention``) compiles for TPU v5e and v6e at V4 Flash's per-chip
+widths (tp 8: 8 query heads of 512 per chip over one shared K=V row of 512, bfloat16), for
+decode (64 sequences) and a prefill chunk (2,048 tokens), over each source a token reads:
+the window (128 rows of the ``swa`` pool) and the compressed entries (``csa``: the indexer's
+top 512; ``hca``: every entry the table holds). Its cost estimate counts at least the bytes
+the rows must move. (``tests/tpu/conftest.py`` skips all without libtpu.)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from hicache_jax.models.kernels.paged_row_attention import kernel
+from hicache_jax.tpu import target
+
+V5E, V6E = target.TOPOLOGIES[0], target.TOPOLOGIES[1]
+HEADS, WIDTH = 8, 512  # per chip at tp 8
+NUM_PAGES = 2048
+
+# (topology, tokens, sequences, rows a token lists, rows per page, pages per sequence)
+CASES = [
+    (V5E, 64, 64, 128, 128, 64),  # decode, the window: 128-token pages
+    (V6E, 64, 64, 512, 64, 128),  # decode, csa top 512: 256-token pages, 4 tokens an entry
+    (V5E, 2048, 1, 512, 32, 256),  # prefill, csa top 512: 128-token pages
+    (V6E, 2048, 1, 128, 256, 16),  # prefill, the window: 256-token pages
+    (V6E, 64, 64, 1024, 2, 512),  # decode, hca: every entry, 256-token pages, 128 an entry
+]
+
+
+def compile_rows(topology: str, T: int, S: int, N: int, rows: int, max_pages: int):
+    mesh = target.target(topology).mesh(1)
+    a = functools.partial(target.abstract, mesh)
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    args = (
+        a((T, HEADS, WIDTH), bf16),
+        a((NUM_PAGES, rows, WIDTH), bf16),
+        a((S, max_pages), i32),
+        a((T,), i32),
+        a((T, N), i32),
+    )
+    fn = functools.partial(kernel.paged_row_attention, sm_scale=WIDTH**-0.5)
+    return target.compile_for(mesh, fn, *args)
+
+
+def _kernel_cost(compiled) -> dict:
+    m = re.search(r'\\?"cost_estimate\\?":\s*(\{[^}]*\})', compiled.as_text())
+    return {k: int(v) for k, v in json.loads(m.group(1).replace('\\"', '"')).items()}
+
+
+@pytest.mark.parametrize("topology, T, S, N, rows, max_pages", CASES, ids=str)
+def test_row_attention_compiles(topology, T, S, N, rows, max_pages):
+    compiled = compile_rows(topology, T, S, N, rows, max_pages)
+    est = _kernel_cost(compiled)
+    moved = T * N * WIDTH * 2  # each listed row, bfloat16, once per token
+    G = kernel.group_rows(jnp.bfloat16)  # a bfloat16 row comes with its pair partner
+    ids_and_queries = T * N * 4 * (1 + G) + T * HEADS * WIDTH * (2 + 4) + T * HEADS * 4
+    assert est["bytes_accessed"] == G * moved + ids_and_queries
+    assert est["flops"] == 4 * T * HEADS * N * G * WIDTH
+    # The pool is read in place: no copy of it before the kernel.
+    assert compiled.memory_analysis().temp_size_in_bytes < NUM_PAGES * rows * WIDTH * 2 // 4
