@@ -135,6 +135,21 @@ def attention_fn(backend: str, interpret: bool = False) -> Callable:
 
 
 @functools.cache
+def row_attention_fn(backend: str, interpret: bool = False) -> Callable:
+    """Attention over per-token row lists of a paged pool (DeepSeek V4's window and
+    compressed entries): ``fn(q, pages, table, seq, idx, *, sm_scale) -> (o, lse)``."""
+    if backend == "xla":
+        from hicache_jax.models.kernels.paged_row_attention.reference import paged_row_attention
+
+        return paged_row_attention
+    if backend == "pallas":
+        from hicache_jax.models.kernels.paged_row_attention import kernel
+
+        return functools.partial(kernel.paged_row_attention, interpret=interpret)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+@functools.cache
 def kv_write_fn(backend: str, interpret: bool = False) -> Callable:
     """``fn(k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)``."""
     if backend == "xla":

@@ -47,6 +47,16 @@ def latent_attention(fn: Callable, mesh: Mesh | None, **static) -> Callable:
     return _per_shard(fn, mesh, (_HEADS, P(), P(), P(), P(), P(), P()), _HEADS)
 
 
+def row_attention(fn: Callable, mesh: Mesh | None, **static) -> Callable:
+    """``fn(q, pages, table, seq, idx) -> (o, lse)`` per shard: the queries (and the
+    output and log-sum-exp) split by head, the pool, table and row lists whole on every
+    device (DeepSeek V4's K=V rows are replicated)."""
+    fn = functools.partial(fn, **static)
+    if mesh is None:
+        return fn
+    return _per_shard(fn, mesh, (_HEADS, P(), P(), P(), P()), (_HEADS, P(None, AXIS)))
+
+
 def kv_write(fn: Callable, mesh: Mesh | None) -> Callable:
     """``fn(k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)`` per shard."""
     if mesh is None:

@@ -41,6 +41,9 @@ from hicache_jax.kinds import CacheKind, LayerKind
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import CompressorState, IndexPages, SharedKVPages, join, paged_specs, parts
 from hicache_jax.models.config import ModelConfig
+from hicache_jax.models.kernels import backend, sharded
+from hicache_jax.models.kernels.backend import KernelConfig
+from hicache_jax.models.kernels.paged_row_attention.reference import merge as merge_sources
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.mla import _token_seqs, top_k_rows, write_rows
 from hicache_jax.models.layers.norms import RMSNorm, rms_normalize
@@ -241,8 +244,12 @@ def gather_rows(pages: jax.Array, table: jax.Array, seq: jax.Array, idx: jax.Arr
 
 
 class Dsv4Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, mesh=None):
+    def __init__(
+        self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels: KernelConfig | None = None
+    ):
         v, h, H, D = cfg.dsv4, cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.kernels = kernels = kernels or KernelConfig()
+        mesh = kernels.mesh
         # Tensor parallelism (``models/sharding.py``): queries and the attention's output
         # are pinned to the head split; XLA partitions the rest around them.
         self.heads_split = None if mesh is None else NamedSharding(mesh, P(None, AXIS, None))
@@ -316,6 +323,19 @@ class Dsv4Attention(nnx.Module):
             idx.append(c_idx)
             valid.append(c_valid)
         sinks = self.sinks[...]
+        if self.kernels.attention_backend == "pallas":
+            o = self._attend_sources(q, seq, sources, idx, valid, sinks)
+        else:
+            o = self._attend_gathered(q, seq, sources, idx, valid, sinks)
+        o = rope_tail(o, -pos, self.inv_freq, self.rope_scale).astype(x.dtype)  # rotate back
+        o = jnp.einsum("tgi,gio->tgo", o.reshape(T, self.o_groups, -1), self.o_a[...])
+        out = self.o_b_proj(o.reshape(T, -1))
+        return join([new[s.kind] for s in self.specs], self.specs), out
+
+    def _attend_gathered(self, q, seq, sources, idx, valid, sinks):
+        """Plain JAX (the ``xla`` backend): each block of tokens gathers its rows of every
+        source, then one softmax with the sink; float32 ``[T, H, D]``."""
+        T, D = q.shape[0], self.head_dim
 
         def attend(q, seq, *idx_valid):
             n = len(sources)
@@ -327,11 +347,18 @@ class Dsv4Attention(nnx.Module):
         most = max(8, min(QUERY_BLOCK, BLOCK_ROWS // width) // 8 * 8)
         n = -(-T // most)  # blocks of equal size (a multiple of 8), the least padding
         block = -(-T // (8 * n)) * 8
-        o = constrain(query_blocks(attend, block, q, seq, *idx, *valid), self.heads_split)
-        o = rope_tail(o, -pos, self.inv_freq, self.rope_scale).astype(x.dtype)  # rotate back
-        o = jnp.einsum("tgi,gio->tgo", o.reshape(T, self.o_groups, -1), self.o_a[...])
-        out = self.o_b_proj(o.reshape(T, -1))
-        return join([new[s.kind] for s in self.specs], self.specs), out
+        return constrain(query_blocks(attend, block, q, seq, *idx, *valid), self.heads_split)
+
+    def _attend_sources(self, q, seq, sources, idx, valid, sinks):
+        """The Pallas kernel (``pallas`` backend): each source's rows by DMA from its pool,
+        per token, an output and log-sum-exp each, merged with the sink; float32 ``[T, H, D]``."""
+        fn = backend.row_attention_fn("pallas", self.kernels.interpret)
+        attend = sharded.row_attention(fn, self.kernels.mesh, sm_scale=self.head_dim**-0.5)
+        parts = [
+            attend(q, pages, table, seq, jnp.where(ok, i, -1))
+            for (pages, table), i, ok in zip(sources, idx, valid, strict=True)
+        ]
+        return constrain(merge_sources(parts, sinks), self.heads_split)
 
     def _compressed(self, pages, new, x, q_resid, batch: ForwardBatch, steps: Steps):
         """Write this step's compressed entries and states; the entries' pages and table, and

@@ -91,7 +91,7 @@ class HyperDecoderLayer(nnx.Module):
         self.ffn_hc = HyperConnection(cfg, rngs=rngs)
         self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mixer = Dsv4Attention(cfg, kind, dtype=dtype, rngs=rngs, mesh=kernels.mesh)
+        self.mixer = Dsv4Attention(cfg, kind, dtype=dtype, rngs=rngs, kernels=kernels)
         hashed = cfg.vocab_size if layer in cfg.dsv4.hash_layers else 0
         moe = dict(mesh=kernels.mesh, path=kernels.moe_path, hash_vocab=hashed)
         self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype=dtype, rngs=rngs, **moe)

@@ -49,10 +49,10 @@ def group_rows(dtype) -> int:
     return max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
-def cost(T: int, H: int, N: int, D: int, dtype, q_dtype) -> pl.CostEstimate:
+def cost(T: int, H: int, N: int, D: int, G: int, dtype, q_dtype) -> pl.CostEstimate:
     """The static bound: every token scores all ``N`` listed rows (their ``G``-row groups);
     a block past its last valid id is skipped at run time."""
-    G, item = group_rows(dtype), jnp.dtype(dtype).itemsize
+    item = jnp.dtype(dtype).itemsize
     return pl.CostEstimate(
         flops=4 * T * H * N * G * D,
         transcendentals=T * H * N * G,
@@ -172,13 +172,14 @@ def paged_row_attention(
 ) -> tuple[jax.Array, jax.Array]:  # o [T, H, D] f32, lse [T, H] f32
     T, H, D = q.shape
     num_pages, R, Dp = pages.shape
-    G = group_rows(pages.dtype)
+    packing = group_rows(pages.dtype)
+    G = packing if R % packing == 0 else 1  # one row a page: always its own slice
     if Dp != D:
         raise ValueError(f"queries are {D} wide, the pool's rows {Dp}")
     if block_rows % LANES:
         raise ValueError(f"block_rows={block_rows} must be a multiple of {LANES}")
-    if R % G:
-        raise ValueError(f"{R} rows per page: a {pages.dtype} pool needs a multiple of {G}")
+    if G < packing and R > 1 and not interpret:
+        raise ValueError(f"{R} rows a page of {pages.dtype.name}: Mosaic copies rows in groups of {packing}")
     N = idx.shape[1]
     Np = -(-N // block_rows) * block_rows
     flat = jnp.pad(row_ids(table, seq, idx, R), ((0, 0), (0, Np - N)), constant_values=-1)  # [T, Np]
@@ -211,7 +212,7 @@ def paged_row_attention(
         ],
         # Every step starts and drains its own copies, so steps may run in any order.
         compiler_params=vmem.compiler_params(("parallel",)),
-        cost_estimate=cost(T, H, Np, D, pages.dtype, q.dtype),
+        cost_estimate=cost(T, H, Np, D, G, pages.dtype, q.dtype),
         interpret=interpret,
     )(nblk, flat.reshape(-1), keep, q, vmem.in_hbm(pages, interpret))
     return o, lse[..., 0]
