@@ -242,6 +242,12 @@ class MLA(nnx.Module):
             attend = sharded.latent_attention(fn, self.kernels.mesh, sm_scale=self.scale, q_block=q_block)
             rows = latent.c[:, :, None, :]  # [pages, page_size, 1, L + R]: a bitcast of the pool
             o = attend(q, rows, rows, batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs)
+        elif self.kernels.attention_backend == "pallas":  # the picked rows by DMA, per token
+            fn = backend.row_attention_fn("pallas", self.kernels.interpret)
+            attend = sharded.row_attention(fn, self.kernels.mesh, sm_scale=self.scale)
+            live = (jnp.arange(T) < batch.cu_q_lens[batch.num_seqs])[:, None]
+            seq = _token_seqs(batch, table.shape[0])
+            o, _ = attend(q, latent.c, table, seq, jnp.where(live, picks, -1))
         else:
             o = attend_picked(q, latent.c, table, batch, picks, self.scale)
         o = jnp.einsum("thl,hlv->thv", o[..., : self.rank].astype(x.dtype), self.w_uv[...])

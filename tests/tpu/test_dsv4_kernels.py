@@ -64,3 +64,29 @@ def test_row_attention_compiles(topology, T, S, N, rows, max_pages):
     assert est["flops"] == 4 * T * HEADS * N * G * WIDTH
     # The pool is read in place: no copy of it before the kernel.
     assert compiled.memory_analysis().temp_size_in_bytes < NUM_PAGES * rows * WIDTH * 2 // 4
+
+
+# DeepSeek Sparse Attention (GLM-5's ``mla.py`` picks): 16 query heads a chip over the
+# 576-wide latent rows (512 + 64 rope, not a multiple of 128 lanes), the indexer's top 2,048.
+DSA_CASES = [(V5E, 64, 64, 64), (V6E, 2048, 1, 64)]
+
+
+@pytest.mark.parametrize("topology, T, S, page_size", DSA_CASES, ids=str)
+def test_picked_latent_rows_compile(topology, T, S, page_size):
+    mesh = target.target(topology).mesh(1)
+    a = functools.partial(target.abstract, mesh)
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    args = (
+        a((T, 16, 576), bf16),
+        a((NUM_PAGES, page_size, 576), bf16),
+        a((S, 2048), i32),
+        a((T,), i32),
+        a((T, 2048), i32),
+    )
+    fn = functools.partial(kernel.paged_row_attention, sm_scale=192**-0.5)
+    compiled = target.compile_for(mesh, fn, *args)
+    # A known defect, asserted so that its fix shows (as the latent case of
+    # test_attention_kernels.py): 576 is not a multiple of 128 lanes, so XLA:TPU lays the pool
+    # out page-index-minor and copies it whole into the kernel's row layout on every call.
+    pool = NUM_PAGES * page_size * 576 * 2
+    assert compiled.memory_analysis().temp_size_in_bytes >= pool, "no pool copy now: assert none"

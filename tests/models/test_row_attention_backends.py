@@ -1,15 +1,18 @@
-"""DeepSeek V4 with the Pallas row-attention kernel (interpret mode) equals the xla backend:
-a prompt in chunks over NaN-filled pools, then a ragged step mixing one sequence's decode
-with another's prefill chunk (window, CSA and HCA layers, each source merged with the sink).
+"""The Pallas row-attention kernel (interpret mode) in the models equals the xla backend:
+DeepSeek V4's attention (window, CSA and HCA layers, each source merged with the sink) and
+DeepSeek Sparse Attention's picked latent rows (GLM-5, ``index_topk`` below the context).
+A prompt in chunks over NaN-filled pools, then ragged steps mixing one sequence's decode
+with another's prefill chunk.
 """
 
 import numpy as np
+import pytest
 
 from hicache_jax.models import KernelConfig, load_hf
-from tests.hf_checkpoints import PAGE
+from tests.hf_checkpoints import PAGE, make
 from tests.models.steps import build_step, jit_forward, kv_groups, logits_of, sequence
 
-LENGTH = 40  # > 2 pages; past the first compressed entries of every layer kind
+LENGTH = 40  # > 2 pages; past the first compressed entries of every V4 layer kind
 
 
 def run(model, ids_a, ids_b):
@@ -27,8 +30,9 @@ def run(model, ids_a, ids_b):
     return np.concatenate(out)
 
 
-def test_pallas_rows_match_xla(checkpoint_dir):
-    path = checkpoint_dir("deepseek_v4")
+@pytest.mark.parametrize("family, overrides", [("deepseek_v4", None), ("glm_moe_dsa", {"index_topk": 8})])
+def test_pallas_rows_match_xla(tmp_path, family, overrides):
+    path = make(family, str(tmp_path), overrides=overrides)
     rng = np.random.RandomState(3)
     xla = load_hf(path, kernels=KernelConfig(attention="xla"))
     ids_a, ids_b = (rng.randint(0, xla.cfg.vocab_size, LENGTH) for _ in range(2))
