@@ -23,6 +23,7 @@ from hicache_jax.models.layers.mamba2 import Mamba2Mixer
 from hicache_jax.models.layers.mla import MLA
 from hicache_jax.models.layers.mlp import MLP
 from hicache_jax.models.layers.moe import MoE
+from hicache_jax.models.layers.mtp import MTPBlock
 from hicache_jax.models.layers.norms import RMSNorm
 from hicache_jax.models.page_loads import land
 from hicache_jax.models.sharding import (
@@ -159,6 +160,14 @@ class CausalLM(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
+        # DeepSeek V4's multi-token-prediction blocks, kept for drafting (``layers/mtp.py``);
+        # ``__call__`` does not run them. None without any.
+        nextn = cfg.dsv4.num_nextn_predict_layers if cfg.dsv4 is not None else 0
+        self.mtp = (
+            nnx.List([MTPBlock(cfg, i, dtype=dtype, rngs=rngs, kernels=kernels) for i in range(nextn)])
+            if nextn
+            else None
+        )
 
     def __call__(self, cache: tuple, batch: ForwardBatch) -> tuple[tuple, jax.Array]:
         """One step: returns the updated cache and float32 logits ``[R, vocab]`` for the rows
@@ -178,8 +187,7 @@ class CausalLM(nnx.Module):
         x = x[batch.logits_indices]
         if self.hc_head is not None:
             x = self.hc_head(x)
-        x = self.final_norm(x)
-        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = self.unembed(self.final_norm(x))
         # Each device computes its vocabulary shard (left to itself, XLA gathers the whole
         # embedding instead), and the logits stay split: the sampler gathers the rows it
         # samples from and reduces the others' logprobs across the shards, so no chip holds
@@ -191,6 +199,10 @@ class CausalLM(nnx.Module):
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)
         return tuple(new_cache), logits
+
+    def unembed(self, x: jax.Array) -> jax.Array:
+        """The LM head (the tied embedding, or ``lm_head``): ``[R, hidden]`` -> ``[R, vocab]``."""
+        return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 
     def forward_full(self, input_ids: jax.Array) -> jax.Array:
         """Whole sequences from an empty cache: ``[B, T]`` ids -> ``[B, T, vocab]`` logits."""

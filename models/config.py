@@ -165,7 +165,9 @@ class Dsv4Config:
     of ``o_lora_rank``. Compressed layers rotate with ``compress_rope_theta`` (and
     ``compress_yarn``), sliding ones with ``ModelConfig.rope_theta``. ``hc_mult`` residual
     streams are mixed around each block by Sinkhorn-normalised matrices (``layers/hyper.py``).
-    The MoE layers in ``hash_layers`` choose experts by token id (``tid2eid``)."""
+    The MoE layers in ``hash_layers`` choose experts by token id (``tid2eid``).
+    ``num_nextn_predict_layers`` multi-token-prediction blocks (``layers/mtp.py``, for
+    speculative decoding) each hold one more layer, of ``mtp_kind``."""
 
     q_lora_rank: int
     o_groups: int
@@ -183,6 +185,7 @@ class Dsv4Config:
     hc_eps: float = 1e-6
     hash_layers: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 0
+    mtp_kind: str = LayerKind.SWA_MQA
 
     def __post_init__(self):
         for name in ("q_lora_rank", "o_groups", "o_lora_rank", "qk_rope_head_dim", "csa_rate", "hca_rate"):
@@ -193,6 +196,14 @@ class Dsv4Config:
         if self.hc_mult < 1 or self.hc_sinkhorn_iters < 1:
             raise ValueError(f"Dsv4Config: hc_mult {self.hc_mult} and hc_sinkhorn_iters must be >= 1")
         object.__setattr__(self, "hash_layers", tuple(self.hash_layers))
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(
+                f"Dsv4Config.num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}"
+            )
+        kinds = (LayerKind.SWA_MQA, LayerKind.CSA, LayerKind.HCA)
+        if self.mtp_kind not in kinds:
+            raise ValueError(f"Dsv4Config.mtp_kind {self.mtp_kind!r}: want one of {[str(k) for k in kinds]}")
+        object.__setattr__(self, "mtp_kind", LayerKind(self.mtp_kind))
 
     def rate(self, kind: str) -> int:
         """Tokens per compressed entry of a ``csa`` or ``hca`` layer."""
@@ -503,12 +514,27 @@ class ModelConfig:
         return cls(**d)
 
     def num_params(self) -> int:
-        """Parameter count (for presets and benchmarks)."""
-        return self._outer_params() + self._layer_params(active=False)
+        """Parameter count (for presets and benchmarks): every parameter the model holds,
+        DeepSeek V4's multi-token-prediction blocks included (as the published checkpoint
+        holds them; transformers' model has none)."""
+        return self._outer_params() + self._layer_params(active=False) + self.mtp_params()
 
     def active_params(self) -> int:
-        """Parameters one token's forward reads (its ``top_k`` experts of each MoE layer)."""
+        """Parameters one token's forward reads (its ``top_k`` experts of each MoE layer;
+        not the multi-token-prediction blocks, which only drafting runs)."""
         return self._outer_params() + self._layer_params(active=True)
+
+    def mtp_params(self) -> int:
+        """DeepSeek V4's multi-token-prediction blocks: each three norms, ``e_proj`` and
+        ``h_proj``, its layer (a score-routed MoE) and its own stream-collapsing head; the
+        embedding and LM head are the model's."""
+        v = self.dsv4
+        if v is None or not v.num_nextn_predict_layers:
+            return 0
+        h, hc = self.hidden_size, v.hc_mult
+        layer = 2 * h + self.mlp_params(self.num_layers) + self._dsv4_params(v.mtp_kind)
+        block = 3 * h + 2 * h * h + layer + hc * (hc * h + 1) + 1
+        return v.num_nextn_predict_layers * block
 
     def _outer_params(self) -> int:
         """Embeddings, LM head, final norm (and DeepSeek V4's stream-collapsing head)."""
@@ -520,11 +546,13 @@ class ModelConfig:
         return n
 
     def mlp_params(self, layer: int, active: bool = False) -> int:
-        """The MLP's parameters in layer ``layer`` (with ``active``, those one token uses)."""
+        """The MLP's parameters in layer ``layer`` (with ``active``, those one token uses;
+        DeepSeek V4's layers past ``num_layers`` are its MTP blocks')."""
         h = self.hidden_size
         if layer in self.mlp_free_layers:
             return 0
-        if layer not in self.sparse_layers:
+        mtp = self.dsv4 is not None and layer >= self.num_layers  # an MTP block's layer: MoE
+        if layer not in self.sparse_layers and not mtp:
             return (3 if self.mlp_gated else 2) * h * self.intermediate_size
         m = self.moe
         experts = m.top_k if active else m.num_experts

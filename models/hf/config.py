@@ -731,8 +731,11 @@ def deepseek_v4(hf: dict, where: str) -> ModelConfig:
     layers (``layer_types``, or the published configs' ``compress_ratios`` 0 / 4 / 128),
     ``hc_mult`` residual streams, and MoE in every layer: ``sqrtsoftplus`` scores with a
     correction bias, or in ``hash_moe`` layers (``mlp_layer_types``, or the first
-    ``num_hash_layers``) experts chosen by token id. The multi-token-prediction layer
-    (``num_nextn_predict_layers``) is counted, not loaded: speculative decoding is not run."""
+    ``num_hash_layers``) experts chosen by token id. The ``num_nextn_predict_layers``
+    multi-token-prediction blocks (``layers/mtp.py``) are built and loaded, for drafting; each
+    block's layer kind is the entry past the last layer in ``layer_types`` /
+    ``compress_ratios`` (the published Flash config's trailing 0: a sliding window), or a
+    sliding window when the list stops at the last layer."""
     arch = hf["architectures"][0]
     _check(hf, where, hidden_act="silu", attention_bias=False, scoring_func="sqrtsoftplus")
     quant = hf.get("quantization_config")
@@ -757,7 +760,13 @@ def deepseek_v4(hf: dict, where: str) -> ModelConfig:
         types += [
             "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(n - 2)
         ]
-    types = list(types)[:n]
+    nextn = hf.get("num_nextn_predict_layers", 0)
+    types, mtp_type = list(types)[:n], (list(types)[n:] or ["sliding_attention"])[0]
+    if mtp_type not in V4_LAYER_KINDS:
+        want = sorted(V4_LAYER_KINDS)
+        raise CheckpointError(
+            f"{where}: the MTP layer's kind {mtp_type!r} (past layer {n}): want one of {want}"
+        )
     bad = [t for t in types if t not in V4_LAYER_KINDS]
     if bad or len(types) != n:
         raise CheckpointError(f"{where}: layer_types {types!r}: want {n} of {sorted(V4_LAYER_KINDS)}")
@@ -802,13 +811,16 @@ def deepseek_v4(hf: dict, where: str) -> ModelConfig:
         hc_sinkhorn_iters=hf.get("hc_sinkhorn_iters", 20),
         hc_eps=float(hf.get("hc_eps", 1e-6)),
         hash_layers=tuple(i for i, t in enumerate(mlp_types) if t == "hash_moe"),
-        num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 0),
+        num_nextn_predict_layers=nextn,
+        mtp_kind=V4_LAYER_KINDS[mtp_type],
     )
-    if v4.num_nextn_predict_layers:
+    if nextn:
         log.info(
-            "%s: its %d multi-token-prediction layer(s) are not loaded (speculative decoding is not run)",
+            "%s: its %d multi-token-prediction block(s) (mtp.<k>.*, a %s layer each) are loaded "
+            "for drafting; the forward pass does not run them",
             where,
-            v4.num_nextn_predict_layers,
+            nextn,
+            mtp_type,
         )
     moe = MoEConfig(
         num_experts=hf["n_routed_experts"],

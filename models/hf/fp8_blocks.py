@@ -24,6 +24,8 @@ and the routed experts' weights as FP4: ``N.weight`` ``[out, in / 2]`` int8, two
 a byte (the even column in the low four bits, as MXFP4, ``mxfp4.py``), with
 ``N.weight_scale_inv`` ``[out, in / 32]``: each run of 32 values along a row shares a scale.
 Both read dequantized here; the weight's dtype (E4M3 or int8) says which rule applies.
+The published V4 files name a weight's scales ``N.scale`` (DeepSeek's ``Linear.scale``),
+not ``N.weight_scale_inv``; either name is read.
 
 Not supported, and refused by ``check_config`` or on read: per-tensor or per-channel
 scales (``weight_block_size`` null, ``weight_scale`` tensors), other block sizes and E5M2.
@@ -41,6 +43,7 @@ from hicache_jax.models.hf.safetensors_io import CheckpointError
 
 BLOCK = (128, 128)  # (rows, cols) of a weight that share one scale
 SCALE = "_scale_inv"  # N.weight's scales are N.weight_scale_inv
+V4_SCALE = "scale"  # or, in DeepSeek V4's published files, N.scale
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 FP4_GROUP = (1, mxfp4.GROUP)  # an FP4 weight: 32 values of a row share a scale
@@ -118,6 +121,11 @@ def check_config(quant: dict, where: str) -> None:
         )
 
 
+def scale_names(weight: str) -> tuple[str, str]:
+    """Where ``N.weight``'s block scales may be: ``N.weight_scale_inv``, or ``N.scale``."""
+    return weight + SCALE, weight.removesuffix("weight") + V4_SCALE
+
+
 class Dequantized:
     """A checkpoint whose block-scaled FP8 weights read dequantized: ``get("N.weight")``
     with ``N.weight_scale_inv`` beside it gives float32 ``[out, in]``; every other tensor
@@ -126,10 +134,19 @@ class Dequantized:
     def __init__(self, ckpt):
         self.ckpt = ckpt
 
+    def scale_of(self, name: str) -> str | None:
+        """The name of ``N.weight``'s scales in this checkpoint, or None."""
+        if not name.endswith(".weight"):
+            return None
+        for scale in scale_names(name):
+            if scale in self.ckpt:
+                return scale
+        return None
+
     def get(self, name: str) -> np.ndarray:
         raw = self.ckpt.get(name)
-        scale = name + SCALE
-        if name.endswith(".weight") and scale in self.ckpt:
+        scale = self.scale_of(name)
+        if scale is not None:
             try:
                 return dequantize(raw, self.ckpt.get(scale))
             except ValueError as e:
@@ -137,7 +154,8 @@ class Dequantized:
         if raw.dtype == E4M3:
             raise CheckpointError(
                 f"{self.ckpt.file_of(name)}: tensor {name} is float8_e4m3fn; only a Linear's weight "
-                f"N.weight with N.weight{SCALE} ({BLOCK[0]}x{BLOCK[1]} block scales) beside it is dequantized"
+                f"N.weight with N.weight{SCALE} or N.{V4_SCALE} ({BLOCK[0]}x{BLOCK[1]} block scales) "
+                "beside it is dequantized"
             )
         return raw
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import jax
@@ -340,10 +341,26 @@ _DSV4_LEAVES = {
 }
 
 
+# A multi-token-prediction block's own tensors (``mtp.<k>.`` + these; its layer's are named
+# as a main layer's). transformers has no MTP module (it ignores ``mtp.*`` on load and
+# writes none), so the published names are the only ones.
+_DSV4_MTP = {
+    ("enorm", "weight"): ("enorm.weight", _same),
+    ("hnorm", "weight"): ("hnorm.weight", _same),
+    ("norm", "weight"): ("norm.weight", _same),
+    ("e_proj", "kernel"): ("e_proj.weight", _t),
+    ("h_proj", "kernel"): ("h_proj.weight", _t),
+    ("head", "hc_fn"): ("hc_head_fn", _same),
+    ("head", "hc_base"): ("hc_head_base", _same),
+    ("head", "hc_scale"): ("hc_head_scale", _same),
+}
+
+
 def _dsv4_tensor(cfg: ModelConfig, p: tuple, ckpt) -> tuple:
     """A DeepSeek V4 parameter's tensor. The published checkpoints name layers
-    ``layers.<i>`` (``embed``, ``head``, ``hc_head_fn``); transformers' save_pretrained
-    writes ``model.layers.<i>`` (``model.embed_tokens``, ``model.hc_head.hc_fn``)."""
+    ``layers.<i>`` (``embed``, ``head``, ``hc_head_fn``) and MTP blocks ``mtp.<k>``;
+    transformers' save_pretrained writes ``model.layers.<i>`` (``model.embed_tokens``,
+    ``model.hc_head.hc_fn``) and no MTP block."""
     nested = ckpt is None or "embed.weight" not in ckpt
     top = {
         ("embed", "embedding"): "model.embed_tokens.weight" if nested else "embed.weight",
@@ -354,9 +371,20 @@ def _dsv4_tensor(cfg: ModelConfig, p: tuple, ckpt) -> tuple:
         return top[p], _t if p[0] == "lm_head" else _same
     if p[0] == "hc_head":
         return (f"model.hc_head.{p[1]}" if nested else f"hc_head_{p[1][3:]}"), _same
-    pre = f"{'model.' if nested else ''}layers.{p[1]}"
-    *module, leaf = p[2:]
+    if p[0] == "mtp":
+        if p[2] != "layer":
+            name, transform = _DSV4_MTP[p[2:]]
+            return f"mtp.{p[1]}.{name}", transform
+        return _dsv4_layer_tensor(cfg, f"mtp.{p[1]}", p[3:], ckpt)
+    return _dsv4_layer_tensor(cfg, f"{'model.' if nested else ''}layers.{p[1]}", p[2:], ckpt)
+
+
+def _dsv4_layer_tensor(cfg: ModelConfig, pre: str, rest: tuple, ckpt) -> tuple:
+    """A V4 decoder layer's tensor, the layer's names starting ``pre``."""
+    *module, leaf = rest
     module = tuple(module)
+    if module == ("mixer", "kv_norm") and ckpt is not None and f"{pre}.attn.kv_norm.weight" in ckpt:
+        return f"{pre}.attn.kv_norm.weight", _same  # as published; transformers writes attn.norm
     if (*module, leaf) in _DSV4_LEAVES:
         return f"{pre}.{_DSV4_LEAVES[(*module, leaf)]}", _same
     if module in (("attn_hc",), ("ffn_hc",)):
@@ -487,7 +515,36 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
             leaf.shape, sharding(kp, leaf), lambda index: np.asarray(arr[index], dtype=np_dtype)
         )
 
+    if names.dsv4:
+        _check_all_read(ckpt, names, cfg, abstract_state)
     return jax.tree_util.tree_map_with_path(load, abstract_state)
+
+
+def _check_all_read(ckpt, names: HFNames, cfg: ModelConfig, abstract_state) -> None:
+    """Refuse a checkpoint holding tensors no parameter reads (a DeepSeek V4 MTP block the
+    config does not count, say), naming them: none is dropped silently."""
+    nextn, held = cfg.dsv4.num_nextn_predict_layers, ckpt.names()
+    if nextn and not any(n.startswith("mtp.") for n in held):
+        raise CheckpointError(
+            f"{os.path.dirname(ckpt.file_of(held[0]))}: config.json has num_nextn_predict_layers {nextn} "
+            "but the checkpoint holds no mtp.* tensor (transformers' save_pretrained writes none): "
+            "set it to 0 to load the model without its multi-token-prediction blocks"
+        )
+    read = set()
+    for kp, _ in jax.tree_util.tree_leaves_with_path(abstract_state):
+        name, _ = hf_tensor(names, cfg, tuple(_key(k) for k in kp), ckpt)
+        parts = name.parts if isinstance(name, (Joined, Experts)) else (name,)
+        if isinstance(name, Experts) and "<e>" in parts[0]:
+            parts = [n.replace("<e>", str(e)) for n in parts for e in range(name.num_experts)]
+        for n in parts:
+            read.update((n, *fp8_blocks.scale_names(n)))
+    left = sorted(set(held) - read)
+    if left:
+        shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+        raise CheckpointError(
+            f"{ckpt.file_of(left[0])}: {len(left)} tensor(s) no parameter reads: {shown} "
+            f"(num_nextn_predict_layers {cfg.dsv4.num_nextn_predict_layers} in config.json)"
+        )
 
 
 def _joined(ckpt: Checkpoint, joined: Joined, shape: tuple) -> np.ndarray:
