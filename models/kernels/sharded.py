@@ -40,11 +40,13 @@ def attention(fn: Callable, mesh: Mesh | None, sinks: bool = False, **static) ->
 def latent_attention(fn: Callable, mesh: Mesh | None, **static) -> Callable:
     """``fn(q, pages, pages, kv_lens, page_tables, cu_q_lens, num_seqs)`` per shard for
     MLA: the queries split by head, the latent pages (one KV head every query head reads)
-    whole on every device."""
+    whole on every device. ``return_lse=True``: the log-sum-exp ``[T, heads]`` too, split
+    as the heads are (DeepSeek V4's window, its one K=V head replicated)."""
     fn = functools.partial(fn, **static)
     if mesh is None:
         return fn
-    return _per_shard(fn, mesh, (_HEADS, P(), P(), P(), P(), P(), P()), _HEADS)
+    out = (_HEADS, P(None, AXIS)) if static.get("return_lse") else _HEADS
+    return _per_shard(fn, mesh, (_HEADS, P(), P(), P(), P(), P(), P()), out)
 
 
 def row_attention(fn: Callable, mesh: Mesh | None, **static) -> Callable:

@@ -44,6 +44,7 @@ from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend, sharded
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.kernels.paged_row_attention.reference import merge as merge_sources
+from hicache_jax.models.layers.attention import PREFILL_Q_BLOCK
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.mla import _token_seqs, top_k_rows, write_rows
 from hicache_jax.models.layers.norms import RMSNorm, rms_normalize
@@ -324,7 +325,7 @@ class Dsv4Attention(nnx.Module):
             valid.append(c_valid)
         sinks = self.sinks[...]
         if self.kernels.attention_backend == "pallas":
-            o = self._attend_sources(q, seq, sources, idx, valid, sinks)
+            o = self._attend_sources(q, seq, sources, idx[1:], valid[1:], sinks, batch)
         else:
             o = self._attend_gathered(q, seq, sources, idx, valid, sinks)
         o = rope_tail(o, -pos, self.inv_freq, self.rope_scale).astype(x.dtype)  # rotate back
@@ -349,15 +350,30 @@ class Dsv4Attention(nnx.Module):
         block = -(-T // (8 * n)) * 8
         return constrain(query_blocks(attend, block, q, seq, *idx, *valid), self.heads_split)
 
-    def _attend_sources(self, q, seq, sources, idx, valid, sinks):
-        """The Pallas kernel (``pallas`` backend): each source's rows by DMA from its pool,
-        per token, an output and log-sum-exp each, merged with the sink; float32 ``[T, H, D]``."""
-        fn = backend.row_attention_fn("pallas", self.kernels.interpret)
-        attend = sharded.row_attention(fn, self.kernels.mesh, sm_scale=self.head_dim**-0.5)
-        parts = [
-            attend(q, pages, table, seq, jnp.where(ok, i, -1))
-            for (pages, table), i, ok in zip(sources, idx, valid, strict=True)
-        ]
+    def _attend_sources(self, q, seq, sources, idx, valid, sinks, batch: ForwardBatch):
+        """The Pallas kernels (``pallas`` backend), an output and log-sum-exp per source,
+        merged with the sink; float32 ``[T, H, D]``. The window (``sources[0]``: contiguous
+        positions of each sequence) goes to the ragged paged attention kernel, which copies
+        whole pages once per block of queries; the compressed entries (``idx``, ``valid``:
+        a list per token) to the row kernel, which copies each listed row."""
+        kernels, scale = self.kernels, self.head_dim**-0.5
+        window, table = sources[0]
+        rows = window[:, :, None, :]  # [pages, page_size, 1, D]: one K=V head, a bitcast
+        attend = sharded.latent_attention(
+            backend.attention_fn("pallas", kernels.interpret),
+            kernels.mesh,
+            sm_scale=scale,
+            sliding_window=self.window,
+            q_block=1 if batch.decode_only else PREFILL_Q_BLOCK["pallas"],
+            return_lse=True,
+        )
+        o, lse = attend(q, rows, rows, batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs)
+        parts = [(o.astype(jnp.float32), lse)]
+        attend = sharded.row_attention(
+            backend.row_attention_fn("pallas", kernels.interpret), kernels.mesh, sm_scale=scale
+        )
+        for (pages, table), i, ok in zip(sources[1:], idx, valid, strict=True):
+            parts.append(attend(q, pages, table, seq, jnp.where(ok, i, -1)))
         return constrain(merge_sources(parts, sinks), self.heads_split)
 
     def _compressed(self, pages, new, x, q_resid, batch: ForwardBatch, steps: Steps):

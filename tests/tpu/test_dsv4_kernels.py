@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from hicache_jax.models.kernels.paged_row_attention import kernel
+from hicache_jax.models.kernels.ragged_paged_attention import kernel as ragged
 from hicache_jax.tpu import target
 
 V5E, V6E = target.TOPOLOGIES[0], target.TOPOLOGIES[1]
@@ -64,6 +65,40 @@ def test_row_attention_compiles(topology, T, S, N, rows, max_pages):
     assert est["flops"] == 4 * T * HEADS * N * G * WIDTH
     # The pool is read in place: no copy of it before the kernel.
     assert compiled.memory_analysis().temp_size_in_bytes < NUM_PAGES * rows * WIDTH * 2 // 4
+
+
+# The window as DeepSeek V4 runs it on the pallas backend: the ragged paged attention kernel
+# over the ``swa`` pool (one K=V head, a bitcast to [pages, page_size, 1, 512]), 128 keys a
+# query, its log-sum-exp out. (topology, tokens, sequences, page size, q_block)
+WINDOW_CASES = [
+    (V5E, 64, 64, 128, 1),
+    (V6E, 64, 64, 256, 1),
+    (V5E, 2048, 1, 256, None),
+    (V6E, 2048, 1, 128, None),
+]
+
+
+@pytest.mark.parametrize("topology, T, S, page_size, q_block", WINDOW_CASES, ids=str)
+def test_window_compiles_with_its_log_sum_exp(topology, T, S, page_size, q_block):
+    mesh = target.target(topology).mesh(1)
+    a = functools.partial(target.abstract, mesh)
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    args = (
+        a((T, HEADS, WIDTH), bf16),
+        a((NUM_PAGES, page_size, WIDTH), bf16),
+        a((S,), i32),
+        a((S, 65536 // page_size), i32),
+        a((S + 1,), i32),
+        a((), i32),
+    )
+
+    def attend(q, window, kv_lens, tables, cu_q_lens, num_seqs):
+        rows = window[:, :, None, :]
+        static = dict(sm_scale=WIDTH**-0.5, sliding_window=128, q_block=q_block, return_lse=True)
+        return ragged.ragged_paged_attention(q, rows, rows, kv_lens, tables, cu_q_lens, num_seqs, **static)
+
+    compiled = target.compile_for(mesh, attend, *args)
+    assert compiled.memory_analysis().temp_size_in_bytes < NUM_PAGES * page_size * WIDTH * 2 // 4  # in place
 
 
 # DeepSeek Sparse Attention (GLM-5's ``mla.py`` picks): 16 query heads a chip over the

@@ -311,6 +311,7 @@ def _attention_kernel(
     num_kv_heads: int,
     table_in_smem: bool,
     with_sinks: bool,
+    with_lse: bool = False,
 ):
     sink_ref = None
     if table_in_smem:
@@ -320,6 +321,9 @@ def _attention_kernel(
     if with_sinks:
         sink_ref, *rest = rest
     o_ref, *scratch = rest
+    lse_ref = None
+    if with_lse:  # [1, Hkv, R, 1] f32: each row's log-sum-exp (the sink included, if any)
+        lse_ref, *scratch = scratch
     if not table_in_smem:
         *scratch, ids_ref, ids_sem = scratch
     # Scalar prefetch (SMEM): table_ref [S * max_pages] int32 (flattened; else table_hbm in
@@ -341,6 +345,8 @@ def _attention_kernel(
     @pl.when(n_rows == 0)
     def _idle():
         o_ref[...] = jnp.zeros_like(o_ref)
+        if lse_ref is not None:
+            lse_ref[...] = jnp.full_like(lse_ref, NEG_INF)
 
     @pl.when(n_rows > 0)
     def _attend():
@@ -480,6 +486,8 @@ def _attention_kernel(
         l = l_ref[...]
         out = acc_ref[...] / jnp.where(l == 0.0, 1.0, l)  # [Hkv, R, D]; rows with no key: 0
         o_ref[0] = out.astype(o_ref.dtype)
+        if lse_ref is not None:
+            lse_ref[0] = jnp.where(l == 0.0, NEG_INF, m_ref[...] + jnp.log(jnp.where(l == 0.0, 1.0, l)))
 
 
 @functools.partial(
@@ -491,6 +499,7 @@ def _attention_kernel(
         "q_block",
         "kv_block_pages",
         "interpret",
+        "return_lse",
     ),
 )
 def ragged_paged_attention(
@@ -509,9 +518,12 @@ def ragged_paged_attention(
     q_block: int | None = None,
     kv_block_pages: int | None = None,
     interpret: Any = False,
+    return_lse: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """``q_block``: 1 for decode-only batches; ``None`` picks from the chip's VMEM (``plan``),
-    as does ``kv_block_pages=None``."""
+    as does ``kv_block_pages=None``. ``return_lse``: also each row's log-sum-exp ``[T, Hq]``
+    float32 (the sink included; -inf where a row sees no key), for a caller that merges
+    this attention with another's (DeepSeek V4's window and compressed entries)."""
     T, Hq, D = q.shape
     num_pages, page_size, Hkv, _ = k_pages.shape
     S, max_pages = page_tables.shape
@@ -547,6 +559,7 @@ def ragged_paged_attention(
         num_kv_heads=Hkv,
         table_in_smem=L is None,
         with_sinks=sinks is not None,
+        with_lse=return_lse,
     )
     block = pl.BlockSpec((1, Hkv, R, D), lambda b, *_: (b, 0, 0, 0))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
@@ -571,21 +584,30 @@ def ragged_paged_attention(
         rows_sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(Hkv, 1, G), (Hkv, Bq, G))
         inputs.append(rows_sink.reshape(Hkv, R, 1))
         in_specs.append(pl.BlockSpec((Hkv, R, 1), lambda b, *_: (0, 0, 0)))
+    lse_specs = [pl.BlockSpec((1, Hkv, R, 1), lambda b, *_: (b, 0, 0, 0))] if return_lse else []
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(NB,),
             in_specs=in_specs,
-            out_specs=block,
+            out_specs=[block, *lse_specs],
             scratch_shapes=scratch,
         ),
-        out_shape=jax.ShapeDtypeStruct((NB, Hkv, R, D), q.dtype),
+        out_shape=[
+            jax.ShapeDtypeStruct((NB, Hkv, R, D), q.dtype),
+            *([jax.ShapeDtypeStruct((NB, Hkv, R, 1), jnp.float32)] if return_lse else []),
+        ],
         # Every step starts and drains its own copies, so steps may run in any order.
         compiler_params=vmem.compiler_params(("parallel",)),
         cost_estimate=cost(shapes, Bq, kbp, soft_cap),
         interpret=interpret,
     )(*prefetch, *inputs)
 
+    out, *lse = out
     out = out.reshape(NB, Hkv, Bq, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * Bq, Hq, D)
-    return jnp.zeros((T, Hq, D), q.dtype).at[q_rows.reshape(-1)].set(out, mode="drop")
+    out = jnp.zeros((T, Hq, D), q.dtype).at[q_rows.reshape(-1)].set(out, mode="drop")
+    if not return_lse:
+        return out
+    lse = lse[0].reshape(NB, Hkv, Bq, G).transpose(0, 2, 1, 3).reshape(NB * Bq, Hq)
+    return out, jnp.full((T, Hq), NEG_INF, jnp.float32).at[q_rows.reshape(-1)].set(lse, mode="drop")

@@ -157,12 +157,14 @@ def _attend_blocks(
         m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, :], (nb, Hkv, Bq, G))
         l0 = jnp.ones((nb, Hkv, Bq, G), jnp.float32)
     init = (m0, l0, jnp.zeros((nb, Hkv, Bq, G, D), jnp.float32))
-    _, l, acc = lax.fori_loop(0, jnp.max(n_steps), body, init)
-    return acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # rows with no keys stay 0
+    m, l, acc = lax.fori_loop(0, jnp.max(n_steps), body, init)
+    lse = jnp.where(l == 0.0, NEG_INF, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
+    return acc / jnp.where(l == 0.0, 1.0, l)[..., None], lse  # rows with no keys stay 0
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_pages")
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "q_block", "kv_block_pages", "return_lse"),
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
@@ -179,7 +181,10 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     q_block: int = 8,
     kv_block_pages: int | None = None,
+    return_lse: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
+    """``return_lse``: also each row's log-sum-exp ``[T, Hq]`` float32 (the sink included;
+    -inf where a row sees no key)."""
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2]
     G = Hq // Hkv
@@ -191,10 +196,11 @@ def ragged_paged_attention(
     nb = min(blocks[0].shape[0], max(1, kv_bytes_per_step() // chunk_bytes))  # blocks per step
     pad = -blocks[0].shape[0] % nb  # padding blocks, so the steps tile the blocks evenly
     blocks = [jnp.pad(x, (0, pad)) for x in blocks]
-    out = jnp.zeros((T, Hq, D), q.dtype)
+    out = (jnp.zeros((T, Hq, D), q.dtype), jnp.full((T, Hq), NEG_INF, jnp.float32))
     q = q.astype(jnp.float32) * sm_scale
 
-    def step(n, out):
+    def step(n, carry):
+        out, lse_out = carry
         # Per-block buffers hold one step's blocks: padding blocks past the last step with
         # real ones (up to S of them) never gather, compute or scatter anything.
         seq, start, rows, pos0, lo, hi = (lax.dynamic_slice_in_dim(x, n * nb, nb) for x in blocks)
@@ -204,12 +210,15 @@ def ragged_paged_attention(
         qb = qb.transpose(0, 2, 1, 3, 4)  # [nb, Hkv, Bq, G, D]
         sink = None if sinks is None else sinks.reshape(Hkv, G)
         kw = dict(kbp=kbp, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sink)
-        o = _attend_blocks(qb, page_tables[seq], pos0, lo, hi, k_pages, v_pages, **kw)
+        o, lse = _attend_blocks(qb, page_tables[seq], pos0, lo, hi, k_pages, v_pages, **kw)
         o = o.transpose(0, 2, 1, 3, 4).reshape(nb * Bq, Hq, D).astype(out.dtype)
-        return out.at[q_rows.reshape(-1)].set(o, mode="drop")
+        lse = lse.transpose(0, 2, 1, 3).reshape(nb * Bq, Hq)
+        rows_out = q_rows.reshape(-1)
+        return out.at[rows_out].set(o, mode="drop"), lse_out.at[rows_out].set(lse, mode="drop")
 
     n_real = jnp.sum(blocks[2] > 0)  # blocks with rows; they come first
-    return lax.fori_loop(0, (n_real + nb - 1) // nb, step, out)
+    out, lse = lax.fori_loop(0, (n_real + nb - 1) // nb, step, out)
+    return (out, lse) if return_lse else out
 
 
 def write_kv(

@@ -132,12 +132,14 @@ def static_args(cfg: Config) -> dict:
     )
 
 
-def naive_attention(case: dict, cfg: Config) -> np.ndarray:
-    """Per sequence: gather its pages, then a dense masked softmax per query, in float64."""
+def naive_attention(case: dict, cfg: Config, with_lse: bool = False):
+    """Per sequence: gather its pages, then a dense masked softmax per query, in float64
+    (``with_lse``: and each row's log-sum-exp, the sink included; -inf for padding rows)."""
     f64 = {k: np.asarray(v, np.float64) for k, v in case.items() if k in ("q", "k_pages", "v_pages")}
     q, kp, vp = f64["q"], f64["k_pages"], f64["v_pages"]
     G = q.shape[1] // kp.shape[2]
     out = np.zeros_like(q)
+    lse = np.full(q.shape[:2], -np.inf)
     cu, kv_lens, ps = case["cu_q_lens"], case["kv_lens"], cfg.page_size
     for s in range(int(case["num_seqs"])):
         kv_len, q_len = kv_lens[s], cu[s + 1] - cu[s]
@@ -159,7 +161,8 @@ def naive_attention(case: dict, cfg: Config) -> np.ndarray:
             w = np.exp(scores - top)
             denominator = w.sum(-1, keepdims=True) + np.exp(sink - top)  # the sink: no value
             out[cu[s] + row] = np.einsum("hk,khd->hd", w / denominator, vv)
-    return out
+            lse[cu[s] + row] = top[:, 0] + np.log(denominator[:, 0])
+    return (out, lse) if with_lse else out
 
 
 def check(out, expected, case: dict, cfg: Config):
@@ -185,6 +188,26 @@ def test_kernel_matches_reference(cfg: Config, kind: str):
     expected = reference.ragged_paged_attention(**case, **static_args(cfg))
     out = kernel.ragged_paged_attention(**case, **static_args(cfg), interpret=True)
     check(out, expected, case, cfg)
+
+
+# DeepSeek V4's window: one K=V head of 512 (bf16: whole rows), a sink, the log-sum-exp out.
+LSE_CONFIGS = [
+    Config(16, 17, 4, "float32", sinks=True),
+    Config(16, 20, 2, "bfloat16", head_dim=512, num_kv_heads=1, q_block=1),
+]
+
+
+@pytest.mark.parametrize("cfg", LSE_CONFIGS, ids=str)
+def test_log_sum_exp(cfg: Config):
+    """``return_lse``: reference against the naive one, kernel against the reference."""
+    case = make_case(cfg, "mixed", seed=2)
+    out, lse = reference.ragged_paged_attention(**case, **static_args(cfg), return_lse=True)
+    want_out, want_lse = naive_attention(case, cfg, with_lse=True)
+    check(out, want_out, case, cfg)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=TOL[cfg.dtype], rtol=0)
+    k_out, k_lse = kernel.ragged_paged_attention(**case, **static_args(cfg), interpret=True, return_lse=True)
+    check(k_out, out, case, cfg)
+    np.testing.assert_allclose(np.asarray(k_lse), np.asarray(lse), atol=TOL[cfg.dtype], rtol=0)
 
 
 # Real models' head dims (Gemma's 256; 128) with several KV heads: pages are read as rows of
