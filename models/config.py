@@ -514,10 +514,11 @@ class ModelConfig:
         return cls(**d)
 
     def num_params(self) -> int:
-        """Parameter count (for presets and benchmarks): every parameter the model holds,
-        DeepSeek V4's multi-token-prediction blocks included (as the published checkpoint
-        holds them; transformers' model has none)."""
-        return self._outer_params() + self._layer_params(active=False) + self.mtp_params()
+        """Parameter count (for presets and benchmarks), as transformers and DeepSeek's model
+        cards count it: without DeepSeek V4's multi-token-prediction blocks (``mtp_params``;
+        transformers' model has none, and V4 Flash's published 284B is 284.3B here, its one
+        block another 6.6B that the checkpoint holds and the model keeps)."""
+        return self._outer_params() + self._layer_params(active=False)
 
     def active_params(self) -> int:
         """Parameters one token's forward reads (its ``top_k`` experts of each MoE layer;

@@ -133,8 +133,12 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
         return P(AXIS, None) if vocab_ok else P()
     if p == ("lm_head", "kernel"):
         return P(None, AXIS) if vocab_ok else P()
-    if p[0] != "layers" or len(p) < 4:
+    if p[0] == "mtp" and len(p) >= 5 and p[2] == "layer":  # DeepSeek V4's MTP block: its layer
+        p, kind = ("layers", *p[1:2], *p[3:]), cfg.dsv4.mtp_kind  # split as a main layer is
+    elif p[0] != "layers" or len(p) < 4:
         return P()
+    else:
+        kind = cfg.layer_kinds[int(p[1])]
     part, name, leaf = p[2], p[3], p[-1]
     column = P(None, AXIS) if leaf == "kernel" else P(AXIS)
     row = P(AXIS, None) if leaf == "kernel" else P()
@@ -150,7 +154,7 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
         return P()  # the router, its correction bias, the shared expert's gate
     if part != "mixer":
         return P()
-    if cfg.layer_kinds[int(p[1])] == LayerKind.GDN:
+    if kind == LayerKind.GDN:
         if name == "in_proj":
             return column
         if name == "conv_weight":  # [K, channels], grouped like in_proj's columns

@@ -22,6 +22,7 @@ from hicache_jax.models import load_hf
 from hicache_jax.models.hf import fp8_blocks
 from hicache_jax.models.hf.safetensors_io import CheckpointError, SafetensorsFile
 from tests.hf_checkpoints import make
+from tests.models.test_mtp import mtp_tensors
 
 QUANT = dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128], activation_scheme="dynamic")
 E4M3_MAX = 448.0
@@ -272,17 +273,21 @@ def decode_ue8m0(weight: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def test_deepseek_v4_fp8_and_fp4_checkpoint_loads_as_decoded(tmp_path):
-    """The tiny V4 checkpoint rewritten as published: attention and shared-expert Linears in
-    FP8 with E8M0 128x128 scales, routed experts in FP4 with an E8M0 scale per 32 values,
-    and the published names (``layers.<i>``, ``embed``, ``norm``, ``hc_head_fn``; transformers
-    writes ``model.layers.<i>`` ...); it loads to exactly what the decoders above give, and
-    serves the prompt logprobs of the same checkpoint holding those values in float32."""
+    """The tiny V4 checkpoint rewritten as published: attention, shared-expert and MTP
+    projection Linears in FP8 with E8M0 128x128 scales (``N.scale``), routed experts in FP4
+    with an E8M0 scale per 32 values, the published names (``layers.<i>``, ``embed``,
+    ``norm``, ``hc_head_fn``, ``attn.kv_norm``; transformers writes ``model.layers.<i>``,
+    ``attn.norm`` ...) and a multi-token-prediction block ``mtp.0.*``; it loads to exactly
+    what the decoders above give, the block's tensors into ``model.mtp[0]``, and serves the
+    prompt logprobs of the same checkpoint holding those values in float32."""
     base = make("deepseek_v4", str(tmp_path / "base"))
     tensors = load_file(os.path.join(base, "model.safetensors"))
     with open(os.path.join(base, "config.json")) as f:
-        config = json.load(f)
+        config = json.load(f) | {"num_nextn_predict_layers": 1}
+    tensors |= mtp_tensors(tensors)
     quantized, dense = dict(tensors), dict(tensors)
     fp8 = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.", ".shared_experts.")
+    fp8 += (".e_proj.", ".h_proj.")
     for name, w in tensors.items():
         if not name.endswith(".weight"):
             continue
@@ -294,11 +299,19 @@ def test_deepseek_v4_fp8_and_fp4_checkpoint_loads_as_decoded(tmp_path):
             dense[name] = decode_ue8m0(q, s)
         else:
             continue
-        quantized[name], quantized[name + "_scale_inv"] = q, s
+        quantized[name], quantized[name.removesuffix("weight") + "scale"] = q, s
     published = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
     published |= {f"model.hc_head.hc_{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}
-    quantized = {published.get(n, n.removeprefix("model.")): t for n, t in quantized.items()}
-    assert "layers.1.attn.wkv.weight_scale_inv" in quantized
+    quantized = {
+        published.get(n, n.removeprefix("model.").replace(".attn.norm.", ".attn.kv_norm.")): t
+        for n, t in quantized.items()
+    }
+    assert "layers.1.attn.wkv.scale" in quantized and "layers.1.attn.kv_norm.weight" in quantized
+    assert (
+        quantized["mtp.0.e_proj.weight"].dtype == ml_dtypes.float8_e4m3fn
+        and "mtp.0.e_proj.scale" in quantized
+    )
+    assert quantized["mtp.0.ffn.experts.0.w1.weight"].dtype == np.int8
     quant = QUANT | {"scale_fmt": "ue8m0", "expert_dtype": "fp4"}
     paths = {}
     variants = (("q", quantized, config | {"quantization_config": quant}), ("dense", dense, config))
@@ -315,6 +328,20 @@ def test_deepseek_v4_fp8_and_fp4_checkpoint_loads_as_decoded(tmp_path):
     experts = got["layers"][1]["mlp"]["down"]  # [E, I, H]: expert 0's w2 [H, I], transposed
     np.testing.assert_array_equal(experts[0], dense["model.layers.1.ffn.experts.0.w2.weight"].T)
     assert len(np.unique(dense["model.layers.1.ffn.experts.0.w2.weight"])) <= 16 * 64  # FP4 codes x scales
+    # The MTP block: each of its tensors in the file, dequantized, is one of its parameters.
+    mtp = got["mtp"][0]
+    np.testing.assert_array_equal(mtp["e_proj"]["kernel"], dense["mtp.0.e_proj.weight"].T)
+    np.testing.assert_array_equal(mtp["h_proj"]["kernel"], dense["mtp.0.h_proj.weight"].T)
+    np.testing.assert_array_equal(
+        mtp["layer"]["mixer"]["kv_proj"]["kernel"], dense["mtp.0.attn.wkv.weight"].T
+    )
+    np.testing.assert_array_equal(
+        mtp["layer"]["mixer"]["kv_norm"]["weight"], dense["mtp.0.attn.kv_norm.weight"]
+    )
+    np.testing.assert_array_equal(mtp["layer"]["mlp"]["down"][1], dense["mtp.0.ffn.experts.1.w2.weight"].T)
+    np.testing.assert_array_equal(mtp["head"]["hc_fn"], dense["mtp.0.hc_head_fn"])
+    held = sum(np.size(x) for x in jax.tree_util.tree_leaves(mtp))
+    assert held == sum(t.size for n, t in dense.items() if n.startswith("mtp.0."))
 
     ids = [int(x) for x in np.random.RandomState(0).randint(0, 512, size=40)]
     logprobs = []

@@ -115,7 +115,11 @@ def test_main_logits_are_the_same_with_the_block(checkpoint, tmp_path):
     assert without.mtp is None
     np.testing.assert_array_equal(with_mtp.forward_full(ids), without.forward_full(ids))
     held = lambda m: sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(m, nnx.Param)))  # noqa: E731
-    assert with_mtp.cfg.num_params() == held(with_mtp) == held(without) + with_mtp.cfg.mtp_params()
+    # Counted as transformers counts (its model, whose state_dict the file's other tensors
+    # are, has no MTP module): the blocks apart.
+    transformers_state = sum(v.size for n, v in tensors.items() if not n.startswith("mtp."))
+    assert with_mtp.cfg.num_params() == held(without) == transformers_state
+    assert held(with_mtp) == with_mtp.cfg.num_params() + with_mtp.cfg.mtp_params()
     assert with_mtp.cfg.active_params() == without.cfg.active_params()
 
 
@@ -212,3 +216,27 @@ def test_missing_or_extra_mtp_tensors_are_named(checkpoint, tmp_path):
     d, _, _ = write(tmp_path / "none", plain, config)
     with pytest.raises(CheckpointError, match="holds no mtp.* tensor.*set it to 0"):
         load_hf(d, dtype="float32")
+
+
+def test_block_splits_as_a_layer_under_tensor_parallelism(checkpoint):
+    """At tp 2 the block's layer is split as a main layer (queries by head, experts whole
+    per device), the rest replicated, and its drafts are those at tp 1."""
+    from jax.sharding import PartitionSpec as Spec
+
+    from hicache_jax.models import KernelConfig
+    from hicache_jax.models.sharding import make_mesh
+
+    path, _, config = checkpoint
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, config["vocab_size"], 24)
+    streams = rng.standard_normal((24, config["hc_mult"], config["hidden_size"])).astype(np.float32)
+    want = run_block(load_hf(path, dtype="float32"), streams, ids)
+    model = load_hf(
+        path, dtype="float32", kernels=KernelConfig(attention="xla", mesh=make_mesh(2), moe="gathered")
+    )
+    block = model.mtp[0]
+    assert block.layer.mixer.q_b_proj.kernel[...].sharding.spec == Spec(None, "tp")
+    assert block.layer.mlp.gate_up[...].sharding.spec[0] == "tp"
+    assert block.e_proj.kernel[...].sharding.is_fully_replicated
+    for got, ref in zip(run_block(model, streams, ids), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
