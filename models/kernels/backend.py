@@ -150,6 +150,21 @@ def row_attention_fn(backend: str, interpret: bool = False) -> Callable:
 
 
 @functools.cache
+def index_scores_fn(backend: str, interpret: bool = False) -> Callable | None:
+    """A lightning indexer's scores over a paged key pool (DeepSeek V4's CSA, DSA):
+    ``fn(q, w, keys, table, seq, last) -> [T, N]`` float32 for the ``pallas`` backend;
+    ``None`` for ``xla``, whose caller (``layers/mla.py`` ``top_k_rows``) scores in blocks
+    into a running top-k."""
+    if backend == "xla":
+        return None
+    if backend == "pallas":
+        from hicache_jax.models.kernels.index_scores import kernel
+
+        return functools.partial(kernel.index_scores, interpret=interpret)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+@functools.cache
 def kv_write_fn(backend: str, interpret: bool = False) -> Callable:
     """``fn(k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)``."""
     if backend == "xla":

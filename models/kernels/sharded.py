@@ -59,6 +59,16 @@ def row_attention(fn: Callable, mesh: Mesh | None, **static) -> Callable:
     return _per_shard(fn, mesh, (_HEADS, P(), P(), P(), P()), (_HEADS, P(None, AXIS)))
 
 
+def replicated(fn: Callable, mesh: Mesh | None, num_args: int, **static) -> Callable:
+    """``fn`` run whole on every device: its ``num_args`` inputs and its output replicated
+    (a lightning indexer's queries, weights and keys, which tensor parallelism does not
+    split). ``shard_map`` keeps the partitioner away from the Pallas call."""
+    fn = functools.partial(fn, **static)
+    if mesh is None:
+        return fn
+    return _per_shard(fn, mesh, (P(),) * num_args, P())
+
+
 def kv_write(fn: Callable, mesh: Mesh | None) -> Callable:
     """``fn(k_pages, v_pages, k, v, slot_mapping) -> (k_pages, v_pages)`` per shard."""
     if mesh is None:

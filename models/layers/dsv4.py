@@ -414,6 +414,7 @@ class Dsv4Attention(nnx.Module):
         iq = self._rope(self.index_q_b_proj(q_resid).reshape(T, self.index_heads, self.index_dim), pos)
         w = self.index_weights_proj(x).astype(jnp.float32) * self.index_heads**-0.5
         K = min(self.topk, table.shape[1] * per_page)
-        idx = top_k_rows(iq, w, keys.k, batch.page_tables[CacheKind.INDEX], batch, visible - 1, K)
+        index_table = batch.page_tables[CacheKind.INDEX]
+        idx = top_k_rows(iq, w, keys.k, index_table, batch, visible - 1, K, self.kernels)
         valid = (idx >= 0) & steps.live[:, None]
         return stored.kv, table, idx, valid

@@ -107,30 +107,42 @@ class Indexer(nnx.Module):
         """``[T, index_head_dim]``: each token's key, as the cache keeps it."""
         return self._rope(self.k_norm(self.wk(x))[:, None, :], positions, rope)[:, 0]
 
-    def picks(self, x, q_resid, keys: IndexPages, batch: ForwardBatch, rope: dict, max_kv: int) -> jax.Array:
+    def picks(
+        self, x, q_resid, keys: IndexPages, batch: ForwardBatch, rope: dict, max_kv: int, kernels=None
+    ) -> jax.Array:
         """``[T, K]`` int32: the positions each token attends to (-1: none)."""
         T = x.shape[0]
         q = self._rope(self.wq_b(q_resid).reshape(T, self.n_heads, self.head_dim), batch.positions, rope)
         w = self.weights_proj(x).astype(jnp.float32) * self.n_heads**-0.5  # [T, heads]
         table = batch.page_tables[CacheKind.INDEX]
-        return top_k_rows(q, w, keys.k, table, batch, batch.positions, min(self.topk, max_kv))
+        return top_k_rows(q, w, keys.k, table, batch, batch.positions, min(self.topk, max_kv), kernels)
 
 
-def top_k_rows(q, w, keys, table, batch: ForwardBatch, last, K: int) -> jax.Array:
+def top_k_rows(q, w, keys, table, batch: ForwardBatch, last, K: int, kernels=None) -> jax.Array:
     """A lightning indexer's choice: ``[T, K]`` int32, the rows of its sequence each token
     attends to (-1: none), ranked by ``sum_h w_h relu(q_h . k / sqrt(d))`` among rows
     ``0 .. last[t]``. ``keys [pages, rows, d]``: one key per row (per token for DSA, per
     compressed entry for DeepSeek V4), ``table``: each sequence's pages. The keys are scored
     ``INDEX_BLOCK`` rows at a time, merged into a running top-k, up to the last row any
-    token of the step sees: memory follows the block, not the context."""
+    token of the step sees: memory follows the block, not the context. ``kernels`` with the
+    ``pallas`` attention backend: the Pallas kernel (``kernels/index_scores``) writes every
+    score ``[T, N]`` from the pool in place and ``lax.top_k`` picks (ties: the lower row,
+    as here)."""
     T, d = q.shape[0], q.shape[-1]
     q = q.astype(jnp.float32) * d**-0.5
+    live = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs]
+    scores_fn = kernels and backend.index_scores_fn(kernels.attention_backend, kernels.interpret)
+    if scores_fn is not None:
+        score = sharded.replicated(scores_fn, kernels.mesh, 6)
+        seq = _token_seqs(batch, table.shape[0])
+        scores = score(q, w, keys, table, seq, jnp.where(live, last, -1).astype(jnp.int32))
+        best, idx = jax.lax.top_k(scores, K)
+        return jnp.where(best > -jnp.inf, idx, -1).astype(jnp.int32)
     P = keys.shape[1]
     bp = min(table.shape[1], max(1, INDEX_BLOCK // P))  # pages per block
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % bp)))  # whole blocks (past kv: unseen)
     width = bp * P
     seq = _token_seqs(batch, table.shape[0])
-    live = jnp.arange(T) < batch.cu_q_lens[batch.num_seqs]
 
     def block(b, carry):
         best, idx = carry
@@ -229,7 +241,7 @@ class MLA(nnx.Module):
             new.append(keys)
             picks = None
             if self.indexer.topk < max_kv:  # else every visible position is picked: dense
-                picks = self.indexer.picks(x, q_resid, keys, batch, self.rope, max_kv)
+                picks = self.indexer.picks(x, q_resid, keys, batch, self.rope, max_kv, self.kernels)
         q_lat = jnp.einsum("thn,hnl->thl", q_nope, self.w_uk[...])
         # One KV "head" every query head shares: keys are whole rows (latent, rope key),
         # values the rows too, of which the output keeps the latent part.

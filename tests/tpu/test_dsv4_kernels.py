@@ -125,3 +125,41 @@ def test_picked_latent_rows_compile(topology, T, S, page_size):
     # out page-index-minor and copies it whole into the kernel's row layout on every call.
     pool = NUM_PAGES * page_size * 576 * 2
     assert compiled.memory_analysis().temp_size_in_bytes >= pool, "no pool copy now: assert none"
+
+
+# DeepSeek V4 Flash's lightning indexer (``models/kernels/index_scores``): 64 heads of 128
+# (replicated under tp), bfloat16 keys, one per compressed entry (rate 4), 32K context.
+# (topology, tokens, sequences, entries a page: 128- or 256-token pages, pages a sequence)
+INDEX_HEADS, INDEX_DIM, INDEX_PAGES = 64, 128, 4096
+INDEX_CASES = [
+    (V5E, 64, 64, 32, 256),  # decode, 64 sequences at 32K, 128-token pages
+    (V6E, 64, 64, 64, 128),  # decode, 256-token pages
+    (V5E, 2048, 1, 64, 128),  # a 2,048-token prefill chunk at 32K
+    (V6E, 2048, 1, 32, 256),
+]
+
+
+@pytest.mark.parametrize("topology, T, S, rows, max_pages", INDEX_CASES, ids=str)
+def test_index_scores_compile(topology, T, S, rows, max_pages):
+    from hicache_jax.models.kernels.index_scores import kernel as index
+
+    mesh = target.target(topology).mesh(1)
+    a = functools.partial(target.abstract, mesh)
+    bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    args = (
+        a((T, INDEX_HEADS, INDEX_DIM), bf16),
+        a((T, INDEX_HEADS), f32),
+        a((INDEX_PAGES, rows, INDEX_DIM), bf16),
+        a((S, max_pages), i32),
+        a((T,), i32),
+        a((T,), i32),
+    )
+    compiled = target.compile_for(mesh, index.index_scores, *args)
+    est = _kernel_cost(compiled)
+    N = rows * max_pages
+    W = T // index.BLOCK_Q + S  # work items: (query block, sequence)
+    keys = W * N * INDEX_DIM * 2  # each item reads its sequence's keys once (the static bound)
+    assert est["bytes_accessed"] >= keys
+    assert est["bytes_accessed"] - keys == W * index.BLOCK_Q * (INDEX_HEADS * (INDEX_DIM * 2 + 4) + 8 + N * 4)
+    # The pool is read in place: no copy of it before the kernel.
+    assert compiled.memory_analysis().temp_size_in_bytes < INDEX_PAGES * rows * INDEX_DIM * 2 // 4
