@@ -21,9 +21,8 @@ TOPK = 8  # well below LENGTH: most queries drop most positions
 HEADS = 16  # indexer heads: an exact tie in the scores (every head's relu at 0) is ~1e-5 likely
 
 
-def _stepwise_logprobs(path: str, prompt: list[int]) -> np.ndarray:
+def _stepwise_logprobs(model, prompt: list[int]) -> np.ndarray:
     """transformers' log-softmax for every position, decoding one token at a time."""
-    model = load_reference(path)
     out, cache = [], None
     with torch.no_grad():
         for t in prompt:
@@ -41,7 +40,7 @@ def test_prompt_logprobs_match_the_causal_reference(tmp_path, monkeypatch, famil
     sparse = make(family, str(tmp_path / "sparse"), overrides={"index_topk": TOPK, "index_n_heads": HEADS})
     dense = make(family, str(tmp_path / "dense"), overrides={"index_topk": 128, "index_n_heads": HEADS})
     prompt = np.random.RandomState(3).randint(0, 512, LENGTH).tolist()
-    logp = _stepwise_logprobs(sparse, prompt)
+    logp = _stepwise_logprobs(load_reference(sparse), prompt)
     want = np.array([logp[i - 1, prompt[i]] for i in range(1, LENGTH)])
     kw = dict(sampling_params={"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
     got = {}
@@ -68,10 +67,11 @@ def test_deepseek_v4_compressed_sparse_attention_is_causal(tmp_path, monkeypatch
     dense = make("deepseek_v4", str(tmp_path / "dense"), overrides=topk | {"index_topk": 128})
     length = 96
     prompt = np.random.RandomState(3).randint(0, 512, length).tolist()
-    logp = _stepwise_logprobs(sparse, prompt)
+    reference = load_reference(sparse)
+    logp = _stepwise_logprobs(reference, prompt)
     want = np.array([logp[i - 1, prompt[i]] for i in range(1, length)])
     with torch.no_grad():
-        full = torch.log_softmax(load_reference(sparse)(torch.tensor([prompt])).logits[0], -1).numpy()
+        full = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], -1).numpy()
     full = np.array([full[i - 1, prompt[i]] for i in range(1, length)])
     kw = dict(sampling_params={"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
 

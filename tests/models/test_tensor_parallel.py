@@ -116,10 +116,24 @@ SPLITS = {  # family -> its (backend, tp_size) runs split over the mesh
 }
 
 
+@pytest.fixture(scope="module")
+def reference(checkpoint_dir):
+    """``reference(family)``: the family's steps with the ``xla`` backend at ``tp_size=1``,
+    run once per worker (DeepSeek V4's serves its query-block test too)."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = steps(load_hf(checkpoint_dir(family), kernels=kernels("xla", 1)))
+        return made[family]
+
+    return get
+
+
 @pytest.mark.parametrize("family", list(SPLITS))
-def test_families_match_tp1(checkpoint_dir, family):
+def test_families_match_tp1(checkpoint_dir, reference, family):
     path = checkpoint_dir(family)
-    want = steps(load_hf(path, kernels=kernels("xla", 1)))
+    want = reference(family)
     for backend, tp in [("pallas", 1), *SPLITS[family]]:
         got = steps(load_hf(path, kernels=kernels(backend, tp, family)))
         assert not any(np.isnan(g).any() for g in got), f"{family} {backend} tp={tp}"
@@ -259,13 +273,13 @@ def test_dsv4_splits_heads_and_groups(checkpoint_dir):
             assert x[...].sharding.is_fully_replicated, (tp, name)
 
 
-def test_dsv4_query_blocks_match(checkpoint_dir, monkeypatch):
+def test_dsv4_query_blocks_match(checkpoint_dir, reference, monkeypatch):
     """DeepSeek V4's attention in query blocks (``layers/dsv4.py``: ``jax.lax.map`` over
     blocks, the last padded) gives the logits of one block, at tp 1 and split at tp 2."""
     from hicache_jax.models.layers import dsv4
 
     path = checkpoint_dir("deepseek_v4")
-    want = steps(load_hf(path, kernels=kernels("xla", 1)))
+    want = reference("deepseek_v4")  # at the default QUERY_BLOCK: one block a step
     # The 24-token steps: 2 blocks of 16 (the last half padding), 3 of 8.
     for tp, most in ((1, 16), (2, 8)):
         monkeypatch.setattr(dsv4, "QUERY_BLOCK", most)
