@@ -6,7 +6,9 @@ Same interface and semantics as ``reference.py``; runs on TPU (Mosaic) and, with
 (256 bytes at V4's 128 of bfloat16), so writing them costs little beside reading the keys,
 and a running top-k inside the kernel would be a sort network per block.
 
-**Work items.** The tokens are taken ``block_q`` at a time; a block may span several
+**Work items.** The tokens are taken ``block_q`` at a time (32; 1 for a decode step, whose
+tokens are each another sequence's: every token of an item is scored against its keys,
+so a block of 32 decode tokens would cost 32 times the matmuls); a block may span several
 sequences (a ragged decode+prefill step), so each (query block, sequence it holds) is one
 work item, at most ``T / block_q + S`` of them. Grid: ``(item, key block)``. A step copies
 its sequence's ``block_rows / rows`` pages of the key block straight from the pool in HBM
@@ -42,7 +44,7 @@ from hicache_jax.models.kernels import vmem
 
 NEG_INF = float("-inf")
 LANES = 128
-BLOCK_Q = 8  # tokens a query block
+BLOCK_Q = 32  # tokens a query block (1 when the step has no more tokens than sequences)
 BLOCK_ROWS = 512  # key rows a step
 
 
@@ -158,7 +160,7 @@ def index_scores(
     seq: jax.Array,  # [T] int32
     last: jax.Array,  # [T] int32: the last row each token sees (-1: none)
     *,
-    block_q: int = BLOCK_Q,
+    block_q: int | None = None,
     block_rows: int = BLOCK_ROWS,
     interpret: Any = False,
 ) -> jax.Array:  # [T, max_pages * rows] float32
@@ -169,6 +171,8 @@ def index_scores(
         raise ValueError(f"index queries are {d} wide, the keys {dk}")
     if w.shape != (T, H):
         raise ValueError(f"weights {w.shape}, expected {(T, H)}")
+    if block_q is None:  # decode (a token a sequence): a block each, no query scored twice
+        block_q = 1 if T <= S else BLOCK_Q
     block_rows = max(block_rows, R)  # at least one page a block
     if not interpret:
         check_shapes(R, d, keys.dtype, block_rows)

@@ -47,11 +47,15 @@ def test_reference_matches_the_oracle():
     np.testing.assert_allclose(reference.index_scores(*args), oracle(*args), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kernel_matches_the_reference(dtype):
+# Blocks of 4 tokens span sequences; 1: a block a token (decode's); None: the default (32).
+CASES = [("float32", 4), ("bfloat16", 4), ("float32", 1), ("bfloat16", None)]
+
+
+@pytest.mark.parametrize("dtype, block_q", CASES)
+def test_kernel_matches_the_reference(dtype, block_q):
     args = batch(dtype)
-    # Blocks of 4 tokens span sequences; key blocks of 2 pages, the last one partial.
-    got = kernel.index_scores(*args, block_q=4, block_rows=2 * ROWS, interpret=True)
+    # Key blocks of 2 pages, the last one partial.
+    got = kernel.index_scores(*args, block_q=block_q, block_rows=2 * ROWS, interpret=True)
     want = reference.index_scores(*args)
     assert got.shape == want.shape == (15, MAX_PAGES * ROWS)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))  # same rows seen, no NaN
