@@ -3,8 +3,9 @@
     python -m hicache_jax.plan --model_path DIR --topology v6e:2x4 --tp_size 8 [--json out.json]
 
 ``DIR`` needs only ``config.json``. Every server flag is accepted (a server's flagfile
-too); ``--topology`` names the slice. Exits 1, with one line saying by how much, when the
-configuration does not fit. See ``hicache_jax/tpu/planner.py``.
+too); ``--topology`` names the slice; ``--depths auto`` plans from compiles at a few
+depths, extrapolated in layers (minutes, not an hour, for a deep model). Exits 1, with one
+line saying by how much, when the configuration does not fit. See ``hicache_jax/tpu/planner.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ flags.DEFINE_string("topology", "v6e:2x4", "TPU slice to compile for: v5e:2x2, v
 flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
 flags.DEFINE_integer(
     "decode_context", None, "Tokens per sequence for decode costs (default: pool / running)."
+)
+flags.DEFINE_string(
+    "depths",
+    None,
+    "Compile at these depths and extrapolate in layers instead of compiling at full depth: "
+    "'auto' (whole periods of the layer pattern) or 'D1,D2,D3' (fit, fit, check).",
+)
+flags.DEFINE_string(
+    "memo",
+    None,
+    "JSON file keeping each compiled group of figures: a rerun (after a stop, or with "
+    "another --decode_context) compiles only what is missing.",
 )
 server_flags.define_flags(FLAGS)
 
@@ -42,7 +55,19 @@ def main(argv):
             model_cfg, dtype = preset_config(cfg.preset), resolve_dtype(cfg.dtype)
         tgt = target(FLAGS.topology)
         log = lambda line: print(line, file=sys.stderr, flush=True)
-        p = planner.plan(model_cfg, cfg, tgt, dtype=dtype, decode_context=FLAGS.decode_context, progress=log)
+        depths = FLAGS.depths
+        if depths and depths != "auto":
+            depths = tuple(int(d) for d in depths.split(","))
+        p = planner.plan(
+            model_cfg,
+            cfg,
+            tgt,
+            dtype=dtype,
+            decode_context=FLAGS.decode_context,
+            progress=log,
+            depths=depths,
+            memo=FLAGS.memo,
+        )
     except planner.DoesNotFit as e:
         print(e)
         return 1
