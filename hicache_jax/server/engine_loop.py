@@ -307,17 +307,19 @@ class EngineLoop:
             if isinstance(e.__cause__, EngineLost):
                 raise e.__cause__ from None  # the processes disagree: nothing can be served
             self.stats["engine_errors"] += 1
-            self._fail(e.failed, e.message)
+            # Health first: a client that sees its request fail may ask /health at once.
             self.healthy = self.engine.broken is None
+            self._fail(e.failed, e.message)
             return True
         except EngineLost:
             raise
         except Exception as e:  # unknown state: fail everything in flight, keep serving
             log.exception("engine step failed; aborting every request in flight")
             self.stats["engine_errors"] += 1
-            self._fail_all(f"engine error: {type(e).__name__}: {e}")
-            # Unhealthy until a step gets through (a broken engine rebuilds itself first).
+            # Unhealthy until a step gets through (a broken engine rebuilds itself first); set
+            # before the requests fail, so a client told of its failure never reads 200.
             self.healthy = self.engine.broken is None
+            self._fail_all(f"engine error: {type(e).__name__}: {e}")
             return True
         self.healthy = True
         if self.profiler.running:

@@ -4,6 +4,7 @@ unhealthy until it can serve again. And a scheduler that stops making progress r
 instead of spinning."""
 
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -128,10 +129,18 @@ def test_server_unhealthy_until_rebuilt_then_serves(monkeypatch):
             real_recover()
 
         monkeypatch.setattr(engine, "recover", slow_recover)
+        real_fail = loop._fail
+
+        def fail_then_linger(*args):  # the loop thread stalls right after the failure goes out
+            real_fail(*args)
+            time.sleep(0.3)
+
+        monkeypatch.setattr(loop, "_fail", fail_then_linger)
         r = client.post("/generate", json=body)
         assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"]
         # Not a race against the loop's next try (0.5 s later; a loaded machine let it win):
-        # every rebuild fails until the event is set.
+        # every rebuild fails until the event is set. Nor against the loop thread after it
+        # answered (a loaded machine let /health in first): health is set before the failure.
         assert client.get("/health").status_code == 503
         device_back.set()
         for _ in range(100):  # rebuilt on the next try (0.5 s later)
