@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters that propose tokens for the target model to verify."""
