@@ -19,6 +19,18 @@ full-attention pages stay.
 
 Arrays have static shapes (padded to buckets by the engine); padding sequences have
 ``q_len = kv_len = 0`` and slot -1, padding tokens lie past ``cu_q_lens[num_seqs]``.
+
+A *verify step* (speculative decoding) carries ``state_trail`` ``[S, Q]``: each sequence
+feeds at most ``Q`` tokens (its last sampled token and its drafts), and recurrent layers
+write their state after token ``j`` of sequence ``s`` (conv and SSM alike) to the scratch
+slot ``state_trail[s, j]`` (-1: none) besides leaving the working slot at the state after
+the last token, so the engine keeps the accepted one without a re-run::
+
+    sequence s     | t0 | t1 | t2 |            q_len[s] = 3, Q = 4
+    state_trail[s] | a  | b  | -1 | (ignored)  slot a: state after t0, b: after t1
+    state_slots[s] = w                         slot w: state after t2, as in any step
+
+``check_state_trail`` says, on the host, what the layers need of it.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from hicache_jax.kinds import PAGED, CacheKind, cache_kinds, layer_cache
 
@@ -61,6 +74,9 @@ class ForwardBatch:
     # KV pages arriving from host memory in this step, written layer by layer just before
     # each layer runs (``page_loads.py``); None: none (they were written before the step).
     loads: object = None  # PageLoads | None
+    # [S, Q] int32 or None: a verify step's trail slots (module docstring); None: an
+    # ordinary step.
+    state_trail: jax.Array | None = None
     # Static: every sequence contributes exactly one token (lets Mamba take the
     # one-step recurrence instead of the chunked scan).
     decode_only: bool = False
@@ -81,6 +97,35 @@ jax.tree_util.register_dataclass(
         "logits_indices",
         "feed_rows",
         "loads",
+        "state_trail",
     ],
     meta_fields=["decode_only"],
 )
+
+
+def check_state_trail(state_trail, state_slots, cu_q_lens, num_seqs, num_slots: int | None = None) -> None:
+    """Refuse, on the host, a trail the recurrent layers cannot honour, naming what is wrong:
+    each live sequence feeds at most ``Q`` tokens and, when it feeds any, has a working slot
+    (the chunk runs token by token through it); the trail slots a step writes (``j <
+    q_len[s]``, ``>= 0``) are distinct, inside the pool and none is a working slot. A -1
+    anywhere writes nothing, the last token's included (its state is the working slot's)."""
+    trail, slots, cu = np.asarray(state_trail), np.asarray(state_slots), np.asarray(cu_q_lens)
+    n = int(num_seqs)
+    if trail.ndim != 2 or trail.shape[0] != slots.shape[0]:
+        raise ValueError(f"state_trail has shape {trail.shape}; want [S={slots.shape[0]}, Q]")
+    Q = trail.shape[1]
+    q_lens = cu[1 : n + 1] - cu[:n]
+    for s in np.flatnonzero(q_lens > Q):
+        raise ValueError(f"state_trail: sequence {s} feeds {q_lens[s]} tokens, more than Q={Q}")
+    for s in np.flatnonzero((q_lens > 0) & (slots[:n] < 0)):
+        raise ValueError(f"state_trail: sequence {s} feeds tokens but has no working state slot")
+    named = trail[:n][np.arange(Q)[None, :] < q_lens[:, None]]
+    named = named[named >= 0]
+    if num_slots is not None and (named >= num_slots).any():
+        raise ValueError(f"state_trail names slot {named.max()}, past the pool's {num_slots} slots")
+    values, counts = np.unique(named, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"state_trail names slot {values[counts > 1][0]} more than once")
+    shared = np.intersect1d(named, slots[:n][slots[:n] >= 0])
+    if shared.size:
+        raise ValueError(f"state_trail names working slot {shared[0]} of this step")

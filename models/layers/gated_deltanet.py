@@ -25,7 +25,7 @@ from flax import nnx
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import RecurrentState
 from hicache_jax.models.config import GdnConfig, ModelConfig
-from hicache_jax.models.kernels import backend, sharded
+from hicache_jax.models.kernels import backend, sharded, state_trail
 from hicache_jax.models.kernels.gated_delta_rule.reference import l2norm
 from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
 from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
@@ -71,8 +71,9 @@ class GatedDeltaNet(nnx.Module):
         qkv, z, b, a = jnp.split(proj, [conv_w, conv_w + r * Dv, conv_w + r * Dv + r], axis=-1)
 
         conv0, live = gather_states(st.conv, batch.state_slots, batch.has_initial_state, batch.num_seqs)
+        conv_in = qkv.reshape(T, g.conv_dim)
         qkv, conv_new = causal_conv1d(
-            qkv.reshape(T, g.conv_dim), self.conv_weight[...], None, conv0, batch.cu_q_lens, batch.num_seqs
+            conv_in, self.conv_weight[...], None, conv0, batch.cu_q_lens, batch.num_seqs
         )
         qkv = jax.nn.silu(qkv).reshape(T, Hk, conv_w)
         q, k, v = jnp.split(qkv, [Dk, 2 * Dk], axis=-1)  # [T, Hk, Dk] x2, [T, Hk, r*Dv]
@@ -84,22 +85,13 @@ class GatedDeltaNet(nnx.Module):
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         dt = a.reshape(T, Hv).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         decay = A * jax.nn.softplus(dt)  # [T, Hv] log-decay g
-        rule = sharded.gdn(
-            backend.gdn_fn(self.kernels.ssd_backend, self.kernels.interpret, batch.decode_only),
-            self.kernels.mesh,
+        conv = scatter_states(st.conv, batch.state_slots, live, conv_new)
+        kernel = lambda decode: sharded.gdn(
+            backend.gdn_fn(self.kernels.ssd_backend, self.kernels.interpret, decode), self.kernels.mesh
         )
-        o, ssm = rule(
-            q,
-            k,
-            v,
-            decay,
-            beta,
-            batch.cu_q_lens,
-            batch.num_seqs,
-            st.ssm,
-            batch.state_slots,
-            batch.has_initial_state,
-        )
+        per_token = (True,) * 5
+        o, ssm = state_trail.recurrence(kernel, (q, k, v, decay, beta), per_token, st.ssm, batch)
+        conv = state_trail.conv_trail(conv, conv0, conv_in, batch)  # + the trail's (verify steps)
         o = self.norm(o.astype(x.dtype), z.reshape(T, Hv, Dv))  # [T, Hv, Dv]
-        new = RecurrentState(conv=scatter_states(st.conv, batch.state_slots, live, conv_new), ssm=ssm)
+        new = RecurrentState(conv=conv, ssm=ssm)
         return new, self.out_proj(o.reshape(T, g.value_dim))

@@ -9,7 +9,7 @@ from flax import nnx
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.config import ModelConfig
-from hicache_jax.models.kernels import backend, sharded
+from hicache_jax.models.kernels import backend, sharded, state_trail
 from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
 from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
 from hicache_jax.models.layers.linear import Linear
@@ -42,6 +42,7 @@ class Mamba2Mixer(nnx.Module):
 
         conv0, live = gather_states(st.conv, batch.state_slots, batch.has_initial_state, batch.num_seqs)
         bias = self.conv_bias[...] if self.conv_bias is not None else None
+        xbc_in = xbc
         xbc, conv_new = causal_conv1d(
             xbc, self.conv_weight[...], bias, conv0, batch.cu_q_lens, batch.num_seqs
         )
@@ -52,23 +53,13 @@ class Mamba2Mixer(nnx.Module):
         dt = jnp.clip(dt, m.dt_min, m.dt_max)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         D = self.D[...].astype(jnp.float32)
-        scan = sharded.ssd(
-            backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret, batch.decode_only),
-            self.kernels.mesh,
+        conv = scatter_states(st.conv, batch.state_slots, live, conv_new)
+        kernel = lambda decode: sharded.ssd(
+            backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret, decode), self.kernels.mesh
         )
-        y, ssm = scan(
-            xs,
-            dt,
-            A,
-            B,
-            C,
-            D,
-            batch.cu_q_lens,
-            batch.num_seqs,
-            st.ssm,
-            batch.state_slots,
-            batch.has_initial_state,
-        )
+        per_token = (True, True, False, True, True, False)
+        y, ssm = state_trail.recurrence(kernel, (xs, dt, A, B, C, D), per_token, st.ssm, batch)
+        conv = state_trail.conv_trail(conv, conv0, xbc_in, batch)  # + the trail's (verify steps)
         y = self.norm(y.reshape(T, I), z)
-        new = MambaState(conv=scatter_states(st.conv, batch.state_slots, live, conv_new), ssm=ssm)
+        new = MambaState(conv=conv, ssm=ssm)
         return new, self.out_proj(y.astype(x.dtype))
