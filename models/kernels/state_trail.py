@@ -2,30 +2,61 @@
 state after each token of a sequence's chunk, written to scratch slots so the engine can
 roll back to any accepted draft token without running it again.
 
-The chunk runs as ``Q`` one-token decode updates, the j-th on each sequence's j-th token,
-through the backend's own decode kernel (so ``xla``, ``pallas`` and tensor parallelism work
-as for decode); after update j the working slot holds the state after token j and is
-copied to the sequence's trail slot j::
+The chunk runs as ``Q`` one-token updates, the j-th on each sequence's j-th token (the
+decode recurrence), and the state after update j goes to the sequence's trail slot j::
 
     rows        | s0: t0 t1 t2 t3 | s1: t0 t1 | s2: t0 | (s3: 0 tokens)
-    update j=0  |     t0          |     t0    |     t0 |   slot -1: reads, writes nothing
+    update j=0  |     t0          |     t0    |     t0 |   nothing read or written
     update j=1  |        t1       |        t1 |        |
     ...
-    after j     working slot -> trail[s, j]   (where j < q_len[s] and trail[s, j] >= 0)
+    after j     state -> trail[s, j]   (where j < q_len[s] and trail[s, j] >= 0)
+    at the end  state -> the working slot, as in any step
 
-Each update reads and writes the sequence's state once (the decode kernels' bound), and the
-copy reads and writes it once more. The conv state after token j is a window of the
-carried state and the chunk's conv inputs, gathered directly.
+``xla`` (``trail_reference``) gathers each sequence's state once, carries it through the Q
+updates and scatters it to each trail slot and the working slot: one read, q_len + 1
+writes. ``pallas`` runs the backend's decode kernel Q times on the working slot and copies
+the working slot to trail slot j after update j (``trail_by_decode``): each update reads
+and writes the state once, each copy once more. Both run per shard under tensor
+parallelism, as the ordinary kernels do (``sharded.py``). The conv state after token j is a
+window of the carried state and the chunk's conv inputs, gathered directly
+(``conv_trail``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.models.kernels import backend, sharded
+from hicache_jax.models.kernels.gated_delta_rule.reference import gdn_decode_step
+from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
+from hicache_jax.models.kernels.mamba2_ssd.reference import ssd_decode_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Recurrence:
+    """A recurrent kernel kind: its slot-indexed kernels, their split over tensor
+    parallelism, its one-token step and which of its operands have a row per token."""
+
+    # (backend, interpret, decode) -> fn(*operands, cu_seqlens, num_seqs, states, slots, init)
+    kernel: Callable[..., Callable]
+    per_shard: Callable[..., Callable]  # (fn, mesh) -> fn per shard
+    # (state [S, ...], *operands with one row per sequence) -> (out, new state)
+    step: Callable[..., tuple[jax.Array, jax.Array]]
+    per_token: tuple[bool, ...]
+
+
+KINDS = {
+    "ssd": Recurrence(  # x, dt, A, B, C, D
+        backend.ssd_fn, sharded.ssd, ssd_decode_step, (True, True, False, True, True, False)
+    ),
+    "gdn": Recurrence(backend.gdn_fn, sharded.gdn, gdn_decode_step, (True,) * 5),  # q, k, v, g, beta
+}
 
 # update(take, cu_seqlens, states, slots, has_initial_state) -> (y [S, ...], states): one
 # decode update of a sub-batch holding one token per sequence, at row s of the per-token
@@ -47,37 +78,64 @@ def copy_slots(states: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
 
 
 def recurrence(
-    kernel: Callable[[bool], Callable],  # decode -> the backend's slot-indexed fn, per shard
-    operands: Sequence[jax.Array],  # the fn's operands before ``cu_seqlens``
-    per_token: Sequence[bool],  # which operands have a row per token ([T, ...])
+    kind: str,  # a key of KINDS
+    kernels,  # KernelConfig
+    operands: Sequence[jax.Array],  # the kernel's operands before ``cu_seqlens``
     states: jax.Array,  # [num_slots, H, ...] the layer's recurrence states
     batch: ForwardBatch,
 ) -> tuple[jax.Array, jax.Array]:  # out [T, H, ...] float32, updated states
-    """A recurrent layer's scan over the step: the backend's kernel (``backend.ssd_fn``,
-    ``gdn_fn``) as usual, or, in a verify step, token by token with the trail written."""
-    b = batch
+    """A recurrent layer's scan over the step: the backend's kernel as usual, or, in a verify
+    step, token by token with the trail written."""
+    r, b = KINDS[kind], batch
+    name, mesh = kernels.ssd_backend, kernels.mesh
+    slots, init = b.state_slots, b.has_initial_state
     if b.state_trail is None:
-        fn = kernel(b.decode_only)
-        return fn(*operands, b.cu_q_lens, b.num_seqs, states, b.state_slots, b.has_initial_state)
-    step = kernel(True)
+        fn = r.per_shard(r.kernel(name, kernels.interpret, b.decode_only), mesh)
+        return fn(*operands, b.cu_q_lens, b.num_seqs, states, slots, init)
+    if name == "xla":
+        fn = r.per_shard(functools.partial(trail_reference, r.step, r.per_token), mesh)
+        # The trail rides with the working slots: the kernels' slots operand is replicated.
+        with_trail = jnp.concatenate([slots[:, None], b.state_trail], axis=1).astype(jnp.int32)
+        return fn(*operands, b.cu_q_lens, b.num_seqs, states, with_trail, init)
+    step = r.per_shard(r.kernel(name, kernels.interpret, True), mesh)
 
     def update(take, cu, states, slots, init):  # one token of each sequence
-        ops = [take(a) if t else a for a, t in zip(operands, per_token, strict=True)]
+        ops = [take(a) if t else a for a, t in zip(operands, r.per_token, strict=True)]
         return step(*ops, cu, b.num_seqs, states, slots, init)
 
-    return recurrent_trail(
-        update,
-        states,
-        b.cu_q_lens,
-        b.num_seqs,
-        b.state_slots,
-        b.has_initial_state,
-        b.state_trail,
-        num_rows=b.input_ids.shape[0],
-    )
+    T = b.input_ids.shape[0]
+    return trail_by_decode(update, states, b.cu_q_lens, b.num_seqs, slots, init, b.state_trail, num_rows=T)
 
 
-def recurrent_trail(
+def trail_reference(
+    step: Callable[..., tuple[jax.Array, jax.Array]],  # Recurrence.step
+    per_token: Sequence[bool],
+    *args: jax.Array,  # *operands, cu_seqlens [S+1], num_seqs, states, slots_trail [S, 1+Q], init [S]
+) -> tuple[jax.Array, jax.Array]:  # out [T, H, ...] float32, updated states
+    """A verify chunk in plain JAX, with the slot kernels' signature but ``slots`` [S, 1 + Q]:
+    each sequence's working slot, then its trail. Each state is read once."""
+    *operands, cu, num_seqs, states, slots_trail, init = args
+    slots, trail = slots_trail[:, 0], slots_trail[:, 1:]
+    S, Q = trail.shape
+    N = states.shape[0]
+    T = operands[list(per_token).index(True)].shape[0]
+    h, live = gather_states(states, slots, init, num_seqs)  # [S, H, ...] zeros where fresh
+    q_lens = q_lens_of(cu, num_seqs)
+    out = None
+    for j in range(Q):
+        valid = j < q_lens  # [S]
+        rows = jnp.clip(cu[:-1] + j, 0, T - 1)  # [S] each sequence's j-th token
+        out_j, new = step(h, *(a[rows] if t else a for a, t in zip(operands, per_token, strict=True)))
+        h = jnp.where(valid.reshape((S,) + (1,) * (h.ndim - 1)), new, h)
+        if out is None:
+            out = jnp.zeros((T,) + out_j.shape[1:], jnp.float32)
+        out = out.at[jnp.where(valid, rows, T)].set(out_j.astype(jnp.float32), mode="drop")
+        dst = jnp.where(valid & (trail[:, j] >= 0), trail[:, j], N)
+        states = states.at[dst].set(new.astype(states.dtype), mode="drop")
+    return out, scatter_states(states, slots, live, h)
+
+
+def trail_by_decode(
     update: Update,
     states: jax.Array,  # [num_slots, H, ...] float32: the layer's recurrence states
     cu_q_lens: jax.Array,  # [S + 1]

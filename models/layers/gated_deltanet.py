@@ -25,7 +25,7 @@ from flax import nnx
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import RecurrentState
 from hicache_jax.models.config import GdnConfig, ModelConfig
-from hicache_jax.models.kernels import backend, sharded, state_trail
+from hicache_jax.models.kernels import state_trail
 from hicache_jax.models.kernels.gated_delta_rule.reference import l2norm
 from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
 from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
@@ -86,11 +86,7 @@ class GatedDeltaNet(nnx.Module):
         dt = a.reshape(T, Hv).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         decay = A * jax.nn.softplus(dt)  # [T, Hv] log-decay g
         conv = scatter_states(st.conv, batch.state_slots, live, conv_new)
-        kernel = lambda decode: sharded.gdn(
-            backend.gdn_fn(self.kernels.ssd_backend, self.kernels.interpret, decode), self.kernels.mesh
-        )
-        per_token = (True,) * 5
-        o, ssm = state_trail.recurrence(kernel, (q, k, v, decay, beta), per_token, st.ssm, batch)
+        o, ssm = state_trail.recurrence("gdn", self.kernels, (q, k, v, decay, beta), st.ssm, batch)
         conv = state_trail.conv_trail(conv, conv0, conv_in, batch)  # + the trail's (verify steps)
         o = self.norm(o.astype(x.dtype), z.reshape(T, Hv, Dv))  # [T, Hv, Dv]
         new = RecurrentState(conv=conv, ssm=ssm)

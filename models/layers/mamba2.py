@@ -9,7 +9,7 @@ from flax import nnx
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import MambaState
 from hicache_jax.models.config import ModelConfig
-from hicache_jax.models.kernels import backend, sharded, state_trail
+from hicache_jax.models.kernels import state_trail
 from hicache_jax.models.kernels.mamba2_ssd.chunked import gather_states, scatter_states
 from hicache_jax.models.kernels.mamba2_ssd.conv import causal_conv1d
 from hicache_jax.models.layers.linear import Linear
@@ -54,11 +54,7 @@ class Mamba2Mixer(nnx.Module):
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         D = self.D[...].astype(jnp.float32)
         conv = scatter_states(st.conv, batch.state_slots, live, conv_new)
-        kernel = lambda decode: sharded.ssd(
-            backend.ssd_fn(self.kernels.ssd_backend, self.kernels.interpret, decode), self.kernels.mesh
-        )
-        per_token = (True, True, False, True, True, False)
-        y, ssm = state_trail.recurrence(kernel, (xs, dt, A, B, C, D), per_token, st.ssm, batch)
+        y, ssm = state_trail.recurrence("ssd", self.kernels, (xs, dt, A, B, C, D), st.ssm, batch)
         conv = state_trail.conv_trail(conv, conv0, xbc_in, batch)  # + the trail's (verify steps)
         y = self.norm(y.reshape(T, I), z)
         new = MambaState(conv=conv, ssm=ssm)
