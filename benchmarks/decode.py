@@ -140,10 +140,10 @@ def bench(
     engine.sync()
     plan = engine.scheduler.schedule()
     inputs = engine.builder.build(plan)
-    engine.runner.step(*inputs[:4])
+    engine.runner.step(inputs)
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.runner.step(*inputs[:4])
+        engine.runner.step(inputs)
     runner_step = (time.perf_counter() - t0) / steps
     mid = context + 3 * steps  # the context halfway through the timed steps, roughly
     mem = step_bytes(engine, batch, mid) / bandwidth

@@ -40,7 +40,7 @@ class TimedRunner:
     def __call__(self, *inputs):
         t0 = time.perf_counter()
         out = jax.block_until_ready(self.launch(*inputs))
-        self.calls.append((time.perf_counter() - t0, inputs[:4]))
+        self.calls.append((time.perf_counter() - t0, inputs[0]))
         return out
 
 
@@ -59,14 +59,13 @@ def prefill(engine: Engine, timer: TimedRunner, ids: list[int]) -> tuple[float, 
 
 def compiled_flops(engine: Engine, inputs: tuple) -> float:
     runner = engine.runner
-    batch, sampling, copies, top = inputs
-    cost = runner.lower_step(batch, sampling, copies, top).compile().cost_analysis()
+    cost = runner.lower_step(inputs).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return float(cost["flops"])
 
 
 def report(name: str, seconds: float, new: int, cached: int, inputs: tuple, engine: Engine, rate: float):
-    batch = inputs[0]
+    batch = inputs.batch
     T, S = batch.input_ids.shape[0], batch.kv_lens.shape[0]
     analytic = step_flops(engine.model.cfg, [(new, cached + new)])
     compiled = compiled_flops(engine, inputs)

@@ -170,6 +170,47 @@ class EngineConfig:
         "a request waiting 64 steps goes first, and queues over 128 fall back to fcfs).",
         (lambda v, c: v in SCHEDULE_POLICIES, f"must be one of {SCHEDULE_POLICIES}"),
     )
+    speculative_algorithm: str | None = setting(
+        None,
+        "Speculative decoding: NGRAM (drafts from the request's own tokens: prompt lookup). "
+        "Unset: off. SGLang's EAGLE, EAGLE3, NEXTN and STANDALONE are refused as not supported yet.",
+        (
+            lambda v, c: v is None or v.upper() == "NGRAM",
+            "must be NGRAM (EAGLE, EAGLE3, NEXTN and STANDALONE are not supported yet)",
+        ),
+        shown_default="unset",
+    )
+    speculative_num_steps: int | None = setting(
+        None,
+        "Draft tokens per request per step (SGLang's name); --speculative_num_draft_tokens is "
+        "this plus one when unset.",
+        (_unset_or(lambda v, c: v >= 1), "must be >= 1"),
+        shown_default="unset",
+    )
+    speculative_num_draft_tokens: int | None = setting(
+        None,
+        "Tokens a request feeds per verify step: its last token and up to this minus one draft "
+        "tokens (SGLang's name). Unset: --speculative_num_steps + 1, or 4.",
+        (_unset_or(lambda v, c: 2 <= v <= 64), "must be in 2..64"),
+        shown_default="unset",
+    )
+    speculative_draft_model_path: str | None = setting(
+        None,
+        "A draft model (EAGLE-3, standalone): not supported yet; refused when set.",
+        (lambda v, c: v is None, "is not supported yet (NGRAM needs no draft model)"),
+        shown_default="unset",
+    )
+    speculative_ngram_min_match_window_size: int = setting(
+        1, "NGRAM: the shortest suffix of a request's tokens looked up.", _AT_LEAST_1
+    )
+    speculative_ngram_max_match_window_size: int = setting(
+        12,
+        "NGRAM: the longest suffix looked up (the longest that matches earlier tokens wins).",
+        (
+            lambda v, c: v >= c.speculative_ngram_min_match_window_size,
+            "must be >= speculative_ngram_min_match_window_size ({speculative_ngram_min_match_window_size})",
+        ),
+    )
     attention_backend: str | None = setting(
         None,
         "Attention kernels: xla (the reference; the default off TPU) or pallas (the TPU default; "
@@ -326,8 +367,20 @@ class EngineConfig:
         return self.max_queued_tokens or 16 * self.max_total_tokens
 
     @property
+    def spec_width(self) -> int:
+        """Tokens a request feeds per verify step (0: no speculative decoding)."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens
+        return self.speculative_num_steps + 1 if self.speculative_num_steps else 4
+
+    @property
     def num_state_slots(self) -> int:
-        return self.mamba_cache_slots or 4 * self.max_running_requests
+        """Recurrent state slots: working slots, snapshots, and a verify step's scratch
+        slots (one per draft token of each running request)."""
+        scratch = max(self.spec_width - 1, 0) * self.max_running_requests
+        return self.mamba_cache_slots or 4 * self.max_running_requests + scratch
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -34,6 +34,9 @@ class ReqCache:
     state_slot: int | None = None  # working recurrent state (every recurrent layer)
     restore_from: int | None = None  # snapshot slot to copy into state_slot before the next step
     snapshots: dict = dataclasses.field(default_factory=dict)  # page count -> snapshot slot
+    # Scratch state slots of a verify step in flight (speculative decoding): the state after
+    # each draft position, until the accepted one becomes ``state_slot`` (``after_verify``).
+    trail: list = dataclasses.field(default_factory=list)
     last_node: object = None  # deepest radix node this request locks
     window_locked: list = dataclasses.field(default_factory=list)  # nodes whose window pages it pins
     num_inserted_pages: int = 0  # pages of fill_ids already in the tree
@@ -94,6 +97,11 @@ class Req:
     # Tokens sampled by a step still in flight (the overlap schedule): their ids are on the
     # device, so ``fill_ids`` holds a placeholder for each until the step's results are read.
     pending: int = 0
+    # Speculative decoding: its drafter's state (``hicache_jax/speculative``), the verify
+    # steps that fed it a draft, and the draft tokens accepted.
+    drafter_state: object = None
+    spec_verifications: int = 0
+    spec_accepted_tokens: int = 0
 
     # Logprobs.
     input_logprobs: dict = dataclasses.field(default_factory=dict)  # position -> (lp, top)

@@ -129,6 +129,8 @@ def make_builder(cfg: EngineConfig, mc: ModelConfig, context_len: int) -> BatchB
         max_prefill=cfg.chunked_prefill_size,
         max_pages=-(-context_len // cfg.page_size),
         vocab_size=mc.vocab_size,
+        spec_width=cfg.spec_width,
+        eos_token_ids=mc.eos_token_ids,
     )
 
 

@@ -70,10 +70,13 @@ from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.request import Req, Status
 from hicache_jax.runtime import penalties
 from hicache_jax.runtime.batch_builder import RowFailed
+from hicache_jax.runtime.step_inputs import StepInputs
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
+from hicache_jax.scheduler.drafts import add_drafts
 from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions
 from hicache_jax.scheduler.plan import StepPlan
 from hicache_jax.scheduler.scheduler import OutOfMemory
+from hicache_jax.speculative.drafters import make_drafter
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,8 @@ class Launched:
     plan: StepPlan
     out: object  # SamplingOutputs of device arrays
     ids: object  # its sampled ids padded to max_seqs (the next step's feed)
-    first_rows: list[int]
+    first_rows: tuple[int, ...]  # per item: its first token row (``StepInputs``)
+    sample_rows: tuple[int, ...]  # per item: its first sampled row
 
 
 class Engine:
@@ -120,6 +124,7 @@ class Engine:
         self.adapter, self.scheduler = side.adapter, side.scheduler
         self.builder = make_builder(cfg, mc, self.context_len)
         self.penalty_slots = penalties.Slots(self.runner.num_penalty_slots)
+        self.drafter = make_drafter(cfg, mc.layer_kinds)  # speculative decoding (None: off)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.requests: dict[str, Req] = {}
         self._keys = itertools.count()
@@ -240,6 +245,10 @@ class Engine:
             return touched + [e.req]
         except Exception as e:  # e.g. an L2 -> L1 load (it donates the device cache)
             self._step_failed(e)
+        if plan is not None and self.drafter is not None:
+            add_drafts(
+                plan, self.adapter, self.drafter, width=self.cfg.spec_width, context_len=self.context_len
+            )
         if plan is not None:
             self._idle_steps = 0
             self.stats["overlapped_steps"] += prev is not None
@@ -270,6 +279,8 @@ class Engine:
         running = self.scheduler.running
         if self.cfg.disable_overlap_schedule or self.scheduler.waiting or not prev.plan.decode_only:
             return False
+        if self.drafter is not None:  # a draft follows the last token: it must be read first
+            return False
         if len(prev.plan.items) != len(running) or any(i.req not in running for i in prev.plan.items):
             return False
         if any(r.seq_len + 1 >= self.context_len for r in running):
@@ -282,36 +293,33 @@ class Engine:
         """Build and dispatch ``plan``'s step; None when every row failed (``_pack``)."""
         reqs = [item.req for item in plan.items]  # each with a penalty gets a slot (runtime/penalties.py)
         self.penalty_slots.assign_all(reqs, self.runner.write_penalty_row, self.model.cfg.vocab_size)
-        packed = self._pack(plan, prev)
-        if packed is None:
+        inputs = self._pack(plan, prev)
+        if inputs is None:
             return None
-        (batch, sampling, copies, top, first_rows), penalty = packed
         transfer = self.prefix_cache.transfer
         if transfer is not None and transfer.pending():  # L2 pages for this step's prefills
-            if plan.decode_only:
+            if plan.decode_only or plan.verify:
                 transfer.flush()
             else:
-                batch = dataclasses.replace(batch, loads=transfer.step_loads())
+                inputs = inputs.with_loads(transfer.step_loads())
                 self.stats["host_loads_layerwise"] += transfer.layerwise_pages
         prev_ids = None if prev is None else prev.ids
-        out, ids = self.runner.launch(batch, sampling, copies, top, prev_ids, penalty)
+        out, ids = self.runner.launch(inputs, prev_ids)
         self.stats["steps"] += 1
         for item in plan.items:  # the state after this step, as far as the host can know it
-            item.req.num_computed = item.end
+            item.req.num_computed = item.end - len(item.draft)  # a draft counts once accepted
             if item.samples:
                 item.req.pending += 1
-        return Launched(plan, out, ids, first_rows)
+        return Launched(plan, out, ids, inputs.first_rows, inputs.sample_rows)
 
-    def _pack(self, plan: StepPlan, prev: Launched | None):
-        """The step's host inputs: ``BatchBuilder.build``'s and the penalty inputs. A row that
-        cannot be packed (``RowFailed``) fails its request alone, and the step is packed again
-        without it; None when no row is left."""
+    def _pack(self, plan: StepPlan, prev: Launched | None) -> StepInputs | None:
+        """The step's inputs (``BatchBuilder.build``). A row that cannot be packed
+        (``RowFailed``) fails its request alone, and the step is packed again without it;
+        None when no row is left."""
         feed_from = {item.req: s for s, item in enumerate(prev.plan.items)} if prev is not None else None
         while plan.items:
             try:
-                built = self.builder.build(plan, feed_from=feed_from)
-                S = built[1].last_rows.shape[0]
-                return built, self.builder.penalties(plan, S, self.model.cfg.eos_token_ids)
+                return self.builder.build(plan, feed_from=feed_from)
             except RowFailed as e:
                 self._fail_request(e.req, str(e), plan)
         return None
@@ -338,7 +346,7 @@ class Engine:
         """Read a launched step's results and apply them."""
         try:
             out = self.runner.fetch(launched.out)
-            touched = self._postprocess(launched.plan, out, launched.first_rows)
+            touched = self._postprocess(launched, out)
             if self.prefix_cache.host:
                 self.prefix_cache.backup_pending()  # write policy: device -> host (-> L3)
         except Exception as e:
@@ -396,15 +404,15 @@ class Engine:
         self.broken = None
         log.info("device state rebuilt; serving again")
 
-    def _postprocess(self, plan: StepPlan, out, first_rows: list[int]) -> list[Req]:
+    def _postprocess(self, launched: Launched, out) -> list[Req]:
         touched = []
         now = time.monotonic()
-        for s, item in enumerate(plan.items):
+        for s, item in enumerate(launched.plan.items):
             req = item.req
             if req.status is not Status.RUNNING:
                 continue  # aborted, or finished a step earlier (an overlap step's extra token)
             try:
-                finished = self._results(req, item, out, s, first_rows[s], now)
+                finished = self._results(req, item, out, launched.first_rows[s], launched.sample_rows[s], now)
             except Exception as e:  # this request's results alone: the others' stand
                 self._fail_request(req, f"postprocessing its step failed: {type(e).__name__}: {e}")
                 touched.append(req)
@@ -412,31 +420,50 @@ class Engine:
             if item.samples:
                 touched.append(req)
             if finished:
-                req.num_computed, req.pending = item.end, 0  # a step after this one is void
+                if not item.draft:  # a step planned after this one is void
+                    req.num_computed = item.end
+                req.pending = 0
                 self.scheduler.finish(req)
                 self._finish(req, finished)
             else:
+                if item.draft:
+                    self.adapter.after_verify(req, req.num_computed - (item.end - len(item.draft)))
                 self.adapter.after_step(req, insert=item.num_tokens > 1 or item.start < req.input_len)
         return touched
 
-    def _results(self, req: Req, item, out, s: int, row0: int, now: float) -> dict | None:
-        """Apply one request's results of a step (row ``s``; its logits rows from ``row0``):
-        its prompt logprobs, its new token; returns why it finishes, or None."""
+    def _results(self, req: Req, item, out, row0: int, srow: int, now: float) -> dict | None:
+        """Apply one request's results of a step (its logits rows from ``row0``, its sampled
+        rows from ``srow``): its prompt logprobs, its new tokens; returns why it finishes, or
+        None. A verify item takes the token sampled after each of its fed tokens while the
+        fed draft token equals it (the draft token was then the request's next token, and its
+        KV counts: ``num_computed``), then the one sampled after the last accepted token."""
         if item.wants_input_logprobs:
             record_input_logprobs(req, item, out, row0)
         if not item.samples:
             return None
         req.pending -= 1
-        if len(req.output_ids) >= req.sampling.max_new_tokens:
-            return finish.length(req.sampling.max_new_tokens)
-        if req.grammar is not None and req.grammar.dead:  # no token was allowed
-            return dead_end(req.grammar.dead)
-        tok = append_token(req, out, s, now)
-        self.stats["generated_tokens"] += 1
-        finished = self._stop_reason(req, tok)
-        if req.grammar is not None and not finished:
-            finished = req.grammar.accept(tok)
-        return finished
+        if item.draft:
+            self.stats["spec_verifications"] += 1
+            self.stats["spec_draft_tokens"] += len(item.draft)
+            req.spec_verifications += 1
+        for j in range(len(item.draft) + 1):
+            if len(req.output_ids) >= req.sampling.max_new_tokens:
+                return finish.length(req.sampling.max_new_tokens)
+            if req.grammar is not None and req.grammar.dead:  # no token was allowed
+                return dead_end(req.grammar.dead)
+            tok = append_token(req, out, srow + j, now)
+            self.stats["generated_tokens"] += 1
+            finished = self._stop_reason(req, tok)
+            if req.grammar is not None and not finished:
+                finished = req.grammar.accept(tok)
+            accepted = j < len(item.draft) and tok == item.draft[j]
+            if accepted:  # the draft token fed after row j was this token: its KV counts
+                req.num_computed += 1
+                self.stats["spec_accepted_tokens"] += 1
+                req.spec_accepted_tokens += 1
+            if finished or not accepted:
+                return finished
+        raise AssertionError("unreachable: the last row's token is never a draft's")
 
     def _stop_reason(self, req: Req, tok: int) -> dict | None:
         return stop_reason(
@@ -501,6 +528,9 @@ class Engine:
         out.gauges(
             {"num_running_reqs": len(self.scheduler.running), "num_waiting_reqs": len(self.scheduler.waiting)}
         )
+        if self.drafter is not None:  # tokens per verification: accepted draft tokens and one more
+            n = self.stats["spec_verifications"]
+            out.gauges({"spec_accept_length": (self.stats["spec_accepted_tokens"] + n) / n if n else 0.0})
         out.add(self.prefix_cache.metrics())  # pool use and the cache's counters
         if self.storage is not None:
             out.add(self.scheduler.prefetch_metrics())

@@ -47,6 +47,10 @@ def _meta(req: Req) -> dict:
     }
     if req.first_token_time is not None:
         meta["ttft"] = req.first_token_time - req.arrival
+    if req.drafter_state is not None:  # speculative decoding: its verify steps, tokens per one
+        n = req.spec_verifications
+        meta["spec_verify_ct"] = n
+        meta["spec_accept_length"] = (req.spec_accepted_tokens + n) / n if n else 0.0
     if req.timing:
         meta["timing"] = {k: round(v, 6) for k, v in req.timing.items()}
     return meta

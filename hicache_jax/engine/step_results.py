@@ -25,6 +25,11 @@ ENGINE_COUNTERS = (
     "host_loads_layerwise",  # L2 pages a step wrote layer by layer (the rest: before it)
     "request_errors",
     "failed_steps",
+    # Speculative decoding: requests fed a draft in a verify step, draft tokens fed, and
+    # draft tokens accepted (``spec_accept_length`` in /metrics derives from them).
+    "spec_verifications",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
 )
 
 

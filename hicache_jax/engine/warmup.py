@@ -104,7 +104,9 @@ def lowerings(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer
     for shape, top in builder.warmup_programs():
         name = step_name(shape, top)
         yield name, functools.partial(lower_step, runner, builder, shape, top)
-        if layerwise and not shape[3]:  # a prefill may take L2 pages layer by layer
+        if (
+            layerwise and not shape.decode_only and not shape.verify
+        ):  # a prefill may take L2 pages layer by layer
             loads = functools.partial(lower_step, runner, builder, shape, top, transfer)
             yield f"{name} +{transfer.step_pages} pages layer by layer", loads
     yield "penalty row write", runner.lower_penalty_row
@@ -115,9 +117,8 @@ def lowerings(runner: ModelRunner, builder: BatchBuilder, transfer: PageTransfer
 def lower_step(
     runner: ModelRunner, builder: BatchBuilder, shape, top: int, transfer: PageTransfer | None = None
 ) -> jax.stages.Lowered:
-    """The step program for (T, S, R, decode_only) ``shape``, lowered on an empty batch;
-    with ``transfer``, the variant that takes its L2 pages layer by layer."""
-    batch, sampling, copies, _, _ = builder.build(StepPlan(items=[]), shape)
-    if transfer is not None:
-        batch = dataclasses.replace(batch, loads=transfer.empty_step_loads())
-    return runner.lower_step(batch, sampling, copies, top)
+    """The step program for a ``StepShape``, lowered on an empty batch; with ``transfer``,
+    the variant that takes its L2 pages layer by layer."""
+    loads = transfer.empty_step_loads() if transfer is not None else None
+    inputs = builder.build(StepPlan(items=[]), shape, loads=loads)
+    return runner.lower_step(dataclasses.replace(inputs, top_logprobs=top))

@@ -5,9 +5,15 @@ Shapes come from a few buckets so steady-state serving never recompiles:
 - decode-only steps: ``S`` = the next power of two >= the number of sequences, ``T = S``;
 - steps with prefill: ``T`` from a short geometric list, ``S = max_running_requests``;
 - logits rows: one per sequence, or one per token when a request wants input logprobs;
+- verify steps (speculative decoding: a request feeds its last token and a draft, every
+  item a decode): ``T`` from the geometric list up to ``max_running * spec_width``,
+  ``S = max_running_requests``, and every token row is a logits row and samples
+  (``StepShape.N = R = T``), each with its request's settings and the key of the output
+  position it predicts, so the token after an accepted draft is the token the request
+  would have sampled there without one;
 - top logprobs: none, or ``MAX_TOP_LOGPROBS`` when a request wants any;
-- grammar bitmasks: always ``[S, ceil(V / 32)]`` (all ones for unconstrained rows), so a
-  constrained row never changes the program.
+- grammar bitmasks: always ``[N, ceil(V / 32)]``, a row per sampled row (all ones for
+  unconstrained rows), so a constrained row never changes the program.
 
 ``warmup_programs`` lists every combination, so warm-up can compile them all.
 
@@ -25,8 +31,8 @@ from hicache_jax.grammar.constraint import fill_masks
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.request import Req
 from hicache_jax.runtime.penalties import PenaltyInputs, held_back
-from hicache_jax.runtime.runner import StateCopies
 from hicache_jax.runtime.sampler import SamplingInputs
+from hicache_jax.runtime.step_inputs import StateCopies, StepInputs, StepShape
 from hicache_jax.sampling_params import GRAMMARS
 from hicache_jax.scheduler.plan import TOP_WIDTHS, StepPlan, token_buckets
 
@@ -61,23 +67,34 @@ class BatchBuilder:
         max_prefill: int,
         max_pages: int,
         vocab_size: int,
+        spec_width: int = 0,
+        eos_token_ids=(),
     ):
+        """``spec_width``: the most tokens a request feeds in a verify step (its last token
+        and its draft; 0: no speculative decoding). ``eos_token_ids``: what
+        ``min_new_tokens`` holds back (``penalties.held_back``)."""
         self.P = page_size
         self.mask_words = -(-vocab_size // 32)  # a row's grammar bitmask (``hicache_jax/grammar``)
         self._masks: dict[int, np.ndarray] = {}
         self.groups = groups
         self.max_running = max_running
         self.buckets = token_buckets(max_prefill + max_running)
+        self.spec_width = spec_width
+        self.verify_buckets = token_buckets(max_running * spec_width) if spec_width > 1 else []
         self.max_pages = max_pages
         self.max_seqs = self.max_seqs_for(max_running)
+        self.eos_token_ids = tuple(eos_token_ids)
 
     @staticmethod
     def max_seqs_for(max_running: int) -> int:
         """The most sequences any step holds (decode buckets round up to a power of two)."""
         return max(max_running, 1 << (max_running - 1).bit_length())
 
-    def shapes(self, plan: StepPlan) -> tuple[int, int, int]:
-        """(T, S, R) for a plan."""
+    def shapes(self, plan: StepPlan) -> StepShape:
+        """The step shape of a plan."""
+        if plan.verify:  # every token row samples: the token after each draft token
+            T = next(b for b in self.verify_buckets if b >= plan.num_tokens)
+            return StepShape(T, self.max_running, T, False, T)
         if plan.decode_only:
             S = self._decode_seqs(len(plan.items))
             T = S
@@ -85,36 +102,40 @@ class BatchBuilder:
             S = self.max_running
             T = next(b for b in self.buckets if b >= plan.num_tokens)
         R = T if any(i.wants_input_logprobs for i in plan.items) else S
-        return T, S, R
+        return StepShape(T, S, R, plan.decode_only)
 
     @staticmethod
     def _decode_seqs(n: int) -> int:
         return 1 << (n - 1).bit_length()
 
-    def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
-        """Every (T, S, R, decode_only) ``shapes`` can return (R = T: input logprobs)."""
+    def warmup_shapes(self) -> list[StepShape]:
+        """Every shape ``shapes`` can return (R = T: input logprobs; N = T: verify)."""
         decode = sorted({self._decode_seqs(n) for n in range(1, self.max_running + 1)})
-        out = [(S, S, S, True) for S in decode]
+        out = [StepShape(S, S, S, True) for S in decode]
         for T in self.buckets:
-            out += [(T, self.max_running, R, False) for R in sorted({self.max_running, T})]
+            out += [StepShape(T, self.max_running, R, False) for R in sorted({self.max_running, T})]
+        out += [StepShape(T, self.max_running, T, False, T) for T in self.verify_buckets]
         return out
 
-    def warmup_programs(self) -> list[tuple[tuple[int, int, int, bool], int]]:
+    def warmup_programs(self) -> list[tuple[StepShape, int]]:
         """Every (shape, top-logprobs width) a step can run with."""
         return [(shape, top) for shape in self.warmup_shapes() for top in TOP_WIDTHS]
 
     def build(
         self,
         plan: StepPlan,
-        shape: tuple[int, int, int, bool] | None = None,
+        shape: StepShape | None = None,
         feed_from: dict[Req, int] | None = None,
-    ) -> tuple[ForwardBatch, SamplingInputs, StateCopies, int, list[int]]:
-        """Device inputs, the top-logprobs width, and each item's first row in T.
-        ``shape`` forces (T, S, R, decode_only) (warm-up builds empty batches of each).
-        ``feed_from``: requests whose next input token is still on the device, sampled by
-        the step in flight at the given row (``ForwardBatch.feed_rows``)."""
-        T, S, R = shape[:3] if shape else self.shapes(plan)
-        decode_only = shape[3] if shape else plan.decode_only
+        loads=None,
+    ) -> StepInputs:
+        """The step's device inputs (``StepInputs``). ``shape`` forces one (warm-up builds
+        empty batches of each). ``feed_from``: requests whose next input token is still on
+        the device, sampled by the step in flight at the given row (``ForwardBatch.feed_rows``).
+        ``loads``: L2 pages the step writes layer by layer (``ForwardBatch.loads``)."""
+        shape = StepShape(*shape) if shape else self.shapes(plan)
+        T, S, R, decode_only = shape[:4]
+        N = shape.sample_rows
+        verify = shape.verify
         P = self.P
         ids = np.zeros(T, np.int32)
         pos = np.zeros(T, np.int32)
@@ -125,29 +146,36 @@ class BatchBuilder:
         state_slots = np.full(S, -1, np.int32)
         has_init = np.zeros(S, bool)
         feed = np.full(T, -1, np.int32)
+        trail = np.full((S, self.spec_width), -1, np.int32) if verify else None
         targets = np.full(R, -1, np.int32)
         s_inputs = {
-            "temperature": np.zeros(S, np.float32),
-            "top_p": np.ones(S, np.float32),
-            "top_k": np.full(S, -1, np.int32),
-            "min_p": np.zeros(S, np.float32),
-            "seeds": np.zeros(S, np.uint32),
-            "counters": np.zeros(S, np.int32),
+            "temperature": np.zeros(N, np.float32),
+            "top_p": np.ones(N, np.float32),
+            "top_k": np.full(N, -1, np.int32),
+            "min_p": np.zeros(N, np.float32),
+            "seeds": np.zeros(N, np.uint32),
+            "counters": np.zeros(N, np.int32),
         }
-        last_rows = np.zeros(S, np.int32)
-        constrained = np.zeros(S, bool)
+        last_rows = np.arange(N, dtype=np.int32) if verify else np.zeros(N, np.int32)
+        constrained = np.zeros(N, bool)
+        penalty = PenaltyInputs.neutral(N)
         grammar_rows = []
-        first_rows = []
+        first_rows, sample_rows = [], []
         t = 0
         for s, item in enumerate(plan.items):
             r = item.req
-            fill = r.fill_ids
             n = item.num_tokens
+            # The rows sampling this item's tokens: one per fed token in a verify step, else
+            # the sequence's own row (a chunk that does not end the sequence samples nothing
+            # the engine reads).
+            row0 = t if verify else s
+            rows = range(row0, row0 + n) if verify else range(s, s + 1)
             field = None  # the sampling setting being packed, for RowFailed
             try:
-                ids[t : t + n] = fill[item.start : item.end]
+                fill = item.fed_ids
+                ids[t : t + n] = fill
                 if r.pending:  # the last token fed is still on the device
-                    feed[t + n - 1] = feed_from[r]
+                    feed[t + n - 1 - len(item.draft)] = feed_from[r]
                 p = np.arange(item.start, item.end)
                 pos[t : t + n] = p
                 for g, pages in r.cache.pages.items():
@@ -161,23 +189,31 @@ class BatchBuilder:
                 kv[s] = item.end
                 state_slots[s] = -1 if r.cache.state_slot is None else r.cache.state_slot
                 has_init[s] = item.has_initial_state
+                if trail is not None:
+                    trail[s, : len(item.trail)] = item.trail
                 sp = r.sampling
-                for field, key in SAMPLED:
-                    s_inputs[key][s] = getattr(sp, field)
-                field = "seed"
-                s_inputs["seeds"][s] = r.seed
-                field = None
-                s_inputs["counters"][s] = len(r.output_ids) + r.pending
+                for j, q in enumerate(rows):
+                    for field, key in SAMPLED:
+                        s_inputs[key][q] = getattr(sp, field)
+                    field = "seed"
+                    s_inputs["seeds"][q] = r.seed
+                    field = None
+                    s_inputs["counters"][q] = len(r.output_ids) + r.pending + j
                 if r.grammar is not None and item.samples:
-                    constrained[s] = True
-                    grammar_rows.append((r.grammar, s))
-                last_rows[s] = (t + n - 1) if R == T else s
-                if R == T:
-                    nxt = fill[item.start + 1 : item.end + 1]  # row q scores token q+1
+                    constrained[row0] = True
+                    grammar_rows.append((r.grammar, row0))
+                if not verify:
+                    last_rows[s] = (t + n - 1) if R == T else s
+                if R == T and not verify:
+                    nxt = fill[1:] + r.fill_ids[item.end : item.end + 1]  # row q scores token q+1
                     targets[t : t + len(nxt)] = nxt
+                _pack_penalty(penalty, item, rows, self.eos_token_ids)
+            except RowFailed:
+                raise
             except Exception as e:
                 raise RowFailed(r, field, e) from e
             first_rows.append(t)
+            sample_rows.append(row0 if item.samples else -1)
             t += n
             cu[s + 1] = t
         cu[len(plan.items) + 1 :] = t
@@ -198,19 +234,28 @@ class BatchBuilder:
             has_initial_state=has_init,
             logits_indices=logits_rows,
             feed_rows=feed,
+            loads=loads,
+            state_trail=trail,
             decode_only=decode_only,
         )
-        allowed = self._all_allowed(S)
+        allowed = self._all_allowed(N)
         if grammar_rows:
             allowed = allowed.copy()
             _fill_masks(grammar_rows, allowed, plan)
         sampling = SamplingInputs(
             last_rows=last_rows, targets=targets, allowed=allowed, constrained=constrained, **s_inputs
         )
-        copies = self._copies(plan)
         wants_top = any(i.req.return_logprob and i.req.top_logprobs_num for i in plan.items)
-        top = TOP_WIDTHS[wants_top]
-        return batch, sampling, copies, top, first_rows
+        return StepInputs(
+            shape=shape,
+            batch=batch,
+            sampling=sampling,
+            copies=self._copies(plan),
+            penalty=penalty,
+            top_logprobs=TOP_WIDTHS[wants_top],
+            first_rows=tuple(first_rows),
+            sample_rows=tuple(sample_rows),
+        )
 
     def _all_allowed(self, S: int) -> np.ndarray:
         """[S, W] int32 bitmask allowing every token, kept per S (read-only: copy to fill)."""
@@ -219,28 +264,6 @@ class BatchBuilder:
             mask.flags.writeable = False
             self._masks[S] = mask
         return self._masks[S]
-
-    @staticmethod
-    def penalties(plan: StepPlan, S: int, eos_token_ids=()) -> PenaltyInputs:
-        """The rows' penalty inputs (``penalties.py``), for a step of S sequence rows. Only
-        rows that sample their request's next token name its slot: a chunk that does not
-        end the request's sequence adds nothing to its counts."""
-        out = PenaltyInputs.neutral(S)
-        for s, item in enumerate(plan.items):
-            r, sp = item.req, item.req.sampling
-            if item.samples and r.penalty_slot is not None:
-                out.slots[s] = r.penalty_slot
-            field = None
-            try:
-                for field, key in PENALISED:
-                    getattr(out, key)[s] = getattr(sp, field)
-                if sp.min_new_tokens:
-                    field = "stop_token_ids"
-                    ids = held_back(sp, eos_token_ids)
-                    out.stop_ids[s, : len(ids)] = ids
-            except Exception as e:
-                raise RowFailed(r, field, e) from e
-        return out
 
     def _copies(self, plan: StepPlan) -> StateCopies:
         K = self.max_running
@@ -255,6 +278,27 @@ class BatchBuilder:
         bs, bd = pad(plan.copies_before)
         as_, ad = pad(plan.copies_after)
         return StateCopies(before_src=bs, before_dst=bd, after_src=as_, after_dst=ad)
+
+
+def _pack_penalty(out: PenaltyInputs, item, rows: range, eos_token_ids) -> None:
+    """An item's penalty inputs on its sampled ``rows``. Only a row that samples its
+    request's next token names the request's slot: a chunk that does not end the request's
+    sequence adds nothing to its counts (a request with a penalty feeds no draft, so its
+    one row is that row)."""
+    r, sp = item.req, item.req.sampling
+    field = None
+    try:
+        for q in rows:
+            if item.samples and r.penalty_slot is not None:
+                out.slots[q] = r.penalty_slot
+            for field, key in PENALISED:
+                getattr(out, key)[q] = getattr(sp, field)
+            if sp.min_new_tokens:
+                field = "stop_token_ids"
+                ids = held_back(sp, eos_token_ids)
+                out.stop_ids[q, : len(ids)] = ids
+    except Exception as e:
+        raise RowFailed(r, field, e) from e
 
 
 def _fill_masks(rows: list, allowed: np.ndarray, plan: StepPlan) -> None:

@@ -24,37 +24,22 @@ from flax import nnx
 
 from hicache_jax.kinds import CacheKind, cache_kinds
 from hicache_jax.models import sharding
-from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import RecurrentState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.runtime import compiles, penalties
-from hicache_jax.runtime.penalties import PenaltyInputs
 from hicache_jax.runtime.sampler import SamplingInputs, SamplingOutputs, sample
+from hicache_jax.runtime.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
 
-def step_name(shape: tuple[int, int, int, bool], top_logprobs: int) -> str:
-    """A step program's name for (T, S, R, decode_only) ``shape``: warm-up's progress and the
-    log line of a step that waited on its compile."""
-    T, S, R, decode_only = shape
+def step_name(shape: tuple, top_logprobs: int) -> str:
+    """A step program's name for a ``StepShape`` (T, S, R, decode_only[, N]): warm-up's
+    progress and the log line of a step that waited on its compile."""
+    T, S, R, decode_only, *N = shape
+    if N and N[0] not in (0, S):
+        return f"verify step T={T} S={S} top={top_logprobs}"
     return f"{'decode' if decode_only else 'prefill'} step T={T} S={S} R={R} top={top_logprobs}"
-
-
-@dataclasses.dataclass(frozen=True)
-class StateCopies:
-    """Recurrent state slot copies: ``before`` the forward (restore a snapshot into a working
-    slot) and ``after`` it (snapshot a working slot). -1 entries copy nothing."""
-
-    before_src: jax.Array  # [K] int32
-    before_dst: jax.Array
-    after_src: jax.Array
-    after_dst: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    StateCopies, data_fields=["before_src", "before_dst", "after_src", "after_dst"], meta_fields=[]
-)
 
 
 def copy_states(cache: tuple, src: jax.Array, dst: jax.Array) -> tuple:
@@ -158,31 +143,24 @@ class ModelRunner:
         self._launched = 0
 
     def launch(
-        self,
-        batch: ForwardBatch,
-        sampling: SamplingInputs,
-        copies: StateCopies,
-        top_logprobs: int,
-        prev_ids: jax.Array | None = None,
-        penalty: PenaltyInputs | None = None,
+        self, inputs: StepInputs, prev_ids: jax.Array | None = None
     ) -> tuple[SamplingOutputs, jax.Array]:
         """Dispatch a step; returns its outputs and its sampled ids padded to ``max_seqs``
         (the next step's ``prev_ids``), both still on the device."""
-        args = self._step_args(batch, sampling, copies, prev_ids, penalty)
+        args = self._step_args(inputs, prev_ids)
+        top_logprobs = inputs.top_logprobs
         if self._check_plan is not None:
             self._launched += 1
-            plan = ((args[2], sampling, args[4]), args[6], top_logprobs)  # host arrays
+            plan = ((args[2], args[3], args[4]), args[6], top_logprobs)  # host arrays
             self._check_plan(self._launched, plan)
         before, t0 = compiles.total(STEP_PROGRAM), time.perf_counter()
         self.cache, out, ids, self.counts = _step_jit(*args, **self._static(top_logprobs))
         if compiles.total(STEP_PROGRAM) != before:  # this shape's first use: the step waited
-            T, S, R = batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.logits_indices.shape[0]
-            shape = (T, S, R, batch.decode_only)
             log.warning(
                 "a step waited %.1f s for its program to compile (%s; warm-up, --warmup or "
                 "LLM(warmup=True), compiles every step shape before serving)",
                 time.perf_counter() - t0,
-                step_name(shape, top_logprobs),
+                step_name(inputs.shape, top_logprobs),
             )
         return out, ids
 
@@ -202,32 +180,23 @@ class ModelRunner:
         replicated, so on several processes each reads its own copy)."""
         return jax.tree_util.tree_map(_to_host, out)
 
-    def step(
-        self,
-        batch: ForwardBatch,
-        sampling: SamplingInputs,
-        copies: StateCopies,
-        top_logprobs: int,
-        penalty: PenaltyInputs | None = None,
-    ) -> SamplingOutputs:
+    def step(self, inputs: StepInputs) -> SamplingOutputs:
         """Launch and wait."""
-        return self.fetch(self.launch(batch, sampling, copies, top_logprobs, penalty=penalty)[0])
+        return self.fetch(self.launch(inputs)[0])
 
-    def lower_step(
-        self, batch: ForwardBatch, sampling: SamplingInputs, copies: StateCopies, top_logprobs: int
-    ) -> jax.stages.Lowered:
+    def lower_step(self, inputs: StepInputs) -> jax.stages.Lowered:
         """The program ``step`` runs for inputs of these shapes, lowered: warm-up compiles
         it, and the jit's call path then finds it compiled."""
-        return _step_jit.lower(*self._step_args(batch, sampling, copies), **self._static(top_logprobs))
+        return _step_jit.lower(*self._step_args(inputs), **self._static(inputs.top_logprobs))
 
-    def _step_args(self, batch, sampling, copies, prev_ids=None, penalty=None) -> tuple:
+    def _step_args(self, inputs: StepInputs, prev_ids=None) -> tuple:
+        batch, sampling, penalty = inputs.batch, inputs.sampling, inputs.penalty
         if batch.feed_rows is None:
             batch = dataclasses.replace(batch, feed_rows=np.full(batch.input_ids.shape, -1, np.int32))
         prev_ids = self._no_ids if prev_ids is None else prev_ids
-        penalty = PenaltyInputs.neutral(sampling.last_rows.shape[0]) if penalty is None else penalty
         if sampling.allowed is not None:
             sampling = dataclasses.replace(sampling, allowed=self._placed_mask(sampling))
-        return self._leaves, self.cache, batch, sampling, copies, prev_ids, penalty, self.counts
+        return self._leaves, self.cache, batch, sampling, inputs.copies, prev_ids, penalty, self.counts
 
     def _static(self, top_logprobs: int) -> dict:
         return {"structure": self._structure, "top_logprobs": top_logprobs}

@@ -137,7 +137,29 @@ class CacheAdapter:
         held.snapshots[pages] = slot
         return slot
 
+    def trail_slots(self, req: Req, n: int) -> list[int] | None:
+        """``n`` scratch state slots for a verify step's states after each draft position
+        (``ReqCache.trail``; None: no room, feed no draft)."""
+        got = self.cache.alloc(self.snapshot, n) if n else []
+        if got is None:
+            return None
+        req.cache.trail = list(got)
+        return req.cache.trail
+
     # ---- after a step -------------------------------------------------------------------
+    def after_verify(self, req: Req, accepted: int) -> None:
+        """A verify step accepted ``accepted`` draft tokens: the state after the last
+        accepted one becomes the working state (a slot swap: no copy, no re-run), and the
+        other scratch slots go back. All accepted: the working slot already holds it."""
+        held = req.cache
+        if not held.trail:
+            return
+        back = list(held.trail)
+        if accepted < len(back):
+            back[accepted], held.state_slot = held.state_slot, back[accepted]
+        held.trail = []
+        self.cache.pools[self.snapshot].free(back)
+
     def after_step(self, req: Req, insert: bool) -> None:
         if insert:
             self.insert(req, req.num_computed // self.P)
@@ -230,7 +252,8 @@ class CacheAdapter:
             if mine:
                 self.cache.pools[kind].free(mine)
         if self.has_state:
-            slots = list(held.snapshots.values()) + ([held.state_slot] if held.state_slot is not None else [])
+            slots = list(held.snapshots.values()) + held.trail
+            slots += [held.state_slot] if held.state_slot is not None else []
             self.cache.pools[self.snapshot].free(slots)
         self.cache.window_unlock(held.window_locked)
         self.cache.unlock(held.last_node)
@@ -247,7 +270,7 @@ class CacheAdapter:
             for kind in self.kinds:
                 out[kind] += r.cache.owned(kind)
             if self.has_state:
-                out[self.snapshot] += list(r.cache.snapshots.values())
+                out[self.snapshot] += list(r.cache.snapshots.values()) + r.cache.trail
                 if r.cache.state_slot is not None:
                     out[self.snapshot].append(r.cache.state_slot)
         return out

@@ -22,6 +22,12 @@ class WorkItem:
     start: int  # first token (index into fill_ids) fed this step
     end: int  # one past the last
     has_initial_state: bool = False
+    # Speculative decoding (``scheduler/drafts.py``): tokens proposed after the request's last
+    # one, fed after it in this step (``end`` counts them) and checked against what the step
+    # samples at each; and per draft token j, the recurrent state slot that receives the
+    # state after token j of the step (the state after the last token stays in the working slot).
+    draft: tuple[int, ...] = ()
+    trail: tuple[int, ...] = ()
     # Whether the step samples this request's next token: fixed when planned, because the
     # request's length grows by that token (``Req.pending``) as soon as the step launches.
     samples: bool = dataclasses.field(init=False)
@@ -32,6 +38,11 @@ class WorkItem:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def fed_ids(self) -> list[int]:
+        """The tokens this step feeds: the request's own, then its draft."""
+        return self.req.fill_ids[self.start : self.end - len(self.draft)] + list(self.draft)
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -52,6 +63,11 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(i.num_tokens for i in self.items)
+
+    @property
+    def verify(self) -> bool:
+        """A verify step: some request feeds a draft (every item is then a decode)."""
+        return any(i.draft for i in self.items)
 
 
 def token_buckets(max_tokens: int) -> list[int]:

@@ -342,7 +342,7 @@ def _largest_programs(server: AbstractServer) -> set[str]:
     per-token logits rows with top logprobs, and the largest page copies."""
     b = server.builder
     S = b.max_running
-    decode = max(s for _, s, _, only in b.warmup_shapes() if only)
+    decode = max(shape.S for shape in b.warmup_shapes() if shape.decode_only)
     T = b.buckets[-1]
     names = {f"decode step T={decode} S={decode} R={decode} top=20", f"prefill step T={T} S={S} R={T} top=20"}
     if server.transfer is not None:

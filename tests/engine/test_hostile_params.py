@@ -368,7 +368,9 @@ def test_a_stop_id_past_int32_with_min_new_tokens_is_refused(engine):
     req = Req(rid="x", input_ids=[5, 6, 7], sampling=SamplingParams(min_new_tokens=1))
     object.__setattr__(req.sampling, "stop_token_ids", (2147483648,))
     with pytest.raises(RowFailed, match=r"sampling_params\.stop_token_ids.*OverflowError") as e:
-        BatchBuilder.penalties(StepPlan([WorkItem(req, 0, 3)]), 4)
+        BatchBuilder(
+            page_size=4, groups=(), max_running=4, max_prefill=16, max_pages=4, vocab_size=V
+        ).build(StepPlan([WorkItem(req, 0, 3)]))
     assert e.value.req is req
 
 

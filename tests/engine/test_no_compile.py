@@ -19,8 +19,9 @@ from hicache_jax.scheduler.plan import StepPlan, WorkItem
 P = 16
 
 
-def _plan(rng, max_running: int, max_prefill: int) -> StepPlan:
-    """A plan the scheduler could make: decodes, plus prefill chunks within the budget."""
+def _plan(rng, max_running: int, max_prefill: int, width: int = 0) -> StepPlan:
+    """A plan the scheduler could make: decodes, plus prefill chunks within the budget; with
+    speculation (``width``), half the all-decode plans carry drafts."""
     items, budget = [], max_prefill
     for _ in range(rng.randint(1, max_running + 1)):
         n = int(rng.randint(1, 300))
@@ -36,12 +37,17 @@ def _plan(rng, max_running: int, max_prefill: int) -> StepPlan:
             end = min(n, start + int(rng.randint(1, budget + 1)))
             budget -= end - start
             items.append(WorkItem(req, start, end))
-    return StepPlan(items)
+    plan = StepPlan(items)
+    if width > 1 and plan.decode_only and rng.rand() < 0.5:  # a verify step: drafts of 0..width-1
+        for item in plan.items:
+            k = int(rng.randint(0, width))
+            item.draft, item.end = (3,) * k, item.end + k
+    return plan
 
 
 def test_warmup_shapes_cover_every_plan():
     rng = np.random.RandomState(0)
-    for max_running, max_prefill in [(1, 16), (3, 16), (8, 64), (32, 512)]:
+    for max_running, max_prefill, width in [(1, 16, 0), (3, 16, 4), (8, 64, 0), (8, 64, 5), (32, 512, 4)]:
         b = BatchBuilder(
             page_size=P,
             groups=("full",),
@@ -49,14 +55,16 @@ def test_warmup_shapes_cover_every_plan():
             max_prefill=max_prefill,
             max_pages=8,
             vocab_size=512,
+            spec_width=width,
         )
         warm = set(b.warmup_shapes())
         assert len(warm) == len(b.warmup_shapes())
         seen = set()
         for _ in range(300):
-            plan = _plan(rng, max_running, max_prefill)
-            shape = b.shapes(plan) + (plan.decode_only,)
-            assert shape in warm, (max_running, max_prefill, shape)
+            plan = _plan(rng, max_running, max_prefill, width)
+            shape = b.shapes(plan)
+            assert shape in warm, (max_running, max_prefill, width, shape)
+            assert shape.verify == plan.verify
             seen.add(shape)
         assert len(seen) > len(warm) // 2  # the plans are varied enough to mean something
 

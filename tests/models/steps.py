@@ -64,7 +64,8 @@ def build_step(
         page_size=page_size, groups=groups, max_running=S, max_prefill=T, max_pages=max_pages, vocab_size=512
     )
     shape = (T, S, T if all_logits else S, plan.decode_only)
-    batch, _, _, _, first = builder.build(plan, shape=shape)
+    built = builder.build(plan, shape=shape)
+    batch, first = built.batch, built.first_rows
     if all_logits:
         rows = [slice(f, f + i.num_tokens) for f, i in zip(first, plan.items)]
     else:

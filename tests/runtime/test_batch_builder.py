@@ -77,7 +77,8 @@ def plans(draw):
 def test_build_matches_a_recomputation(case):
     plan, feed_from = case
     b = builder()
-    batch, sampling, _, top, first_rows = b.build(plan, feed_from=feed_from)
+    inputs = b.build(plan, feed_from=feed_from)
+    batch, sampling, top, first_rows = inputs.batch, inputs.sampling, inputs.top_logprobs, inputs.first_rows
     items = plan.items
     n = len(items)
     total = sum(i.end - i.start for i in items)
@@ -126,7 +127,8 @@ def test_build_matches_a_recomputation(case):
             pages = i.req.cache.pages[g]
             want[s, : len(pages)] = [0 if p is None else p for p in pages]
         np.testing.assert_array_equal(batch.page_tables[g], want)
-    assert first_rows == cu[:n]
+    assert list(first_rows) == cu[:n]
+    assert inputs.sample_rows == tuple(s if i.samples else -1 for s, i in enumerate(items))
     if R == T:  # a row per token (in a decode-only step with T = S that is also a row per sequence)
         np.testing.assert_array_equal(batch.logits_indices, np.arange(T))
         np.testing.assert_array_equal(sampling.last_rows, last + [0] * pad_s)
@@ -148,7 +150,8 @@ def test_build_matches_a_recomputation(case):
     np.testing.assert_array_equal(sampling.top_k, [i.req.sampling.top_k for i in items] + [-1] * pad_s)
     wants_top = any(i.req.return_logprob and i.req.top_logprobs_num for i in items)
     assert top == (MAX_TOP_LOGPROBS if wants_top else 0)
-    assert (T, S, R, decode_only) in b.warmup_shapes(), "a shape warm-up does not compile"
+    assert inputs.shape[:4] == (T, S, R, decode_only) and not inputs.shape.verify
+    assert inputs.shape in b.warmup_shapes(), "a shape warm-up does not compile"
 
 
 def test_a_missing_page_for_a_written_position_is_an_error():

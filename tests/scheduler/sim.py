@@ -134,7 +134,8 @@ class Sim:
 
     def run_model(self, plan: StepPlan) -> None:
         """Read each sequence's context through its page tables, then write its tokens."""
-        batch, sampling, _, _, first_rows = self.builder.build(plan)
+        inputs = self.builder.build(plan)
+        batch = inputs.batch
         P, W = self.P, self.s.window
         for s, item in enumerate(plan.items):
             fill = np.asarray(item.req.fill_ids)

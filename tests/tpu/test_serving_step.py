@@ -86,7 +86,7 @@ def step_names(server: AbstractServer, kinds: set[str]) -> set[str]:
     row and top logprobs)."""
     b = server.builder
     S, T = b.max_running, b.buckets[-1]
-    decode = max(s for _, s, _, decode_only in b.warmup_shapes() if decode_only)
+    decode = max(shape.S for shape in b.warmup_shapes() if shape.decode_only)
     names = {
         "decode": f"decode step T={decode} S={decode} R={decode} top=0",
         "prefill": f"prefill step T={T} S={S} R={S} top=0",

@@ -1,0 +1,43 @@
+"""The engine's drafter for ``--speculative_algorithm``: ``(request, most tokens) -> draft``
+(``scheduler/drafts.py`` decides who drafts and how much; this module, what)."""
+
+from __future__ import annotations
+
+from hicache_jax.config import ConfigError, EngineConfig
+from hicache_jax.kinds import CacheKind, cache_kinds
+from hicache_jax.request import Req
+from hicache_jax.speculative.ngram import NgramConfig, NgramIndex
+
+# Cache kinds a verify step cannot roll back yet: DeepSeek V4's compressors keep a running
+# window in their state rows, which a rejected draft token would have advanced.
+NOT_ROLLED_BACK = (CacheKind.CSA_STATE, CacheKind.HCA_STATE)
+
+
+class NgramDrafter:
+    """Prompt lookup over the request's own tokens (``ngram.NgramIndex``, one per request,
+    kept on the request)."""
+
+    def __init__(self, config: NgramConfig):
+        self.config = config
+
+    def __call__(self, req: Req, k: int) -> list[int]:
+        if req.drafter_state is None:
+            req.drafter_state = NgramIndex(self.config)
+        return req.drafter_state.propose(req.input_ids + req.output_ids, k)
+
+
+def make_drafter(cfg: EngineConfig, layer_kinds) -> NgramDrafter | None:
+    """The drafter ``cfg`` asks for (None: speculation off); refuses a model whose cache a
+    verify step cannot roll back, naming the flag."""
+    if not cfg.spec_width:
+        return None
+    blocked = [k for k in cache_kinds(layer_kinds) if k in NOT_ROLLED_BACK]
+    if blocked:
+        raise ConfigError(
+            f"speculative_algorithm={cfg.speculative_algorithm!r} is not supported yet for this model: "
+            f"its {', '.join(blocked)} cache (DeepSeek V4's compressors) is not rolled back "
+            "after a rejected draft"
+        )
+    return NgramDrafter(
+        NgramConfig(cfg.speculative_ngram_min_match_window_size, cfg.speculative_ngram_max_match_window_size)
+    )

@@ -1,0 +1,133 @@
+"""Speculative decoding gives the outputs of decoding without it, token for token, greedy
+or sampled, for every family, under load: concurrent requests on a pool small enough to
+retract, stop tokens and ``max_new_tokens`` falling inside a draft, logprobs. Nothing
+leaks (the cache's integrity is checked after every step).
+
+Two drafters: the n-gram drafter the flag selects, and an oracle that proposes each
+request's true continuation (from the run without speculation) with a token replaced at
+random half the time, so that whole drafts, partial drafts and rejected first tokens all
+occur, which random weights would rarely give the n-gram drafter."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from hicache_jax.config import ConfigError, EngineConfig
+from hicache_jax.engine.engine import Engine
+
+WIDTH = 4  # tokens a request feeds per verify step
+BASE = dict(
+    page_size=16,
+    chunked_prefill_size=64,
+    max_running_requests=8,
+    max_total_tokens=10 * 16,  # 8 requests of 35 to 96 tokens: some are retracted
+    dtype="float32",
+)
+
+
+def workload(seed: int = 0):
+    """Prompts with repeats (so the n-gram drafter finds matches) and a prefix shared by
+    some; settings mixing greedy and sampled rows, stop tokens and short limits."""
+    rng = np.random.RandomState(seed)
+    shared = rng.randint(3, 500, 20).tolist()
+    prompts, params = [], []
+    for i in range(8):
+        motif = rng.randint(3, 500, rng.randint(4, 12)).tolist()
+        prompts.append(shared[: rng.randint(0, 20)] + motif * rng.randint(2, 5))
+        sp = {"max_new_tokens": int(rng.randint(5, 40)), "seed": i, "ignore_eos": True}
+        if i % 3:
+            sp.update(temperature=0.9, top_k=40)
+        else:
+            sp.update(temperature=0.0)
+        if i == 4:
+            sp["stop_token_ids"] = [int(x) for x in rng.randint(3, 500, 40)]  # likely hit mid-draft
+        params.append(sp)
+    return prompts, params
+
+
+def run(engine: Engine, prompts, params):
+    rids = [
+        engine.add_request(
+            input_ids=p, sampling_params=sp, return_logprob=True, top_logprobs_num=2 * (i == 1)
+        )
+        for i, (p, sp) in enumerate(zip(prompts, params))
+    ]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    return [engine.pop_output(r) for r in rids]
+
+
+class Oracle:
+    """Proposes the true continuation with one token replaced half the time (seeded)."""
+
+    def __init__(self, truth: dict, seed: int = 1):
+        self.truth, self.rng = truth, random.Random(seed)
+
+    def __call__(self, req, k: int) -> list[int]:
+        req.drafter_state = req.drafter_state or "oracle"
+        n = len(req.output_ids)
+        draft = list(self.truth[tuple(req.input_ids)][n : n + k])
+        if draft and self.rng.random() < 0.5:
+            draft[self.rng.randrange(len(draft))] = self.rng.randrange(3, 500)
+        return draft
+
+
+def assert_same(want: list[dict], got: list[dict]) -> None:
+    for a, b in zip(want, got):
+        assert b["output_ids"] == a["output_ids"]
+        assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"]
+        lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        np.testing.assert_allclose(lp_b, lp_a, atol=2e-4)
+        if a["meta_info"].get("output_top_logprobs"):
+            tops_a = [[t[1] for t in row] for row in a["meta_info"]["output_top_logprobs"]]
+            tops_b = [[t[1] for t in row] for row in b["meta_info"]["output_top_logprobs"]]
+            assert tops_b == tops_a
+
+
+@pytest.mark.parametrize(
+    "preset",
+    ["tiny", "tiny-swa", "tiny-gpt-oss", "tiny-moe", "tiny-mamba", "tiny-qwen3.5", "tiny-mla", "tiny-dsa"],
+)
+def test_outputs_equal_decoding_without_speculation(preset):
+    prompts, params = workload()
+    want = run(Engine(EngineConfig(preset=preset, **BASE)), prompts, params)
+    spec = EngineConfig(
+        preset=preset, speculative_algorithm="NGRAM", speculative_num_draft_tokens=WIDTH, **BASE
+    )
+
+    ngram = Engine(spec)
+    assert_same(want, run(ngram, prompts, params))
+    assert ngram.stats["spec_draft_tokens"] > 0
+
+    oracle = Engine(spec)
+    oracle.drafter = Oracle({tuple(p): w["output_ids"] for p, w in zip(prompts, want)})
+    got = run(oracle, prompts, params)
+    assert_same(want, got)
+    st = oracle.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st
+    assert oracle.scheduler.num_retractions > 0, "the pool was meant to force retractions"
+    assert max(g["meta_info"]["spec_accept_length"] for g in got) > 2
+    metrics = oracle.metrics()
+    assert metrics["spec_accept_length"] == pytest.approx(
+        (st["spec_accepted_tokens"] + st["spec_verifications"]) / st["spec_verifications"]
+    )
+
+
+def test_unsupported_speculation_is_refused_naming_the_flag():
+    for bad, field in [
+        (dict(speculative_algorithm="EAGLE3"), "speculative_algorithm"),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_draft_model_path="/x"),
+            "speculative_draft_model_path",
+        ),
+        (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), "speculative_num_draft_tokens"),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            EngineConfig(**bad)
+    with pytest.raises(ConfigError, match="speculative_algorithm.*not supported yet for this model"):
+        Engine(EngineConfig(preset="tiny-dsv4", speculative_algorithm="NGRAM"))
