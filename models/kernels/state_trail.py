@@ -12,14 +12,13 @@ decode recurrence), and the state after update j goes to the sequence's trail sl
     after j     state -> trail[s, j]   (where j < q_len[s] and trail[s, j] >= 0)
     at the end  state -> the working slot, as in any step
 
-``xla`` (``trail_reference``) gathers each sequence's state once, carries it through the Q
-updates and scatters it to each trail slot and the working slot: one read, q_len + 1
-writes. ``pallas`` runs the backend's decode kernel Q times on the working slot and copies
-the working slot to trail slot j after update j (``trail_by_decode``): each update reads
-and writes the state once, each copy once more. Both run per shard under tensor
-parallelism, as the ordinary kernels do (``sharded.py``). The conv state after token j is a
-window of the carried state and the chunk's conv inputs, gathered directly
-(``conv_trail``).
+Each state is read once and written once per named slot: ``xla`` (``trail_reference``)
+gathers each sequence's state, carries it through the Q steps and scatters it to each trail
+slot and at the end to the working slot; ``pallas`` (``trail_kernel.py``) runs the decode
+kernels' step over the tokens in VMEM, writing each state out by DMA. Both run per shard
+under tensor parallelism as the ordinary kernels do (``sharded.py``; the trail rides in
+the replicated slots operand). The conv state after token j is a window of the carried
+state and the chunk's conv inputs, gathered directly (``conv_trail``).
 """
 
 from __future__ import annotations
@@ -49,32 +48,31 @@ class Recurrence:
     # (state [S, ...], *operands with one row per sequence) -> (out, new state)
     step: Callable[..., tuple[jax.Array, jax.Array]]
     per_token: tuple[bool, ...]
+    pallas_trail: str  # its verify kernel in ``trail_kernel.py``
+
+    def trail(self, backend_name: str, interpret: bool) -> Callable:
+        """The verify chunk with the slot kernels' signature, ``slots`` [S, 1 + Q]."""
+        if backend_name == "xla":
+            return functools.partial(trail_reference, self.step, self.per_token)
+        from hicache_jax.models.kernels import trail_kernel  # TPU code: imported when used
+
+        return functools.partial(getattr(trail_kernel, self.pallas_trail), interpret=interpret)
 
 
 KINDS = {
     "ssd": Recurrence(  # x, dt, A, B, C, D
-        backend.ssd_fn, sharded.ssd, ssd_decode_step, (True, True, False, True, True, False)
+        backend.ssd_fn, sharded.ssd, ssd_decode_step, (True, True, False, True, True, False), "ssd_trail"
     ),
-    "gdn": Recurrence(backend.gdn_fn, sharded.gdn, gdn_decode_step, (True,) * 5),  # q, k, v, g, beta
+    "gdn": Recurrence(  # q, k, v, g, beta
+        backend.gdn_fn, sharded.gdn, gdn_decode_step, (True,) * 5, "gdn_trail"
+    ),
 }
-
-# update(take, cu_seqlens, states, slots, has_initial_state) -> (y [S, ...], states): one
-# decode update of a sub-batch holding one token per sequence, at row s of the per-token
-# operands the layer passes through ``take`` (which gathers [T, ...] -> [S, ...]).
-Update = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def q_lens_of(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
     """[S] tokens per sequence; 0 for padding sequences (whose cu entries may hold junk)."""
     S = cu_q_lens.shape[0] - 1
     return jnp.where(jnp.arange(S) < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-
-
-def copy_slots(states: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """``states[dst[i]] = states[src[i]]`` where ``dst[i] >= 0`` (``src`` valid there)."""
-    N = states.shape[0]
-    rows = states[jnp.clip(src, 0, N - 1)]
-    return states.at[jnp.where(dst >= 0, dst, N)].set(rows, mode="drop")
 
 
 def recurrence(
@@ -92,19 +90,10 @@ def recurrence(
     if b.state_trail is None:
         fn = r.per_shard(r.kernel(name, kernels.interpret, b.decode_only), mesh)
         return fn(*operands, b.cu_q_lens, b.num_seqs, states, slots, init)
-    if name == "xla":
-        fn = r.per_shard(functools.partial(trail_reference, r.step, r.per_token), mesh)
-        # The trail rides with the working slots: the kernels' slots operand is replicated.
-        with_trail = jnp.concatenate([slots[:, None], b.state_trail], axis=1).astype(jnp.int32)
-        return fn(*operands, b.cu_q_lens, b.num_seqs, states, with_trail, init)
-    step = r.per_shard(r.kernel(name, kernels.interpret, True), mesh)
-
-    def update(take, cu, states, slots, init):  # one token of each sequence
-        ops = [take(a) if t else a for a, t in zip(operands, r.per_token, strict=True)]
-        return step(*ops, cu, b.num_seqs, states, slots, init)
-
-    T = b.input_ids.shape[0]
-    return trail_by_decode(update, states, b.cu_q_lens, b.num_seqs, slots, init, b.state_trail, num_rows=T)
+    fn = r.per_shard(r.trail(name, kernels.interpret), mesh)
+    # The trail rides with the working slots: the kernels' slots operand is replicated.
+    with_trail = jnp.concatenate([slots[:, None], b.state_trail], axis=1).astype(jnp.int32)
+    return fn(*operands, b.cu_q_lens, b.num_seqs, states, with_trail, init)
 
 
 def trail_reference(
@@ -133,42 +122,6 @@ def trail_reference(
         dst = jnp.where(valid & (trail[:, j] >= 0), trail[:, j], N)
         states = states.at[dst].set(new.astype(states.dtype), mode="drop")
     return out, scatter_states(states, slots, live, h)
-
-
-def trail_by_decode(
-    update: Update,
-    states: jax.Array,  # [num_slots, H, ...] float32: the layer's recurrence states
-    cu_q_lens: jax.Array,  # [S + 1]
-    num_seqs: jax.Array,  # []
-    slots: jax.Array,  # [S] working slots
-    has_initial_state: jax.Array,  # [S] bool
-    trail: jax.Array,  # [S, Q] int32 trail slots (-1: none)
-    *,
-    num_rows: int,
-) -> tuple[jax.Array, jax.Array]:  # y [num_rows, H, ...] float32, updated states
-    """Run a verify chunk token by token, leaving each working slot at the state after its
-    sequence's last token and trail slot ``trail[s, j]`` at the state after token j."""
-    S, Q = trail.shape
-    T = num_rows
-    q_lens = q_lens_of(cu_q_lens, num_seqs)
-    live = (jnp.arange(S) < num_seqs) & (slots >= 0)
-    # As the ordinary path: a fresh sequence with no tokens leaves its slot at zeros.
-    empty = live & ~has_initial_state & (q_lens == 0)
-    states = states.at[jnp.where(empty, slots, states.shape[0])].set(0.0, mode="drop")
-    one_each = jnp.arange(S + 1, dtype=jnp.int32)  # sub-batch: sequence s's token at row s
-    y = None
-    for j in range(Q):
-        valid = j < q_lens  # [S]
-        rows = jnp.clip(cu_q_lens[:-1] + j, 0, T - 1)  # [S] each sequence's j-th token
-        slots_j = jnp.where(valid, slots, -1).astype(jnp.int32)
-        # After update 0 the working slot holds the state after the first token.
-        init_j = has_initial_state if j == 0 else jnp.ones_like(has_initial_state)
-        y_j, states = update(lambda a, rows=rows: a[rows], one_each, states, slots_j, init_j)
-        if y is None:
-            y = jnp.zeros((T,) + y_j.shape[1:], jnp.float32)
-        y = y.at[jnp.where(valid, rows, T)].set(y_j.astype(jnp.float32), mode="drop")
-        states = copy_slots(states, slots_j, jnp.where(slots_j >= 0, trail[:, j], -1))
-    return y, states
 
 
 def conv_trail(

@@ -1,9 +1,9 @@
 """Compile-only: a verify step (``ForwardBatch.state_trail``) through one recurrent layer
 at a real width, with the Pallas backend, for v5e and v6e: Bamba-9B's Mamba2 mixer (128
 heads of 64 x 128) and Qwen3-Next-80B's Gated DeltaNet (32 value heads of 128 x 128), whole
-on one chip. The state pools are donated, as the engine does, and updated in place: the
-pools alias the outputs and the step's temporaries stay below one pool's bytes (the trail's
-copies move the step's slots, not the pool)."""
+on one chip, through the verify kernels (``models/kernels/trail_kernel.py``). The state
+pools are donated, as the engine does, and updated in place: they alias the outputs and
+the step's temporaries stay below one pool's bytes."""
 
 from __future__ import annotations
 
