@@ -115,6 +115,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer or Tokenizer(None)
         mc = model.cfg
+        self.drafter = make_drafter(cfg, mc.layer_kinds)  # speculative decoding (None: off)
         self.context_len = context_length(cfg, mc)
         pools = make_device_pools(cfg, mc)
         self.rules = prefix_rules(cfg, mc)
@@ -124,7 +125,6 @@ class Engine:
         self.adapter, self.scheduler = side.adapter, side.scheduler
         self.builder = make_builder(cfg, mc, self.context_len)
         self.penalty_slots = penalties.Slots(self.runner.num_penalty_slots)
-        self.drafter = make_drafter(cfg, mc.layer_kinds)  # speculative decoding (None: off)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.requests: dict[str, Req] = {}
         self._keys = itertools.count()
