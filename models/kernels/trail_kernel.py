@@ -101,9 +101,17 @@ def _trail_kernel(
             pl.when(t >= 0)(lambda: copy(j, t, j).start())
             pl.when((j == n - 1) & (slot >= 0))(lambda: copy(j, slot, Q).start())
 
+    # A fresh sequence with no tokens leaves its slot at zeros, as the ordinary path does.
+    fresh_empty = (n == 0) & (slot >= 0) & (init_ref[s] == 0)
+
+    @pl.when(fresh_empty)
+    def _():
+        out_scr[0] = jnp.zeros(out_scr.shape[1:], F32)
+        copy(0, slot, Q).start()
+
     for j in range(Q):  # the waits need only the byte count and the semaphore
         pl.when((j < n) & (trail_ref[s * Q + j] >= 0))(lambda j=j: copy(j, 0, j).wait())
-    pl.when((n > 0) & (slot >= 0))(lambda: copy(0, 0, Q).wait())
+    pl.when(((n > 0) | fresh_empty) & (slot >= 0))(lambda: copy(0, 0, Q).wait())
 
 
 def _call(
@@ -156,21 +164,17 @@ def _call(
     return out, states
 
 
-def _tables(cu_seqlens, num_seqs, slots_trail, has_initial_state, states, num_rows: int):
-    """The working slots' tables, each sequence's token rows [S, Q], q_lens and trail, and
-    ``states`` with the slots of fresh sequences without tokens zeroed (as the ordinary
-    path leaves them; the kernel runs no step for them)."""
+def _tables(cu_seqlens, num_seqs, slots_trail, has_initial_state, num_rows: int):
+    """The working slots' tables, each sequence's token rows [S, Q], q_lens and trail."""
     slots, trail = slots_trail[:, 0], slots_trail[:, 1:]
     S, Q = trail.shape
     tab = slot_update.tables(cu_seqlens, num_seqs, slots, has_initial_state, num_rows=num_rows)
     live = jnp.arange(S) < num_seqs
     q_lens = jnp.where(live, cu_seqlens[1:] - cu_seqlens[:-1], 0).astype(jnp.int32)
-    empty = live & (slots >= 0) & ~has_initial_state & (q_lens == 0)
-    states = states.at[jnp.where(empty, slots, states.shape[0])].set(0.0, mode="drop")
     named = (jnp.arange(Q)[None, :] < q_lens[:, None]) & (trail >= 0)
     trail = jnp.where(named, trail, -1).astype(jnp.int32).reshape(S * Q)
     rows = jnp.clip(tab.rows[:, None] + jnp.arange(Q)[None, :], 0, num_rows - 1)  # [S, Q]
-    return tab, rows, (q_lens, trail), states
+    return tab, rows, (q_lens, trail)
 
 
 def _trail_head_block(valid: list[int], need: Callable[[int], int], first: int) -> int:
@@ -186,6 +190,18 @@ def _per_head(a: jax.Array, rows: jax.Array, head_block: int) -> jax.Array:
     S, Q = rows.shape
     H = a.shape[1]
     return a.astype(F32)[rows].reshape(S, Q, H // head_block, 1, head_block).transpose(0, 2, 1, 3, 4)
+
+
+def _cost(per_token: pl.CostEstimate, S: int, Q: int, state_bytes: int) -> pl.CostEstimate:
+    """The decode kernel's cost over S * Q tokens (``per_token``), its state traffic (each
+    token's state read and written) replaced by the trail's: each sequence's state read
+    once and written at most Q + 1 times (its trail, its working slot)."""
+    io = per_token.bytes_accessed - 2 * S * Q * state_bytes
+    return pl.CostEstimate(
+        flops=per_token.flops,
+        transcendentals=per_token.transcendentals,
+        bytes_accessed=io + (Q + 2) * S * state_bytes,
+    )
 
 
 def _spec(block: tuple, index: Callable) -> pl.BlockSpec:
@@ -214,7 +230,7 @@ def ssd_trail(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     ssd._check(states)
-    tab, rows, scalars, states = _tables(cu_seqlens, num_seqs, slots_trail, has_initial_state, states, T)
+    tab, rows, scalars = _tables(cu_seqlens, num_seqs, slots_trail, has_initial_state, T)
     S, Q = rows.shape
 
     def need(hb: int) -> int:  # the decode kernel's VMEM, and a state per token
@@ -237,7 +253,7 @@ def ssd_trail(
         (ssd._head_major(D.astype(F32)[None], HB), head_spec, None),
     ]
     step = functools.partial(ssd_decode._step, hpg=hpg, precision=precision)
-    cost = ssd.decode_cost(S * Q, H, P, N, G, HB, x.dtype)
+    cost = _cost(ssd.decode_cost(S * Q, H, P, N, G, HB, x.dtype), S, Q, H * P * N * 4)
     return _call(
         step, blocks, P, states, tab, scalars, Q=Q, head_block=HB, num_rows=T, cost=cost, interpret=interpret
     )
@@ -263,7 +279,7 @@ def gdn_trail(
     """Gated DeltaNet's verify chunk, each state read once (``gdn_decode``'s step per token)."""
     T, H, Dk = q.shape
     Dv = v.shape[-1]
-    tab, rows, scalars, states = _tables(cu_seqlens, num_seqs, slots_trail, has_initial_state, states, T)
+    tab, rows, scalars = _tables(cu_seqlens, num_seqs, slots_trail, has_initial_state, T)
     S, Q = rows.shape
 
     def need(hb: int) -> int:  # the decode kernel's VMEM, and a state per token
@@ -282,7 +298,7 @@ def gdn_trail(
         (_per_head(beta, rows, HB), head_spec, 0),
     ]
     step = functools.partial(gdn_decode._step, precision=precision)
-    cost = gdn.decode_cost(S * Q, H, Dk, Dv, q.dtype)
+    cost = _cost(gdn.decode_cost(S * Q, H, Dk, Dv, q.dtype), S, Q, H * Dk * Dv * 4)
     return _call(
         step, blocks, Dv, states, tab, scalars, Q=Q, head_block=HB, num_rows=T, cost=cost, interpret=interpret
     )
