@@ -166,3 +166,50 @@ def test_a_step_that_waits_on_its_compile_says_which_and_how_long(caplog):
     assert any("prefill step T=" in m for m in first) and any("decode step T=" in m for m in first), first
     again = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
     assert again == first  # the second request ran programs compiled for the first
+
+
+def test_speculative_serving_after_warmup_compiles_nothing(caplog):
+    """With n-gram speculation, the served stream runs verify steps (drafts of 1 to 3
+    tokens, beside requests drafting none, a penalised request among them, with and without
+    top logprobs) and decode and prefill steps between them: after warm-up, none of them
+    compiles."""
+    cfg = EngineConfig(
+        preset="tiny",
+        page_size=8,
+        chunked_prefill_size=8,
+        max_running_requests=2,
+        max_total_tokens=16 * 8,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=4,
+        warmup=True,
+    )
+    engine = Engine(cfg)
+    rng = np.random.RandomState(2)
+
+    def repeats(cases, **extra):  # prompts that repeat a motif: the n-gram drafter finds matches
+        for length, sampling in cases:
+            motif = rng.randint(3, 500, int(rng.randint(3, 7))).tolist()
+            prompt = (motif * 10)[:length]
+            yield dict(
+                input_ids=prompt,
+                sampling_params={"max_new_tokens": 12, "seed": length, "ignore_eos": True, **sampling},
+                **extra,
+            )
+
+    greedy, sampled = {"temperature": 0}, {"temperature": 0.8, "top_k": 8}
+    penalised = {"temperature": 0, "repetition_penalty": 1.2}
+    sizes = set()
+    caplog.set_level(logging.WARNING, logger=runner.__name__)
+    try:
+        with compiles.Watch() as watch:
+            _run(engine, repeats([(30, greedy), (21, sampled)]), sizes)
+            _run(engine, repeats([(17, greedy)]), sizes)  # alone
+            _run(engine, repeats([(25, greedy), (40, penalised)]), sizes)  # penalty rows
+            logprobs = dict(return_logprob=True, top_logprobs_num=3)
+            _run(engine, repeats([(19, greedy), (33, sampled)], **logprobs), sizes)  # top logprobs
+    finally:
+        engine.close()
+    assert not watch.new, f"compiled while serving: {dict(watch.new)}"
+    assert not [r for r in caplog.records if "waited" in r.getMessage()]
+    assert engine.stats["spec_draft_tokens"] > 0, engine.stats
+    assert {1, 2} <= sizes, sizes
