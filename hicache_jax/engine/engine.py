@@ -428,6 +428,9 @@ class Engine:
             else:
                 if item.draft:
                     self.adapter.after_verify(req, req.num_computed - (item.end - len(item.draft)))
+                    if req.penalty_slot is not None:  # its counts: the tokens it accepted
+                        row = penalties.seed_row(req.input_ids, req.output_ids, self.model.cfg.vocab_size)
+                        self.runner.write_penalty_row(req.penalty_slot, row)
                 self.adapter.after_step(req, insert=item.num_tokens > 1 or item.start < req.input_len)
         return touched
 

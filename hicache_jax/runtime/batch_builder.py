@@ -158,7 +158,7 @@ class BatchBuilder:
         }
         last_rows = np.arange(N, dtype=np.int32) if verify else np.zeros(N, np.int32)
         constrained = np.zeros(N, bool)
-        penalty = PenaltyInputs.neutral(N)
+        penalty = PenaltyInputs.neutral(N, self.spec_width - 1 if verify else 0)
         grammar_rows = []
         first_rows, sample_rows = [], []
         t = 0
@@ -281,16 +281,20 @@ class BatchBuilder:
 
 
 def _pack_penalty(out: PenaltyInputs, item, rows: range, eos_token_ids) -> None:
-    """An item's penalty inputs on its sampled ``rows``. Only a row that samples its
-    request's next token names the request's slot: a chunk that does not end the request's
-    sequence adds nothing to its counts (a request with a penalty feeds no draft, so its
-    one row is that row)."""
+    """An item's penalty inputs on its sampled ``rows``. Only rows that sample the request's
+    next tokens name the request's slot: a chunk that does not end the request's sequence
+    adds nothing to its counts. A drafted request's row j counts draft tokens 1..j on top
+    of the slot's counts, and adds nothing to them (the engine writes its slot's row from
+    the tokens it accepted)."""
     r, sp = item.req, item.req.sampling
     field = None
     try:
-        for q in rows:
+        for j, q in enumerate(rows):
             if item.samples and r.penalty_slot is not None:
                 out.slots[q] = r.penalty_slot
+            if item.draft:
+                out.draft_ids[q, :j] = item.draft[:j]
+                out.counts_sample[q] = False
             for field, key in PENALISED:
                 getattr(out, key)[q] = getattr(sp, field)
             if sp.min_new_tokens:

@@ -64,11 +64,20 @@ class PenaltyInputs:
     presence: jax.Array  # [S] float32 (0: off)
     min_new_tokens: jax.Array  # [S] int32
     stop_ids: jax.Array  # [S, STOP_ID_SLOTS] int32: tokens held back before min_new_tokens (-1: none)
+    # A verify step's row j of a request (speculative decoding) predicts the token after
+    # draft tokens 1..j, which its slot's counts do not hold yet: they are counted here on
+    # top of the slot's (-1: none). [S, 0] outside verify steps.
+    draft_ids: jax.Array
+    # Whether the row's sampled token is added to its slot's counts: not on a drafted
+    # request's rows, whose accepted tokens the host writes once it has read them.
+    counts_sample: jax.Array  # [S] bool
 
     @classmethod
-    def neutral(cls, S: int) -> PenaltyInputs:
-        """Host arrays for S rows without any penalty."""
+    def neutral(cls, S: int, drafts: int = 0) -> PenaltyInputs:
+        """Host arrays for S rows without any penalty (``drafts``: ``draft_ids``' width)."""
         return cls(
+            draft_ids=np.full((S, drafts), -1, np.int32),
+            counts_sample=np.ones(S, bool),
             slots=np.full(S, -1, np.int32),
             repetition=np.ones(S, np.float32),
             frequency=np.zeros(S, np.float32),
@@ -91,6 +100,10 @@ def penalised(logits_s: jax.Array, p: PenaltyInputs, counts: jax.Array, generate
     def apply(x):
         slot = p.slots
         row = jnp.where((slot >= 0)[:, None], counts[jnp.maximum(slot, 0)], 0)  # [S, V]
+        if p.draft_ids.shape[1]:  # a verify step: the draft tokens before each row count too
+            rows = jnp.broadcast_to(jnp.arange(row.shape[0])[:, None], p.draft_ids.shape)
+            ids = jnp.where(p.draft_ids >= 0, p.draft_ids, row.shape[-1])  # out of range: dropped
+            row = row.at[rows, ids].add(1, mode="drop")
         n = (row & COUNT_MASK).astype(jnp.float32)
         r = p.repetition[:, None]
         x = jnp.where(row != 0, jnp.where(x > 0, x / r, x * r), x)
@@ -109,7 +122,7 @@ def counted(counts: jax.Array, p: PenaltyInputs, next_ids: jax.Array) -> jax.Arr
     nothing; a batch without slots: the same array)."""
 
     def add(c):
-        slot = jnp.where(p.slots >= 0, p.slots, c.shape[0])  # out of range: dropped
+        slot = jnp.where((p.slots >= 0) & p.counts_sample, p.slots, c.shape[0])  # out of range: dropped
         return c.at[slot, next_ids].add(1, mode="drop")
 
     return jax.lax.cond((p.slots >= 0).any(), add, lambda c: c, counts)

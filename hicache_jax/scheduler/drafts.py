@@ -13,10 +13,11 @@ Which requests draft, and how much:
 
 - only in a step where every request decodes (a verify step holds no prefill chunk: its
   programs sample every token row, which a long chunk would make costly);
-- not a request whose choice depends on the tokens before it beyond what the step knows:
-  with repetition, frequency or presence penalties (its counts would need each draft
-  position's), or with a grammar (its mask at each draft position would need the matcher
-  advanced over the draft);
+- not a request with a grammar (its mask at each draft position would need the matcher
+  advanced over the draft). A request with repetition, frequency or presence penalties
+  drafts: its row j is penalised with its counts plus draft tokens 1..j
+  (``PenaltyInputs.draft_ids``), and its counts are written again from the tokens it
+  accepted;
 - at most ``width - 1`` tokens, none past ``max_new_tokens`` or the context length;
 - with recurrent layers, none that reach the next page boundary: the state snapshot a page
   end needs is then taken by an ordinary decode step, and a verify step's states live only
@@ -39,7 +40,7 @@ Propose = Callable[[Req, int], list[int]]  # (request, most tokens) -> its draft
 def draft_room(req: Req, *, width: int, context_len: int, page_size: int, recurrent: bool) -> int:
     """The most draft tokens ``req`` may feed after its last token in its next step."""
     sp = req.sampling
-    if req.pending or req.grammar is not None or sp.penalised:
+    if req.pending or req.grammar is not None:
         return 0
     end = req.seq_len  # the step feeds the last token, at position end - 1
     room = min(width - 1, context_len - end - 1, sp.max_new_tokens - len(req.output_ids) - 1)

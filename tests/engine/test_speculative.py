@@ -1,7 +1,8 @@
 """Speculative decoding gives the outputs of decoding without it, token for token, greedy
 or sampled, for every family, under load: concurrent requests on a pool small enough to
-retract, stop tokens and ``max_new_tokens`` falling inside a draft, logprobs. Nothing
-leaks (the cache's integrity is checked after every step).
+retract, every tier on, stop tokens and ``max_new_tokens`` falling inside a draft,
+``min_new_tokens``, penalties, logprobs. Nothing leaks (the cache's integrity is checked
+after every step).
 
 Two drafters in one engine: the n-gram drafter the flag selects, for half the requests,
 and for the others an oracle that proposes the request's true continuation (from the run
@@ -43,8 +44,10 @@ def workload(seed: int = 0):
             sp.update(temperature=0.9, top_k=40)
         else:
             sp.update(temperature=0.0)
-        if i == 4:
-            sp["stop_token_ids"] = [int(x) for x in rng.randint(3, 500, 40)]  # likely hit mid-draft
+        if i == 4:  # likely hit mid-draft, once min_new_tokens lets it
+            sp.update(stop_token_ids=[int(x) for x in rng.randint(3, 500, 15)], min_new_tokens=4)
+        if i in (2, 6):  # each drafted row is penalised with the draft tokens before it
+            sp.update(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
         params.append(sp)
     return prompts, params
 
