@@ -117,9 +117,8 @@ def test_verify_build_matches_a_recomputation(case):
     ids, pos, cu, kv, feed = [], [], [0], [], [-1] * T
     slots = {"full": [], "swa": []}
     trail = np.full((S, WIDTH), -1)
-    neutral = dict(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, counter=0)
-    rows = []  # per token row: its sampling settings
-    pen = []  # per token row: (slot, repetition, frequency, presence, min_new_tokens, stop ids)
+    rows = []  # per token row: its sampling inputs
+    pen = []  # per token row: its penalty inputs
     for s, i in enumerate(items):
         r, sp = i.req, i.req.sampling
         fill = r.input_ids + r.output_ids + [0] * r.pending
@@ -131,11 +130,8 @@ def test_verify_build_matches_a_recomputation(case):
         if r.pending:
             feed[cu[-1]] = feed_from[r]
         trail[s, : len(i.trail)] = i.trail
-        stop = (
-            list(dict.fromkeys(sp.stop_token_ids + (() if sp.ignore_eos else EOS)))
-            if sp.min_new_tokens
-            else []
-        )
+        stop = list(dict.fromkeys(sp.stop_token_ids + (() if sp.ignore_eos else EOS)))
+        stop = stop if sp.min_new_tokens else []
         for j in range(len(fed)):  # row j predicts output position len(output_ids) + pending + j
             rows.append(
                 dict(
@@ -143,19 +139,18 @@ def test_verify_build_matches_a_recomputation(case):
                     top_p=sp.top_p,
                     top_k=sp.top_k,
                     min_p=sp.min_p,
-                    seed=r.seed,
-                    counter=len(r.output_ids) + r.pending + j,
+                    seeds=r.seed,
+                    counters=len(r.output_ids) + r.pending + j,
                 )
             )
-            slot = r.penalty_slot if i.samples and r.penalty_slot is not None else -1
             pen.append(
-                (
-                    slot,
-                    sp.repetition_penalty,
-                    sp.frequency_penalty,
-                    sp.presence_penalty,
-                    sp.min_new_tokens,
-                    stop,
+                dict(
+                    slots=r.penalty_slot if i.samples and r.penalty_slot is not None else -1,
+                    repetition=sp.repetition_penalty,
+                    frequency=sp.frequency_penalty,
+                    presence=sp.presence_penalty,
+                    min_new_tokens=sp.min_new_tokens,
+                    stop_ids=stop + [-1] * (STOP_ID_SLOTS - len(stop)),
                 )
             )
         cu.append(cu[-1] + len(fed))
@@ -179,22 +174,15 @@ def test_verify_build_matches_a_recomputation(case):
     np.testing.assert_array_equal(batch.logits_indices, np.arange(T))
     np.testing.assert_array_equal(sampling.last_rows, np.arange(T))
     assert (sampling.targets == -1).all()  # no prompt logprobs in a verify step
-    rows += [neutral] * pad_t
-    for key, field in [
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("top_k", "top_k"),
-        ("min_p", "min_p"),
-    ]:
-        np.testing.assert_allclose(getattr(sampling, field), [row[key] for row in rows], err_msg=field)
-    np.testing.assert_array_equal(sampling.seeds, [row["seed"] for row in rows])
-    np.testing.assert_array_equal(sampling.counters, [row["counter"] for row in rows])
+    neutral = dict(temperature=0, top_p=1, top_k=-1, min_p=0, seeds=0, counters=0)
+    for field in neutral:
+        want = [row[field] for row in rows] + [neutral[field]] * pad_t
+        np.testing.assert_allclose(getattr(sampling, field), want, rtol=0, atol=1e-6, err_msg=field)
     assert not sampling.constrained.any() and (sampling.allowed == -1).all()
 
-    pen += [(-1, 1.0, 0.0, 0.0, 0, [])] * pad_t
-    np.testing.assert_array_equal(penalty.slots, [p[0] for p in pen])
-    np.testing.assert_allclose(penalty.repetition, [p[1] for p in pen])
-    np.testing.assert_allclose(penalty.frequency, [p[2] for p in pen])
-    np.testing.assert_allclose(penalty.presence, [p[3] for p in pen])
-    np.testing.assert_array_equal(penalty.min_new_tokens, [p[4] for p in pen])
-    np.testing.assert_array_equal(penalty.stop_ids, [p[5] + [-1] * (STOP_ID_SLOTS - len(p[5])) for p in pen])
+    neutral = dict(
+        slots=-1, repetition=1, frequency=0, presence=0, min_new_tokens=0, stop_ids=[-1] * STOP_ID_SLOTS
+    )
+    for field in neutral:
+        want = np.array([p[field] for p in pen] + [neutral[field]] * pad_t, np.float64)
+        np.testing.assert_allclose(getattr(penalty, field), want, rtol=0, atol=1e-6, err_msg=field)
