@@ -105,10 +105,10 @@ jax.tree_util.register_dataclass(
 
 def check_state_trail(state_trail, state_slots, cu_q_lens, num_seqs, num_slots: int | None = None) -> None:
     """Refuse, on the host, a trail the recurrent layers cannot honour, naming what is wrong:
-    each live sequence feeds at most ``Q`` tokens and, when it feeds any, has a working slot
-    (the chunk runs token by token through it); the trail slots a step writes (``j <
+    each live sequence feeds at most ``Q`` tokens; the trail slots a step writes (``j <
     q_len[s]``, ``>= 0``) are distinct, inside the pool and none is a working slot. A -1
-    anywhere writes nothing, the last token's included (its state is the working slot's)."""
+    anywhere writes nothing, the last token's included (its state is the working slot's);
+    a sequence without a working slot starts from zeros, as in an ordinary step."""
     trail, slots, cu = np.asarray(state_trail), np.asarray(state_slots), np.asarray(cu_q_lens)
     n = int(num_seqs)
     if trail.ndim != 2 or trail.shape[0] != slots.shape[0]:
@@ -117,8 +117,6 @@ def check_state_trail(state_trail, state_slots, cu_q_lens, num_seqs, num_slots: 
     q_lens = cu[1 : n + 1] - cu[:n]
     for s in np.flatnonzero(q_lens > Q):
         raise ValueError(f"state_trail: sequence {s} feeds {q_lens[s]} tokens, more than Q={Q}")
-    for s in np.flatnonzero((q_lens > 0) & (slots[:n] < 0)):
-        raise ValueError(f"state_trail: sequence {s} feeds tokens but has no working state slot")
     named = trail[:n][np.arange(Q)[None, :] < q_lens[:, None]]
     named = named[named >= 0]
     if num_slots is not None and (named >= num_slots).any():

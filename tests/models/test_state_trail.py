@@ -152,7 +152,6 @@ def test_trail_matches_recompute(preset, layers, backend, tp):
     "trail,slots,cu,n,match",
     [
         ([[3, 4]], [0], [0, 3], 1, "sequence 0 feeds 3 tokens, more than Q=2"),
-        ([[3, 4]], [-1], [0, 2], 1, "sequence 0 feeds tokens but has no working state slot"),
         ([[3, 3]], [0], [0, 2], 1, "names slot 3 more than once"),
         ([[3, 1], [5, -1]], [0, 1], [0, 2, 3], 2, "names working slot 1"),
         ([[3, 9]], [0], [0, 2], 1, "names slot 9, past the pool's 8 slots"),
