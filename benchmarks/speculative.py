@@ -52,7 +52,7 @@ SUMMARY_TEXT = (
     "the reef where the ships were lost. The light still shines every night, and it can be "
     "seen from twenty miles out at sea."
 )
-CODE_TEXT = '''def calc(scores):
+CODE_TEXT = """def calc(scores):
     total = 0
     count = 0
     for s in scores:
@@ -79,7 +79,7 @@ def report(name, scores):
     print("Student:", name)
     print("Average:", calc(scores))
     print("Best:", best(scores))
-'''
+"""
 BEES_TEXT = (
     "A honey bee colony has one queen, a few hundred drones and many thousands of workers. "
     "The queen lays all the eggs, up to two thousand a day in early summer. The drones are "
@@ -221,10 +221,11 @@ def compare(off, on, ids: list[list[int]], batch: int, new: int, repeats: int) -
 # ---------------------------------------------------------------- verify step on CPU, per family
 
 
-def family_verify(model: str, batch: int, k: int, repeats: int) -> dict:
+def family_verify(model: str, batch: int, k: int, repeats: int, max_running: int = 0) -> dict:
     """Runner seconds of one decode step and of one verify step (each request feeding its last
     token and ``k`` drafted), same ``batch`` requests, best of ``repeats``. ``model``: a preset,
-    or a model path (``--model_path``)."""
+    or a model path (``--model_path``); ``max_running``: the engine's max_running_requests
+    (0: ``batch``), which sets the verify step's shape (``BatchBuilder.shapes``)."""
     import numpy as np
 
     from hicache_jax.config import EngineConfig
@@ -240,8 +241,8 @@ def family_verify(model: str, batch: int, k: int, repeats: int) -> dict:
             **({"preset": model} if is_preset else {"model_path": model}),
             page_size=page,
             chunked_prefill_size=4 * page,
-            max_running_requests=batch,
-            max_total_tokens=batch * 8 * page + 1024,
+            max_running_requests=max_running or batch,
+            max_total_tokens=(max_running or batch) * 8 * page + 1024,
             speculative_algorithm="NGRAM",
             speculative_num_draft_tokens=width,
         )
@@ -341,14 +342,14 @@ def main() -> None:
     p.add_argument("--model_path", default="smollm2-135m-instruct")
     p.add_argument("--settings", default="1:4", help="MIN_MATCH:WIDTH n-gram settings, comma-separated")
     p.add_argument("--batches", default="1,4")
-    p.add_argument("--max_running", type=int, default=0, help="engines' max_running_requests (0: the batch's)")
+    p.add_argument("--max_running", type=int, default=0, help="engines' max_running_requests (0: B)")
     p.add_argument("--new", type=int, default=128, help="greedy tokens per prompt at most")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--family_batch", default="4", help="batch sizes of the verify part, comma-separated")
     p.add_argument("--k", type=int, default=3, help="draft tokens per request in the family verify step")
     p.add_argument("--layers", default="1,2,4", help="Llama-3-8B depths for the TPU part")
-    p.add_argument("--topology", default="v5e:1x1")
+    p.add_argument("--topology", default="v5e:2x2", help="its first chip compiles (tp 1)")
     p.add_argument("--tpu_batch", type=int, default=8)
     p.add_argument("--tpu_width", type=int, default=4)
     args = p.parse_args()
@@ -373,14 +374,15 @@ def main() -> None:
         )
         for model in args.families.split(","):
             for batch in (int(b) for b in args.family_batch.split(",")):
-                r = family_verify(model, batch, args.k, args.repeats + 2)
+                r = family_verify(model, batch, args.k, args.repeats + 2, args.max_running)
                 print(
                     f"{model:>21} {batch:>2} {str(r['decode_shape']):>18} {str(r['shape']):>22} "
                     f"{r['decode_ms']:>10.2f} {r['verify_ms']:>10.2f} {r['ratio']:>16.2f}",
                     flush=True,
                 )
     if "tpu" in parts:
-        print(f"\n## Llama-3-8B on {args.topology}, bf16: decode B={args.tpu_batch}, verify W={args.tpu_width}")
+        b, w = args.tpu_batch, args.tpu_width
+        print(f"\n## Llama-3-8B on {args.topology}, bfloat16: decode B={b} vs verify B={b} W={w}")
         print(
             f"{'layers':>6} {'decode (T,S,R,d,N)':>22} {'verify (T,S,R,d,N)':>22} {'wts MiB':>9} "
             f"{'dec MiB':>10} {'ver MiB':>10} {'ratio':>6} {'dec HBM':>10} {'ver HBM':>10} {'ratio':>6}"
