@@ -452,8 +452,10 @@ class Engine:
         for j in range(len(item.draft) + 1):
             if len(req.output_ids) >= req.sampling.max_new_tokens:
                 return finish.length(req.sampling.max_new_tokens)
-            if req.grammar is not None and req.grammar.dead:  # no token was allowed
-                return dead_end(req.grammar.dead)
+            if req.grammar is not None:  # no token was allowed (after draft tokens 1..j)
+                dead = req.grammar.dead or (req.grammar.draft_dead.get(j) if j else None)
+                if dead:
+                    return dead_end(dead)
             tok = append_token(req, out, srow + j, now)
             self.stats["generated_tokens"] += 1
             finished = self._stop_reason(req, tok)

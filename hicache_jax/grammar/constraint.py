@@ -25,6 +25,24 @@ class Constraint:
     def __init__(self, matcher):
         self.matcher = matcher
         self.dead: str | None = None  # why no token can continue (found when filling a mask)
+        # A verify step's draft (speculative decoding): j -> why no token can continue after
+        # the draft's first j tokens (``fill_draft_masks``), for this step only.
+        self.draft_dead: dict[int, str] = {}
+
+    def valid_draft(self, draft: list[int]) -> list[int]:
+        """The longest prefix of ``draft`` the grammar allows from here, ending at a token
+        that completes it (nothing may follow: the request would stop there). The matcher
+        is left where it was."""
+        draft = draft[: self.matcher.validate_tokens(draft)]
+        taken = 0
+        for token in draft:
+            if not self.matcher.consume_token(token):
+                break
+            taken += 1
+            if self.matcher.is_stopped():
+                break
+        self.matcher.rollback(taken)
+        return draft[:taken]
 
     def accept(self, token: int) -> dict | None:
         """Take the sampled ``token``; a finish reason when the request ends here."""
@@ -53,6 +71,33 @@ def fill_masks(rows: list[tuple[Constraint, int]], allowed: np.ndarray) -> None:
         if c.matcher.is_error() or not allowed[r].any():
             c.dead = c.matcher.get_error() or "no token of the vocabulary continues the output"
             allowed[r] = -1
+
+
+def fill_draft_masks(c: Constraint, draft: tuple[int, ...], row0: int, allowed: np.ndarray) -> None:
+    """A drafted request's masks in a verify step: row ``row0 + j`` holds the tokens allowed
+    after the draft's first j tokens (a draft from ``Constraint.valid_draft``), the matcher
+    advanced over them and rolled back. A row with no token is marked as ``fill_masks``
+    marks one: the request's ``dead`` for row ``row0``, ``draft_dead[j]`` past it (it ends
+    the request only if the draft's first j tokens are accepted)."""
+    import llguidance.numpy
+
+    c.draft_dead = {}
+    taken = 0
+    try:
+        for j in range(len(draft) + 1):
+            if j:
+                c.matcher.consume_token(draft[j - 1])
+                taken += 1
+            llguidance.numpy.fill_next_token_bitmask(c.matcher, allowed, row0 + j)
+            if c.matcher.is_error() or not allowed[row0 + j].any():
+                why = c.matcher.get_error() or "no token of the vocabulary continues the output"
+                if j:
+                    c.draft_dead[j] = why
+                else:
+                    c.dead = why
+                allowed[row0 + j] = -1
+    finally:
+        c.matcher.rollback(taken)
 
 
 _EXECUTOR = None

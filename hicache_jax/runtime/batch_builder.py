@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hicache_jax.grammar.constraint import fill_masks
+from hicache_jax.grammar.constraint import fill_draft_masks, fill_masks
 from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.request import Req
 from hicache_jax.runtime.penalties import PenaltyInputs, held_back
@@ -200,8 +200,8 @@ class BatchBuilder:
                     field = None
                     s_inputs["counters"][q] = len(r.output_ids) + r.pending + j
                 if r.grammar is not None and item.samples:
-                    constrained[row0] = True
-                    grammar_rows.append((r.grammar, row0))
+                    constrained[row0 : row0 + (n if verify else 1)] = True
+                    grammar_rows.append((r.grammar, row0, item.draft))
                 if not verify:
                     last_rows[s] = (t + n - 1) if R == T else s
                 if R == T and not verify:
@@ -241,7 +241,14 @@ class BatchBuilder:
         allowed = self._all_allowed(N)
         if grammar_rows:
             allowed = allowed.copy()
-            _fill_masks(grammar_rows, allowed, plan)
+            _fill_masks([(g, q) for g, q, draft in grammar_rows if not draft], allowed, plan)
+            for g, q, draft in grammar_rows:
+                if draft:
+                    try:
+                        fill_draft_masks(g, draft, q, allowed)
+                    except Exception as e:
+                        req = next(i.req for i in plan.items if i.req.grammar is g)
+                        raise RowFailed(req, _grammar_field(req), e) from e
         sampling = SamplingInputs(
             last_rows=last_rows, targets=targets, allowed=allowed, constrained=constrained, **s_inputs
         )
@@ -315,7 +322,11 @@ def _fill_masks(rows: list, allowed: np.ndarray, plan: StepPlan) -> None:
             try:
                 fill_masks([(grammar, s)], allowed)
             except Exception as e:
-                req = plan.items[s].req
-                field = next((f for f in GRAMMARS if getattr(req.sampling, f) is not None), None)
-                raise RowFailed(req, field, e) from e
+                req = next(i.req for i in plan.items if i.req.grammar is grammar)
+                raise RowFailed(req, _grammar_field(req), e) from e
         raise
+
+
+def _grammar_field(req: Req) -> str | None:
+    """The sampling setting holding ``req``'s grammar."""
+    return next((f for f in GRAMMARS if getattr(req.sampling, f) is not None), None)

@@ -13,11 +13,13 @@ Which requests draft, and how much:
 
 - only in a step where every request decodes (a verify step holds no prefill chunk: its
   programs sample every token row, which a long chunk would make costly);
-- not a request with a grammar (its mask at each draft position would need the matcher
-  advanced over the draft). A request with repetition, frequency or presence penalties
-  drafts: its row j is penalised with its counts plus draft tokens 1..j
-  (``PenaltyInputs.draft_ids``), and its counts are written again from the tokens it
-  accepted;
+- a request with repetition, frequency or presence penalties drafts: its row j is
+  penalised with its counts plus draft tokens 1..j (``PenaltyInputs.draft_ids``), and its
+  counts are written again from the tokens it accepted;
+- a request with a grammar drafts what its grammar allows (``Constraint.valid_draft``: the
+  draft is cut at the first token it refuses, and after one that completes it); its row j
+  is masked with the grammar advanced over draft tokens 1..j (``fill_draft_masks``), and
+  the matcher then advances over the accepted tokens only;
 - at most ``width - 1`` tokens, none past ``max_new_tokens`` or the context length;
 - with recurrent layers, none that reach the next page boundary: the state snapshot a page
   end needs is then taken by an ordinary decode step, and a verify step's states live only
@@ -40,7 +42,7 @@ Propose = Callable[[Req, int], list[int]]  # (request, most tokens) -> its draft
 def draft_room(req: Req, *, width: int, context_len: int, page_size: int, recurrent: bool) -> int:
     """The most draft tokens ``req`` may feed after its last token in its next step."""
     sp = req.sampling
-    if req.pending or req.grammar is not None:
+    if req.pending:
         return 0
     end = req.seq_len  # the step feeds the last token, at position end - 1
     room = min(width - 1, context_len - end - 1, sp.max_new_tokens - len(req.output_ids) - 1)
@@ -65,6 +67,8 @@ def add_drafts(
             req, width=width, context_len=context_len, page_size=adapter.P, recurrent=adapter.has_state
         )
         draft = propose(req, room)[:room] if room else []
+        if draft and req.grammar is not None:
+            draft = req.grammar.valid_draft(draft)
         if not draft:
             continue
         end = item.end + len(draft)

@@ -48,6 +48,8 @@ def workload(seed: int = 0):
             sp.update(stop_token_ids=[int(x) for x in rng.randint(3, 500, 15)], min_new_tokens=4)
         if i in (2, 6):  # each drafted row is penalised with the draft tokens before it
             sp.update(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+        if i in (3, 6):  # each drafted row is masked with the grammar advanced over the draft
+            sp["regex"] = r"(yes|no|maybe)( [a-z]{1,6}){2,9}\."
         params.append(sp)
     return prompts, params
 
