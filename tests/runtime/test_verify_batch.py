@@ -1,8 +1,9 @@
 """The batch builder's verify steps (speculative decoding: decodes feeding their last token
 and a draft) against a plain recomputation from the requests: rows, positions, sequence
 bounds, slot mappings, every token row a logits row that samples with its request's settings
-and the key of the output position it predicts, the recurrent state trail, penalty rows,
-and a shape warm-up compiles."""
+and the key of the output position it predicts, the recurrent state trail, penalty rows
+(a drafted row counting the draft tokens before it, its token left out of the slot's
+counts), and a shape warm-up compiles."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def builder() -> BatchBuilder:
 @st.composite
 def verify_plans(draw):
     """Up to MAX_RUNNING decodes: the first with a draft, the others with a draft of 0 to
-    WIDTH - 1 tokens (now and then all of them WIDTH - 1; none for a request with a penalty
-    or a token still on the device, as ``scheduler/drafts.py`` decides), some with trail
+    WIDTH - 1 tokens (now and then all of them WIDTH - 1; none for a request with a token
+    still on the device, as ``scheduler/drafts.py`` decides), some with trail
     slots; now and then a one-token chunk that does not end its sequence (it samples
     nothing); distinct random pages and slots."""
     n = draw(st.sampled_from(range(1, MAX_RUNNING + 1)))  # uniform: the larger bucket too
@@ -80,7 +81,7 @@ def verify_plans(draw):
         start = total - 1 if samples else draw(st.integers(0, total - 2))
         item = WorkItem(req, start, start + 1, has_initial_state=start > 0)
         k = 0
-        if samples and not (penalty or pending):
+        if samples and not pending:
             k = WIDTH - 1 if longest else draw(st.integers(1 if s == 0 else 0, WIDTH - 1))
         if k:  # as ``add_drafts`` extends an item
             item.draft = tuple(draw(st.lists(st.integers(3, 999), min_size=k, max_size=k)))
@@ -151,6 +152,10 @@ def test_verify_build_matches_a_recomputation(case):
                     presence=sp.presence_penalty,
                     min_new_tokens=sp.min_new_tokens,
                     stop_ids=stop + [-1] * (STOP_ID_SLOTS - len(stop)),
+                    # the draft tokens before row j count on top of the slot's counts, and
+                    # a drafted row's token is not added to them (the engine writes them)
+                    draft_ids=list(i.draft[:j]) + [-1] * (WIDTH - 1 - j),
+                    counts_sample=not i.draft,
                 )
             )
         cu.append(cu[-1] + len(fed))
@@ -181,7 +186,14 @@ def test_verify_build_matches_a_recomputation(case):
     assert not sampling.constrained.any() and (sampling.allowed == -1).all()
 
     neutral = dict(
-        slots=-1, repetition=1, frequency=0, presence=0, min_new_tokens=0, stop_ids=[-1] * STOP_ID_SLOTS
+        slots=-1,
+        repetition=1,
+        frequency=0,
+        presence=0,
+        min_new_tokens=0,
+        stop_ids=[-1] * STOP_ID_SLOTS,
+        draft_ids=[-1] * (WIDTH - 1),
+        counts_sample=True,
     )
     for field in neutral:
         want = np.array([p[field] for p in pen] + [neutral[field]] * pad_t, np.float64)
