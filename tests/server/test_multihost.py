@@ -91,11 +91,12 @@ class Pair:
     """Process 1 (the follower, started first: process 0 waits for it to join) and process
     0 (the HTTP server), each with 4 emulated devices."""
 
-    def __init__(self, tmp: Path, checkpoint: str):
+    def __init__(self, tmp: Path, checkpoint: str, extra: tuple[str, ...] = ()):
         tmp.mkdir()
         self.l3 = tmp / "l3"
         flags = [
             *FLAGS,
+            *extra,
             f"--model_path={checkpoint}",
             f"--hicache_storage_spec={self.l3}",
             f"--dist_coordinator=127.0.0.1:{free_port()}",
@@ -173,8 +174,10 @@ def logged_l3_writes(log: str) -> int:
 
 
 def test_two_processes_serve_tp8_over_http_like_one_process(tmp_path, checkpoint):
-    want = reference(checkpoint)
-    pair = Pair(tmp_path / "a", checkpoint)
+    want = reference(checkpoint)  # (without speculation)
+    # With n-gram speculative decoding: every process drafts the same tokens from the same
+    # request states, so the replayed verify steps agree (the plan digest checks each).
+    pair = Pair(tmp_path / "a", checkpoint, extra=("--speculative_algorithm=NGRAM",))
     try:
         first = pair.generate(PROMPTS)
         assert [r.status_code for r in first] == [200] * len(PROMPTS), [r.text for r in first]
@@ -182,6 +185,7 @@ def test_two_processes_serve_tp8_over_http_like_one_process(tmp_path, checkpoint
         assert re.fullmatch(SAMPLINGS[-1]["regex"], first[-1].json()["text"]), first[-1].json()
         metrics = pair.client.get("/get_server_info").json()["metrics"]
         assert metrics["num_retractions"] > 0, metrics
+        assert metrics["spec_draft_tokens"] > 0, metrics
 
         # L3: flushed from L1 and L2, served from the store through process 0's prefetch.
         assert pair.client.post("/flush_cache").status_code == 200
