@@ -1,14 +1,16 @@
 """At temperature 1, speculative decoding samples from the distribution decoding without it
 samples from (issue 44's acceptance): a chi-square two-sample test on the joint distribution
 of three output tokens, runs with disjoint seeds (so the test sees distributions, not the
-per-seed equality ``test_speculative.py`` checks), a 4-token effective vocabulary (top-k 4).
+per-seed equality ``test_speculative.py`` checks), a 4-token effective vocabulary (top-k 4),
+without and with repetition and presence penalties.
 
 The drafter proposes, after each first token, the second token the run without speculation
-sampled most often there, so drafts are accepted and rejected in about equal measure, and
-both paths of the verify step (the token sampled after an accepted draft token, and the
-replacement of a rejected one) decide many samples. The same test run against a verify step
-with a classic off-by-one (a draft position's token read from its neighbour's logits row)
-must reject: the sample is large enough to tell."""
+sampled most often there, so about 40% of drafts are accepted, and both paths of the verify
+step (the token sampled after an accepted draft token, and the replacement of a rejected
+one) decide many samples. The same test run against a verify step with a classic off-by-one
+must reject: a draft position's token read from its neighbour's logits row, or (with
+penalties) a draft token's check penalised for that token itself. The sample is large
+enough to tell."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ WAVES = 12
 N = WAVE * WAVES  # samples per run
 ALPHA = 1e-3
 SAMPLING = dict(temperature=1.0, top_k=4, max_new_tokens=NEW, ignore_eos=True)
+# With penalties a drafted row is penalised for the draft tokens before it, on device.
+PENALTIES = {"none": {}, "penalties": dict(repetition_penalty=1.2, presence_penalty=0.2)}
 
 
 def engine(spec: bool) -> Engine:
@@ -47,13 +51,15 @@ def engine(spec: bool) -> Engine:
     )
 
 
-def sample(engine: Engine, seeds: range) -> list[tuple[int, ...]]:
+def sample(engine: Engine, seeds: range, penalties: str) -> list[tuple[int, ...]]:
     """The output tokens of one request per seed, ``WAVE`` requests at a time (so every step
     after a wave's prefill is all-decode and may verify)."""
     out = []
     for w in range(0, len(seeds), WAVE):
         rids = [
-            engine.add_request(input_ids=PROMPT, sampling_params=dict(SAMPLING, seed=s))
+            engine.add_request(
+                input_ids=PROMPT, sampling_params=dict(SAMPLING, seed=s, **PENALTIES[penalties])
+            )
             for s in seeds[w : w + WAVE]
         ]
         while engine.has_unfinished():
@@ -98,20 +104,31 @@ def chi_square_p(a: list, b: list) -> float:
 
 
 @pytest.fixture(scope="module")
-def plain() -> list[tuple[int, ...]]:
-    out = sample(engine(False), range(N))
-    assert len({s[0] for s in out}) == 4 and len(set(out)) > 20, collections.Counter(out)
-    return out
+def plain():
+    """``plain(penalties)``: N samples without speculation (seeds 0..N-1), made once."""
+    made = {}
+
+    def get(penalties: str) -> list[tuple[int, ...]]:
+        if penalties not in made:
+            out = sample(engine(False), range(N), penalties)
+            assert len({s[0] for s in out}) == 4 and len(set(out)) > 20, collections.Counter(out)
+            made[penalties] = out
+        return made[penalties]
+
+    return get
 
 
-def speculative(plain: list, seeds: range) -> tuple[list[tuple[int, ...]], dict]:
+def speculative(plain: list, penalties: str) -> tuple[list[tuple[int, ...]], dict]:
+    """N samples with speculation, seeds N..2N-1 (none shared with ``plain``)."""
     e = engine(True)
     e.drafter = Likeliest(plain)
-    return sample(e, seeds), e.stats
+    return sample(e, range(N, 2 * N), penalties), e.stats
 
 
-def test_speculative_samples_follow_the_distribution_without_speculation(plain):
-    got, st = speculative(plain, range(N, 2 * N))
+@pytest.mark.parametrize("penalties", PENALTIES)
+def test_speculative_samples_follow_the_distribution_without_speculation(plain, penalties):
+    plain = plain(penalties)
+    got, st = speculative(plain, penalties)
     assert st["spec_verifications"] == N  # every request verified one draft token
     accepted = st["spec_accepted_tokens"] / st["spec_draft_tokens"]
     assert 0.25 < accepted < 0.75, st  # both of the verify step's paths decide many samples
@@ -119,17 +136,25 @@ def test_speculative_samples_follow_the_distribution_without_speculation(plain):
     assert p > ALPHA, p
 
 
-def off_by_one(shift: int):
-    """``BatchBuilder.build`` whose verify steps sample the token after draft token j (rows
-    1..k of an item with a k-token draft) from the logits row before it (``shift`` -1: the
-    distribution before that draft token), or draft token j's own check (rows 0..k-1) from
-    the row after it (``shift`` +1: a distribution that already saw the token it checks)."""
+def break_verify(monkeypatch, edit) -> None:
+    """Make ``BatchBuilder.build`` hand verify steps ``edit(inputs, plan)``: the same
+    inputs but for one array, the ``StepInputs`` of a broken builder."""
     build = BatchBuilder.build
 
     def broken(self, plan, *args, **kwargs):
         inputs = build(self, plan, *args, **kwargs)
-        if not inputs.shape.verify:
-            return inputs
+        return edit(inputs, plan) if inputs.shape.verify else inputs
+
+    monkeypatch.setattr(BatchBuilder, "build", broken)
+
+
+def off_by_one(shift: int):
+    """Verify steps that sample the token after draft token j (rows 1..k of an item with a
+    k-token draft) from the logits row before it (``shift`` -1: the distribution before
+    that draft token), or draft token j's own check (rows 0..k-1) from the row after it
+    (``shift`` +1: a distribution that already saw the token it checks)."""
+
+    def edit(inputs, plan):
         rows = np.array(inputs.sampling.last_rows)
         for row0, item in zip(inputs.sample_rows, plan.items):
             k = len(item.draft)
@@ -137,13 +162,33 @@ def off_by_one(shift: int):
             rows[moved] += shift
         return dataclasses.replace(inputs, sampling=dataclasses.replace(inputs.sampling, last_rows=rows))
 
-    return broken
+    return edit
 
 
 @pytest.mark.parametrize("shift", [-1, 1])
 def test_an_off_by_one_verify_step_fails_the_test(plain, monkeypatch, shift):
-    monkeypatch.setattr(BatchBuilder, "build", off_by_one(shift))
-    got, st = speculative(plain, range(N, 2 * N))
+    plain = plain("none")
+    break_verify(monkeypatch, off_by_one(shift))
+    got, st = speculative(plain, "none")
     assert st["spec_accepted_tokens"] > N // 5, st
+    p = chi_square_p(plain, got)
+    assert p < ALPHA, p
+
+
+def counts_its_own_draft_token(inputs, plan):
+    """Verify steps that penalise draft token j's check (row j) for draft tokens 0..j, itself
+    included, not 0..j-1."""
+    ids = np.array(inputs.penalty.draft_ids)
+    for row0, item in zip(inputs.sample_rows, plan.items):
+        for j, tok in enumerate(item.draft):
+            ids[row0 + j, j] = tok
+    return dataclasses.replace(inputs, penalty=dataclasses.replace(inputs.penalty, draft_ids=ids))
+
+
+def test_penalising_a_draft_token_off_by_one_fails_the_test(plain, monkeypatch):
+    plain = plain("penalties")
+    break_verify(monkeypatch, counts_its_own_draft_token)
+    got, st = speculative(plain, "penalties")
+    assert st["spec_draft_tokens"] == N, st
     p = chi_square_p(plain, got)
     assert p < ALPHA, p
