@@ -24,6 +24,7 @@ from hicache_jax.models.layers.mla import MLA
 from hicache_jax.models.layers.mlp import MLP
 from hicache_jax.models.layers.moe import MoE
 from hicache_jax.models.layers.mtp import MTPBlock
+from hicache_jax.models.layers.mtp_nextn import NextNBlock
 from hicache_jax.models.layers.norms import RMSNorm
 from hicache_jax.models.page_loads import land
 from hicache_jax.models.sharding import (
@@ -160,14 +161,29 @@ class CausalLM(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
-        # DeepSeek V4's multi-token-prediction blocks, kept for drafting (``layers/mtp.py``);
-        # ``__call__`` does not run them. None without any.
+        # Multi-token-prediction blocks, kept for drafting: DeepSeek V4's (``layers/mtp.py``)
+        # or a ``NextNConfig``'s (``layers/mtp_nextn.py``); ``__call__`` does not run them.
+        # None without any.
         nextn = cfg.dsv4.num_nextn_predict_layers if cfg.dsv4 is not None else 0
-        self.mtp = (
-            nnx.List([MTPBlock(cfg, i, dtype=dtype, rngs=rngs, kernels=kernels) for i in range(nextn)])
-            if nextn
-            else None
-        )
+        if nextn:
+            self.mtp = nnx.List(
+                [MTPBlock(cfg, i, dtype=dtype, rngs=rngs, kernels=kernels) for i in range(nextn)]
+            )
+        elif cfg.nextn is not None:
+            x = cfg.nextn
+            self.mtp = nnx.List(
+                [
+                    NextNBlock(
+                        cfg,
+                        DecoderLayer(cfg, x.kind, dtype=dtype, rngs=rngs, kernels=kernels, sparse=x.sparse),
+                        dtype=dtype,
+                        rngs=rngs,
+                    )
+                    for _ in range(x.num_layers)
+                ]
+            )
+        else:
+            self.mtp = None
 
     def __call__(self, cache: tuple, batch: ForwardBatch) -> tuple[tuple, jax.Array]:
         """One step: returns the updated cache and float32 logits ``[R, vocab]`` for the rows

@@ -210,6 +210,31 @@ class Dsv4Config:
         return self.csa_rate if kind == LayerKind.CSA else self.hca_rate
 
 
+@dataclasses.dataclass(frozen=True)
+class NextNConfig:
+    """The multi-token-prediction blocks of DeepSeek V3 / V3.2 and GLM-5 (``style``
+    "deepseek") and of Qwen3-Next / Qwen3.5 ("qwen"), for drafting (``layers/mtp_nextn.py``):
+    ``num_layers`` blocks, each one decoder layer of ``kind`` with an MoE MLP if ``sparse``.
+    DeepSeek V4's blocks are ``Dsv4Config``'s."""
+
+    num_layers: int
+    kind: str
+    sparse: bool
+    style: str
+
+    def __post_init__(self):
+        if self.num_layers <= 0:
+            raise ValueError(f"NextNConfig.num_layers must be positive, got {self.num_layers}")
+        if self.style not in NEXTN_STYLES:
+            raise ValueError(f"NextNConfig.style {self.style!r}: want one of {NEXTN_STYLES}")
+        if self.kind not in LAYER_KINDS or self.kind in RECURRENT:
+            raise ValueError(f"NextNConfig.kind {self.kind!r}: want an attention kind")
+        object.__setattr__(self, "kind", LayerKind(self.kind))
+
+
+NEXTN_STYLES = ("deepseek", "qwen")
+
+
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "sqrtsoftplus_topk")
 # relu2: not gated; silu_clamped: silu(min(gate, limit)) * clip(up, -limit, limit) (DeepSeek V4)
 EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped", "relu2", "silu_clamped")
@@ -337,6 +362,7 @@ class ModelConfig:
     # others keep the dense MLP of ``intermediate_size``.
     moe: MoEConfig | None = None
     sparse_layers: tuple[int, ...] = ()
+    nextn: NextNConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     max_position_embeddings: int = 131072
@@ -388,6 +414,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.qk_norm_over {self.qk_norm_over!r} not in ('head', 'all')")
         if self.sparse_layers and self.moe is None:
             raise ValueError("ModelConfig has sparse_layers but no MoEConfig")
+        if self.nextn is not None and self.nextn.sparse and self.moe is None:
+            raise ValueError("ModelConfig.nextn has an MoE layer but the model no MoEConfig")
         if any(not 0 <= i < len(self.layer_kinds) for i in self.sparse_layers):
             raise ValueError(
                 f"ModelConfig.sparse_layers {self.sparse_layers}: not all in [0, {len(self.layer_kinds)})"
@@ -507,6 +535,8 @@ class ModelConfig:
             d["rope_yarn"] = YarnConfig(**d["rope_yarn"])
         if d.get("moe") is not None:
             d["moe"] = MoEConfig(**d["moe"])
+        if d.get("nextn") is not None:
+            d["nextn"] = NextNConfig(**d["nextn"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
         d["mlp_free_layers"] = tuple(d.get("mlp_free_layers", ()))
         d["layer_kinds"] = tuple(LayerKind(k) for k in d["layer_kinds"])
@@ -526,9 +556,21 @@ class ModelConfig:
         return self._outer_params() + self._layer_params(active=True)
 
     def mtp_params(self) -> int:
-        """DeepSeek V4's multi-token-prediction blocks: each three norms, ``e_proj`` and
+        """The multi-token-prediction blocks. DeepSeek V4's: each three norms, ``e_proj`` and
         ``h_proj``, its layer (a score-routed MoE) and its own stream-collapsing head; the
-        embedding and LM head are the model's."""
+        embedding and LM head are the model's. A ``NextNConfig``'s: each three norms, the
+        ``[2h, h]`` input projection, its layer and (DeepSeek-style) its own LM head."""
+        if self.nextn is not None:
+            x, h = self.nextn, self.hidden_size
+            one = dataclasses.replace(  # the block's layer alone (``mtp_nextn.block_config``)
+                self,
+                layer_kinds=(x.kind,),
+                sparse_layers=(0,) if x.sparse else (),
+                mlp_free_layers=(),
+                nextn=None,
+            )
+            head = self.vocab_size * h if x.style == "deepseek" else 0
+            return x.num_layers * (3 * h + 2 * h * h + one._layer_params(active=False) + head)
         v = self.dsv4
         if v is None or not v.num_nextn_predict_layers:
             return 0

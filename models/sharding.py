@@ -133,8 +133,11 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, tp: int) -> P:
         return P(AXIS, None) if vocab_ok else P()
     if p == ("lm_head", "kernel"):
         return P(None, AXIS) if vocab_ok else P()
-    if p[0] == "mtp" and len(p) >= 5 and p[2] == "layer":  # DeepSeek V4's MTP block: its layer
-        p, kind = ("layers", *p[1:2], *p[3:]), cfg.dsv4.mtp_kind  # split as a main layer is
+    if p[0] == "mtp" and p[2:] == ("head", "kernel") and cfg.nextn is not None:  # a block's own LM head
+        return P(None, AXIS) if vocab_ok else P()
+    if p[0] == "mtp" and len(p) >= 5 and p[2] == "layer":  # an MTP block's layer
+        kind = cfg.dsv4.mtp_kind if cfg.dsv4 is not None else cfg.nextn.kind
+        p = ("layers", *p[1:2], *p[3:])  # split as a main layer is
     elif p[0] != "layers" or len(p) < 4:
         return P()
     else:

@@ -226,7 +226,10 @@ def _deepseek(family: str, common: dict):
             mscale_all_dim=0.8,
         )
         v3 = base | {"q_lora_rank": None, "max_position_embeddings": 512}
-        return tf.DeepseekV3Config(**v3, num_hidden_layers=3, rope_parameters=yarn)
+        # No MTP layer: save_pretrained writes none (tests/models/test_mtp_families.py adds one).
+        return tf.DeepseekV3Config(
+            **v3, num_hidden_layers=3, rope_parameters=yarn, num_nextn_predict_layers=0
+        )
     indexer = dict(index_n_heads=4, index_head_dim=16, index_topk=128)
     if family == "deepseek_v32":
         return tf.DeepseekV32Config(**base, **indexer, num_hidden_layers=3)

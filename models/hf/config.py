@@ -12,6 +12,7 @@ from hicache_jax.models.config import (
     MlaConfig,
     ModelConfig,
     MoEConfig,
+    NextNConfig,
     YarnConfig,
 )
 from hicache_jax.models.hf import fp8_blocks
@@ -365,7 +366,9 @@ def _gated_deltanet(hf: dict, arch: str, where: str, **extra) -> ModelConfig:
     -th full by default); attention with an output gate, per-head q/k RMSNorm and partial
     rotary; every RMSNorm (not the GDN's gated one) scales by ``1 + w``. Qwen3.5's
     multimodal rope (``mrope_section``) gives a text-only sequence the same position on
-    each of its three sections, which is plain rope."""
+    each of its three sections, which is plain rope. The ``mtp_num_hidden_layers``
+    multi-token-prediction blocks (``mtp.*``: a full-attention layer each, MoE where the
+    stack has MoE) are built and loaded for drafting (``layers/mtp_nextn.py``)."""
     _check(hf, where, hidden_act="silu", attention_bias=False)
     n = hf["num_hidden_layers"]
     every = hf.get("full_attention_interval", 4)
@@ -382,8 +385,17 @@ def _gated_deltanet(hf: dict, arch: str, where: str, **extra) -> ModelConfig:
         head_v_dim=hf["linear_value_head_dim"],
         conv_kernel=hf.get("linear_conv_kernel_dim", 4),
     )
+    if hf.get("mtp_use_dedicated_embeddings"):
+        raise CheckpointError(
+            f"{where}: mtp_use_dedicated_embeddings true: "
+            "MTP blocks with their own embedding are not supported"
+        )
+    moe = extra.get("moe")
+    key = "mtp_num_hidden_layers"
+    nextn = _nextn(hf.get(key) or 0, "attention", moe is not None, "qwen", key, where)
     return ModelConfig(
         **_common(hf, arch, kinds, where),
+        nextn=nextn,
         rope_theta=theta,
         rope_linear_factor=factor,
         partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
@@ -662,8 +674,9 @@ def deepseek(hf: dict, where: str) -> ModelConfig:
     ``first_k_dense_replace`` dense ones (or where ``mlp_layer_types`` says ``sparse``):
     sigmoid scores with a correction bias on the choice, grouped top-k, routed scaling and
     ``n_shared_experts`` shared experts. YaRN's ``mscale_all_dim`` scales the softmax.
-    Multi-token-prediction layers (``num_nextn_predict_layers``) are not loaded: they are
-    past ``num_hidden_layers``, for speculative decoding."""
+    The ``num_nextn_predict_layers`` multi-token-prediction layers past ``num_hidden_layers``
+    are built and loaded as drafting blocks (``layers/mtp_nextn.py``): each MLA (V3) or DSA
+    attention with its own indexer, and an MoE."""
     arch = hf["architectures"][0]
     _check(hf, where, hidden_act="silu", attention_bias=False)
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -672,18 +685,13 @@ def deepseek(hf: dict, where: str) -> ModelConfig:
         if factor and mscale and all_dim:  # transformers' YaRN scale for DeepSeek's two mscales
             rope["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
         hf = {**hf, "rope_parameters": rope}
-    n = hf["num_hidden_layers"]
-    if hf.get("num_nextn_predict_layers"):
-        log.info(
-            "%s: its %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not loaded: "
-            "they draft tokens for speculative decoding, which this server does not run",
-            where,
-            hf["num_nextn_predict_layers"],
-        )
+    n, nextn = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers") or 0
     if arch == "DeepseekV3ForCausalLM":
         kinds = ("mla",) * n
     else:
         types = hf.get("indexer_types") or ["full"] * n
+        if len(types) == n + nextn:  # listing the MTP layers too: each has its own indexer
+            types = types[:n]
         bad = [t for t in types if t not in ("full", "shared")]
         if bad or len(types) != n:
             raise CheckpointError(f"{where}: indexer_types {types!r}: want {n} of 'full' / 'shared'")
@@ -692,6 +700,7 @@ def deepseek(hf: dict, where: str) -> ModelConfig:
     if mlp_types is None:
         dense = min(hf.get("first_k_dense_replace", 0), n)
         mlp_types = ["dense"] * dense + ["sparse"] * (n - dense)
+    mlp_types = list(mlp_types)[:n]
     sparse = tuple(i for i, t in enumerate(mlp_types) if t == "sparse")
     moe = None
     if sparse:
@@ -708,6 +717,7 @@ def deepseek(hf: dict, where: str) -> ModelConfig:
         )
     common = _common(hf, arch, kinds, where)
     common["head_dim"] = hf["qk_rope_head_dim"]  # only the rope slice is rotated
+    kind = "mla" if arch == "DeepseekV3ForCausalLM" else "dsa"
     return ModelConfig(
         **common,
         **_rope_by_type(hf, where, 10000.0),
@@ -715,7 +725,26 @@ def deepseek(hf: dict, where: str) -> ModelConfig:
         mla=_mla(hf, where, arch),
         moe=moe,
         sparse_layers=sparse,
+        nextn=_nextn(nextn, kind, moe is not None, "deepseek", "num_nextn_predict_layers", where),
     )
+
+
+def _nextn(count, kind: str, sparse: bool, style: str, key: str, where: str) -> NextNConfig | None:
+    """The ``count`` multi-token-prediction blocks config.json's ``key`` claims (None for 0)."""
+    if not isinstance(count, int) or count < 0:
+        raise CheckpointError(f"{where}: {key} {count!r}: want a count >= 0")
+    if not count:
+        return None
+    if style == "qwen" and count > 1:  # they would share mtp.fc and its norms
+        raise CheckpointError(f"{where}: {key} {count}: more than one Qwen MTP layer is not supported")
+    log.info(
+        "%s: its %d multi-token-prediction block(s) (%s, a %s layer each) are loaded for drafting",
+        where,
+        count,
+        key,
+        kind,
+    )
+    return NextNConfig(num_layers=count, kind=kind, sparse=sparse, style=style)
 
 
 V4_LAYER_KINDS = {

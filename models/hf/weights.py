@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 
@@ -15,6 +16,8 @@ from hicache_jax.kinds import LayerKind
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf import fp8_blocks, mxfp4
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +418,8 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
         return "lm_head.weight", _t
     if p == ("final_norm", "weight"):
         return f"{names.final_norm}.weight", _same
+    if p[0] == "mtp":
+        return _nextn_tensor(names, cfg, p, ckpt)
     if p[0] != "layers":
         raise KeyError(path)
     i, rest = int(p[1]), p[2:]
@@ -423,7 +428,12 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
         mlp_pre = f"{names.layers}.{hf_blocks(cfg)[i] + 1}"
     else:
         pre = mlp_pre = f"{names.layers}.{i}"
-    kind = cfg.layer_kinds[i]
+    return _layer_tensor(names, cfg, pre, mlp_pre, cfg.layer_kinds[i], i in cfg.sparse_layers, rest, ckpt)
+
+
+def _layer_tensor(names: HFNames, cfg: ModelConfig, pre: str, mlp_pre: str, kind, sparse: bool, rest, ckpt):
+    """A decoder layer's tensor: its mixer and norm named from ``pre``, its MLP's from
+    ``mlp_pre``; ``rest`` the parameter's path in the layer."""
     norm = {
         "input_norm": (pre, names.input_norm),
         "pre_mlp_norm": (mlp_pre, names.pre_mlp_norm),
@@ -434,10 +444,10 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
         block, name = norm[rest[0]]
         return f"{block}.{name}.weight", _same
     if rest[0] == "mlp":
-        if i in cfg.sparse_layers:
+        if sparse:
             return _moe_tensor(names, mlp_pre, rest[1:], cfg, ckpt)
         return _mlp_tensor(names, f"{mlp_pre}.{names.mlp}", rest[1])
-    assert rest[0] == "mixer", path
+    assert rest[0] == "mixer", rest
     if kind == LayerKind.GDN:
         return _gdn_tensor(names, cfg, f"{pre}.linear_attn", rest[1:])
     if kind in (LayerKind.MLA, LayerKind.DSA, LayerKind.DSA_SHARED):  # transformers' module names
@@ -465,6 +475,38 @@ def hf_tensor(names: HFNames, cfg: ModelConfig, path: tuple, ckpt=None) -> tuple
     if rest[1] == "norm":
         return f"{m}.norm.weight", _same
     return f"{m}.{rest[1]}", _same  # dt_bias, A_log, D
+
+
+# A ``NextNConfig`` block's own tensors: our path -> (DeepSeek's name, Qwen's name), after
+# the block's prefix (``nextn_prefix``); its layer's are named as a main layer's.
+_NEXTN = {
+    ("enorm", "weight"): ("enorm.weight", "pre_fc_norm_embedding.weight"),
+    ("hnorm", "weight"): ("hnorm.weight", "pre_fc_norm_hidden.weight"),
+    ("norm", "weight"): ("shared_head.norm.weight", "norm.weight"),
+    ("proj", "kernel"): ("eh_proj.weight", "fc.weight"),
+    ("head", "kernel"): ("shared_head.head.weight", None),
+}
+
+
+def nextn_prefix(names: HFNames, cfg: ModelConfig, k: int) -> tuple[str, str]:
+    """Block ``k``'s prefix and its layer's: DeepSeek's blocks are the checkpoint's layers
+    past the main ones (``model.layers.<num_layers + k>``), Qwen's are under ``mtp.``."""
+    if cfg.nextn.style == "deepseek":
+        pre = f"{names.layers}.{cfg.num_layers + k}"
+        return pre, pre
+    return "mtp", f"mtp.layers.{k}"
+
+
+def _nextn_tensor(names: HFNames, cfg: ModelConfig, p: tuple, ckpt) -> tuple:
+    if cfg.nextn is None:
+        raise KeyError(p)
+    pre, layer = nextn_prefix(names, cfg, int(p[1]))
+    rest = p[2:]
+    if rest[0] == "layer":
+        x = cfg.nextn
+        return _layer_tensor(names, cfg, layer, layer, x.kind, x.sparse, rest[1:], ckpt)
+    name = _NEXTN[rest][0 if cfg.nextn.style == "deepseek" else 1]
+    return f"{pre}.{name}", (_t if rest[-1] == "kernel" else _same)
 
 
 def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_state, dtype, sharding=None):
@@ -517,7 +559,77 @@ def load_params(ckpt: Checkpoint, names: HFNames, cfg: ModelConfig, abstract_sta
 
     if names.dsv4:
         _check_all_read(ckpt, names, cfg, abstract_state)
+    else:
+        _check_nextn(ckpt, names, cfg, abstract_state)
     return jax.tree_util.tree_map_with_path(load, abstract_state)
+
+
+def _read_names(names: HFNames, cfg: ModelConfig, abstract_state, ckpt, under: str = "") -> set:
+    """The checkpoint names the parameters under ``under`` (a path's first key) read, with
+    their FP8 scales."""
+    read = set()
+    for kp, _ in jax.tree_util.tree_leaves_with_path(abstract_state):
+        path = tuple(_key(k) for k in kp)
+        if under and str(path[0]) != under:
+            continue
+        name, _ = hf_tensor(names, cfg, path, ckpt)
+        parts = name.parts if isinstance(name, (Joined, Experts)) else (name,)
+        if isinstance(name, Experts) and "<e>" in parts[0]:
+            parts = [n.replace("<e>", str(e)) for n in parts for e in range(name.num_experts)]
+        for n in parts:
+            read.update((n, *fp8_blocks.scale_names(n)))
+    return read
+
+
+def _mtp_held(names: HFNames, cfg: ModelConfig, held) -> tuple[list, str]:
+    """The checkpoint's multi-token-prediction tensors (DeepSeek's: layers past the main
+    ones; Qwen's: ``mtp.*``) and the config.json key counting them."""
+    if cfg.architecture.startswith(("Deepseek", "Glm")):
+        layers = f"{names.layers}."
+        past = [
+            n for n in held if n.startswith(layers) and int(n[len(layers) :].split(".")[0]) >= cfg.num_layers
+        ]
+        return past, "num_nextn_predict_layers"
+    if cfg.gdn is not None:
+        return [n for n in held if n.startswith("mtp.")], "mtp_num_hidden_layers"
+    return [], ""
+
+
+def _check_nextn(ckpt, names: HFNames, cfg: ModelConfig, abstract_state) -> None:
+    """The checkpoint's MTP tensors against the config's ``NextNConfig``: refuse blocks the
+    config counts but the checkpoint lacks, or MTP tensors no parameter reads (naming them);
+    a DeepSeek block's copy of the embedding must equal the model's. MTP tensors of a config
+    that counts no block are left unread (config.json's count set to 0 skips them)."""
+    held, key = _mtp_held(names, cfg, ckpt.names())
+    count = cfg.nextn.num_layers if cfg.nextn is not None else 0
+    if not count:
+        if held:
+            log.info("%s: %d MTP tensor(s) left unread (%s 0)", ckpt.file_of(held[0]), len(held), key)
+        return
+    if not held:
+        first = ckpt.names()[0]
+        raise CheckpointError(
+            f"{os.path.dirname(ckpt.file_of(first))}: config.json has {key} {count} but the "
+            "checkpoint holds none of their tensors (transformers' save_pretrained writes none): "
+            "set it to 0 to load the model without its multi-token-prediction blocks"
+        )
+    read = _read_names(names, cfg, abstract_state, ckpt, under="mtp")
+    for k in range(count):
+        copy = f"{nextn_prefix(names, cfg, k)[0]}.embed_tokens.weight"
+        if cfg.nextn.style == "deepseek" and copy in ckpt:
+            main = f"{names.embed}.weight"
+            if not np.array_equal(np.asarray(ckpt.get(copy)), np.asarray(ckpt.get(main))):
+                raise CheckpointError(
+                    f"{ckpt.file_of(copy)}: tensor {copy} differs from {main}: an MTP block with "
+                    f"its own embedding is not supported (set {key} to 0 to load without it)"
+                )
+            read.add(copy)
+    left = sorted(set(held) - read)
+    if left:
+        shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+        raise CheckpointError(
+            f"{ckpt.file_of(left[0])}: {len(left)} MTP tensor(s) no parameter reads: {shown} ({key} {count})"
+        )
 
 
 def _check_all_read(ckpt, names: HFNames, cfg: ModelConfig, abstract_state) -> None:
@@ -530,14 +642,7 @@ def _check_all_read(ckpt, names: HFNames, cfg: ModelConfig, abstract_state) -> N
             "but the checkpoint holds no mtp.* tensor (transformers' save_pretrained writes none): "
             "set it to 0 to load the model without its multi-token-prediction blocks"
         )
-    read = set()
-    for kp, _ in jax.tree_util.tree_leaves_with_path(abstract_state):
-        name, _ = hf_tensor(names, cfg, tuple(_key(k) for k in kp), ckpt)
-        parts = name.parts if isinstance(name, (Joined, Experts)) else (name,)
-        if isinstance(name, Experts) and "<e>" in parts[0]:
-            parts = [n.replace("<e>", str(e)) for n in parts for e in range(name.num_experts)]
-        for n in parts:
-            read.update((n, *fp8_blocks.scale_names(n)))
+    read = _read_names(names, cfg, abstract_state, ckpt)
     left = sorted(set(held) - read)
     if left:
         shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")

@@ -8,11 +8,13 @@ tight ones (no buckets), so each test compiles as few programs as it needs.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from hicache_jax.kinds import PAGED
 from hicache_jax.models.batch import ForwardBatch, page_groups
+from hicache_jax.models.cache import allocate_cache
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.request import Req
 from hicache_jax.runtime.batch_builder import BatchBuilder
@@ -77,3 +79,25 @@ def logits_of(logits, rows) -> np.ndarray:
     """The rows ``build_step`` named, in sequence order, as one host array."""
     logits = np.asarray(logits)
     return np.concatenate([logits[r] if isinstance(r, slice) else logits[r][None] for r in rows])
+
+
+def whole_sequence(cfg, ids) -> tuple:
+    """A one-layer ``cfg``'s empty cache entry (one page holding the sequence, state slot 0)
+    and the batch feeding it the tokens ``ids``, every row's logits: how a lone MTP block is
+    run."""
+    T = len(ids)
+    groups = page_groups(cfg.layer_kinds)
+    P = -(-T // cfg.page_multiple) * cfg.page_multiple
+    (entry,) = allocate_cache(cfg, num_pages=1, page_size=P, num_state_slots=1)
+    return entry, ForwardBatch(
+        input_ids=jnp.asarray(ids, jnp.int32),
+        positions=jnp.arange(T, dtype=jnp.int32),
+        cu_q_lens=jnp.array([0, T], jnp.int32),
+        kv_lens=jnp.array([T], jnp.int32),
+        num_seqs=jnp.int32(1),
+        page_tables={g: jnp.zeros((1, 1), jnp.int32) for g in groups},
+        slot_mappings={g: jnp.arange(T, dtype=jnp.int32) for g in groups},
+        state_slots=jnp.zeros((1,), jnp.int32),
+        has_initial_state=jnp.zeros((1,), bool),
+        logits_indices=jnp.arange(T, dtype=jnp.int32),
+    )

@@ -20,10 +20,9 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from hicache_jax.models import load_hf
-from hicache_jax.models.batch import ForwardBatch, page_groups
-from hicache_jax.models.cache import allocate_cache
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 from tests.hf_checkpoints import load_reference, make
+from tests.models.steps import whole_sequence
 
 
 def mtp_tensors(tensors: dict, seed: int = 0) -> dict:
@@ -133,22 +132,7 @@ def run_block(model, streams, ids):
     one = dataclasses.replace(
         cfg, layer_kinds=(block.kind,), sparse_layers=(0,), dsv4=dataclasses.replace(cfg.dsv4, hash_layers=())
     )
-    T = len(ids)
-    P = -(-T // cfg.page_multiple) * cfg.page_multiple
-    (entry,) = allocate_cache(one, num_pages=1, page_size=P, num_state_slots=1)
-    groups = page_groups(one.layer_kinds)
-    batch = ForwardBatch(
-        input_ids=jnp.asarray(ids, jnp.int32),
-        positions=jnp.arange(T, dtype=jnp.int32),
-        cu_q_lens=jnp.array([0, T], jnp.int32),
-        kv_lens=jnp.array([T], jnp.int32),
-        num_seqs=jnp.int32(1),
-        page_tables={g: jnp.zeros((1, 1), jnp.int32) for g in groups},
-        slot_mappings={g: jnp.arange(T, dtype=jnp.int32) for g in groups},
-        state_slots=jnp.zeros((1,), jnp.int32),
-        has_initial_state=jnp.zeros((1,), bool),
-        logits_indices=jnp.arange(T, dtype=jnp.int32),
-    )
+    entry, batch = whole_sequence(one, ids)
     _, out, logits = block(entry, jnp.asarray(streams), batch, model.embed, model.unembed)
     return np.asarray(out), np.asarray(logits)
 
