@@ -26,6 +26,7 @@ from hicache_jax.models.hf.safetensors_io import CheckpointError
 from hicache_jax.models.layers.mtp_nextn import block_config
 from tests.hf_checkpoints import load_reference, make
 from tests.models.steps import whole_sequence
+from tests.models.test_fp8_blocks import QUANT, decode, quantize
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5")
 # The main layer each block's layer is copied from: an MoE layer with full attention (GLM-5's
@@ -236,3 +237,30 @@ def test_missing_extra_or_uncounted_mtp_tensors(checkpoint, tmp_path):
         other[f"{own}embed_tokens.weight"] = other[f"{own}embed_tokens.weight"] + 1
         with pytest.raises(CheckpointError, match=r"embed_tokens\.weight differs from model\.embed_tokens"):
             load_hf(write(tmp_path / "embed", other, config), dtype="float32")
+
+
+def test_fp8_block_loads_as_decoded(checkpoint, model, tmp_path):
+    """The block's projections (its input projection, attention and expert Linears) as
+    block-scaled FP8 with ``weight_scale_inv``: they load as the test decodes them, and the
+    block drafts as from a float32 file holding the decoded values."""
+    family, _, tensors, config = checkpoint
+    own, layer = block_prefix(family, config)
+    fp8, dense = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        mtp = name.startswith(own) or name.startswith(layer)
+        if mtp and w.ndim == 2 and name.endswith(("proj.weight", "fc.weight")):
+            q, s = quantize(w)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            dense[name] = decode(q, s)
+    quantized = load_hf(
+        write(tmp_path / "fp8", fp8, config | {"quantization_config": QUANT}), dtype="float32"
+    )
+    decoded = load_hf(write(tmp_path / "dense", dense, config), dtype="float32")
+    proj = f"{own}{'fc' if style(family) == 'qwen' else 'eh_proj'}.weight"
+    assert proj + "_scale_inv" in fp8
+    np.testing.assert_array_equal(quantized.mtp[0].proj.kernel[...], dense[proj].T)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, config["vocab_size"], 20)
+    hidden = rng.standard_normal((20, config["hidden_size"])).astype(np.float32)
+    for got, want in zip(run_block(quantized, hidden, ids), run_block(decoded, hidden, ids)):
+        np.testing.assert_array_equal(got, want)
