@@ -3,14 +3,24 @@ and a draft) against a plain recomputation from the requests: rows, positions, s
 bounds, slot mappings, every token row a logits row that samples with its request's settings
 and the key of the output position it predicts, the recurrent state trail, penalty rows
 (a drafted row counting the draft tokens before it, its token left out of the slot's
-counts), and a shape warm-up compiles."""
+counts), grammar masks (a regex's row j: the tokens allowed after the draft's first j, the
+matcher rolled back after), and a shape warm-up compiles."""
 
 from __future__ import annotations
 
+import functools
+import os
+
+import llguidance.numpy
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import hicache_jax
+from hicache_jax.grammar.compiler import GrammarCompiler
+from hicache_jax.grammar.constraint import Constraint
+from hicache_jax.grammar.spec import GrammarKind, GrammarSpec
+from hicache_jax.models.tokenizer import Tokenizer
 from hicache_jax.request import Req
 from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.runtime.penalties import STOP_ID_SLOTS
@@ -22,6 +32,15 @@ MAX_RUNNING = 8  # verify buckets 16 and 32 (WIDTH * MAX_RUNNING)
 WIDTH = 4  # tokens a request feeds per verify step: its last one and up to WIDTH - 1 drafted
 MAX_PAGES = 12
 EOS = (2,)
+VOCAB = 512
+REGEX = GrammarSpec(GrammarKind.REGEX, "[a-c]{2,6}")
+LETTERS = (67, 68, 69, 399)  # "a", "b", "c", "ab" in the tiny tokenizer
+
+
+@functools.cache
+def grammars() -> GrammarCompiler:
+    path = os.path.join(os.path.dirname(hicache_jax.__file__), "assets", "tiny_tokenizer.json")
+    return GrammarCompiler(Tokenizer(path), VOCAB, EOS)
 
 
 def builder() -> BatchBuilder:
@@ -31,7 +50,7 @@ def builder() -> BatchBuilder:
         max_running=MAX_RUNNING,
         max_prefill=16,
         max_pages=MAX_PAGES,
-        vocab_size=512,
+        vocab_size=VOCAB,
         spec_width=WIDTH,
         eos_token_ids=EOS,
     )
@@ -83,8 +102,13 @@ def verify_plans(draw):
         k = 0
         if samples and not pending:
             k = WIDTH - 1 if longest else draw(st.integers(1 if s == 0 else 0, WIDTH - 1))
+        draft = draw(st.lists(st.integers(3, 999), min_size=k, max_size=k))
+        if s > 0 and samples and not pending and draw(st.integers(0, 3)) == 0:  # a regex
+            req.grammar = Constraint(grammars().matcher(REGEX))
+            draft = req.grammar.valid_draft(draw(st.lists(st.sampled_from(LETTERS), min_size=k, max_size=k)))
+            k = len(draft)
         if k:  # as ``add_drafts`` extends an item
-            item.draft = tuple(draw(st.lists(st.integers(3, 999), min_size=k, max_size=k)))
+            item.draft = tuple(draft)
             item.end += k
             if draw(st.booleans()):
                 item.trail = tuple(next(slots) for _ in range(k))
@@ -120,6 +144,8 @@ def test_verify_build_matches_a_recomputation(case):
     trail = np.full((S, WIDTH), -1)
     rows = []  # per token row: its sampling inputs
     pen = []  # per token row: its penalty inputs
+    allowed = np.full((T, -(-VOCAB // 32)), -1, np.int32)  # grammar bitmasks (all ones: any token)
+    constrained = np.zeros(T, bool)
     for s, i in enumerate(items):
         r, sp = i.req, i.req.sampling
         fill = r.input_ids + r.output_ids + [0] * r.pending
@@ -131,6 +157,12 @@ def test_verify_build_matches_a_recomputation(case):
         if r.pending:
             feed[cu[-1]] = feed_from[r]
         trail[s, : len(i.trail)] = i.trail
+        for j in range(len(fed) if r.grammar is not None else 0):  # the regex after draft[:j]
+            matcher = grammars().matcher(REGEX)
+            for tok in i.draft[:j]:
+                matcher.consume_token(tok)
+            llguidance.numpy.fill_next_token_bitmask(matcher, allowed, cu[-1] + j)
+            constrained[cu[-1] + j] = True
         stop = list(dict.fromkeys(sp.stop_token_ids + (() if sp.ignore_eos else EOS)))
         stop = stop if sp.min_new_tokens else []
         for j in range(len(fed)):  # row j predicts output position len(output_ids) + pending + j
@@ -183,7 +215,14 @@ def test_verify_build_matches_a_recomputation(case):
     for field in neutral:
         want = [row[field] for row in rows] + [neutral[field]] * pad_t
         np.testing.assert_allclose(getattr(sampling, field), want, rtol=0, atol=1e-6, err_msg=field)
-    assert not sampling.constrained.any() and (sampling.allowed == -1).all()
+    np.testing.assert_array_equal(sampling.constrained, constrained)
+    np.testing.assert_array_equal(sampling.allowed, allowed)
+    for i in items:  # a drafted matcher is rolled back: it allows what a fresh one does
+        if i.req.grammar is not None:
+            masks = np.zeros((2, allowed.shape[1]), np.int32)
+            llguidance.numpy.fill_next_token_bitmask(i.req.grammar.matcher, masks, 0)
+            llguidance.numpy.fill_next_token_bitmask(grammars().matcher(REGEX), masks, 1)
+            np.testing.assert_array_equal(masks[0], masks[1])
 
     neutral = dict(
         slots=-1,
