@@ -28,10 +28,10 @@ from tests.hf_checkpoints import load_reference, make
 from tests.models.steps import whole_sequence
 from tests.models.test_fp8_blocks import QUANT, decode, quantize
 
-FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5")
+FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 # The main layer each block's layer is copied from: an MoE layer with full attention (GLM-5's
-# layer 1 shares layer 0's picks; Qwen3-Next's layer 1 is its full-attention one).
-SOURCE = {"deepseek_v3": 2, "deepseek_v32": 2, "glm_moe_dsa": 2, "qwen3_next": 1, "qwen3_5": 1}
+# layer 1 shares layer 0's picks; the Qwen stacks' layer 1 is their full-attention one).
+SOURCE = {"deepseek_v3": 2, "deepseek_v32": 2, "glm_moe_dsa": 2} | dict.fromkeys(FAMILIES[3:], 1)
 KEY = {"deepseek": "num_nextn_predict_layers", "qwen": "mtp_num_hidden_layers"}
 
 
@@ -264,3 +264,31 @@ def test_fp8_block_loads_as_decoded(checkpoint, model, tmp_path):
     hidden = rng.standard_normal((20, config["hidden_size"])).astype(np.float32)
     for got, want in zip(run_block(quantized, hidden, ids), run_block(decoded, hidden, ids)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_block_splits_as_a_layer_under_tensor_parallelism(checkpoint, model):
+    """At tp 2 the block's layer is split as a main layer's, DeepSeek's own head by
+    vocabulary, the input projection replicated; its drafts are those at tp 1."""
+    from jax.sharding import PartitionSpec as Spec
+
+    from hicache_jax.models import KernelConfig
+    from hicache_jax.models.sharding import make_mesh
+
+    family, path, _, config = checkpoint
+    if family not in ("deepseek_v3", "glm_moe_dsa", "qwen3_next"):
+        pytest.skip("one family per layer kind and head keeps the file short")
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, config["vocab_size"], 24)
+    hidden = rng.standard_normal((24, config["hidden_size"])).astype(np.float32)
+    want = run_block(model, hidden, ids)
+    kernels = KernelConfig(attention="xla", mesh=make_mesh(2), moe="gathered")
+    split = load_hf(path, dtype="float32", kernels=kernels)
+    block = split.mtp[0]
+    mixer = block.layer.mixer
+    column = mixer.q_proj if getattr(mixer, "q_proj", None) is not None else mixer.q_b_proj
+    assert column.kernel[...].sharding.spec == Spec(None, "tp")
+    assert block.proj.kernel[...].sharding.is_fully_replicated
+    if block.head is not None:
+        assert block.head.kernel[...].sharding.spec == Spec(None, "tp")
+    for got, ref in zip(run_block(split, hidden, ids), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
