@@ -201,7 +201,10 @@ class EngineConfig:
         shown_default="unset",
     )
     speculative_ngram_min_match_window_size: int = setting(
-        1, "NGRAM: the shortest suffix of a request's tokens looked up.", _AT_LEAST_1
+        3,
+        "NGRAM: the shortest suffix of a request's tokens looked up (SGLang's default is 1; "
+        "shorter suffixes draft more often and are rejected more: benchmarks/RESULTS.md).",
+        _AT_LEAST_1,
     )
     speculative_ngram_max_match_window_size: int = setting(
         12,

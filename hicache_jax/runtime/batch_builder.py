@@ -6,8 +6,8 @@ Shapes come from a few buckets so steady-state serving never recompiles:
 - steps with prefill: ``T`` from a short geometric list, ``S = max_running_requests``;
 - logits rows: one per sequence, or one per token when a request wants input logprobs;
 - verify steps (speculative decoding: a request feeds its last token and a draft, every
-  item a decode): ``T`` from the geometric list up to ``max_running * spec_width``,
-  ``S = max_running_requests``, and every token row is a logits row and samples
+  item a decode): ``S`` as for decode-only steps, ``T = S * spec_width`` (room for every
+  request's whole draft), and every token row is a logits row and samples
   (``StepShape.N = R = T``), each with its request's settings and the key of the output
   position it predicts, so the token after an accepted draft is the token the request
   would have sampled there without one;
@@ -80,7 +80,6 @@ class BatchBuilder:
         self.max_running = max_running
         self.buckets = token_buckets(max_prefill + max_running)
         self.spec_width = spec_width
-        self.verify_buckets = token_buckets(max_running * spec_width) if spec_width > 1 else []
         self.max_pages = max_pages
         self.max_seqs = self.max_seqs_for(max_running)
         self.eos_token_ids = tuple(eos_token_ids)
@@ -93,8 +92,8 @@ class BatchBuilder:
     def shapes(self, plan: StepPlan) -> StepShape:
         """The step shape of a plan."""
         if plan.verify:  # every token row samples: the token after each draft token
-            T = next(b for b in self.verify_buckets if b >= plan.num_tokens)
-            return StepShape(T, self.max_running, T, False, T)
+            S = self._decode_seqs(len(plan.items))
+            return StepShape(S * self.spec_width, S, S * self.spec_width, False, S * self.spec_width)
         if plan.decode_only:
             S = self._decode_seqs(len(plan.items))
             T = S
@@ -114,7 +113,11 @@ class BatchBuilder:
         out = [StepShape(S, S, S, True) for S in decode]
         for T in self.buckets:
             out += [StepShape(T, self.max_running, R, False) for R in sorted({self.max_running, T})]
-        out += [StepShape(T, self.max_running, T, False, T) for T in self.verify_buckets]
+        if self.spec_width > 1:
+            out += [
+                StepShape(S * self.spec_width, S, S * self.spec_width, False, S * self.spec_width)
+                for S in decode
+            ]
         return out
 
     def warmup_programs(self) -> list[tuple[StepShape, int]]:

@@ -66,7 +66,7 @@ def test_warmup_shapes_cover_every_plan():
             assert shape in warm, (max_running, max_prefill, width, shape)
             assert shape.verify == plan.verify
             seen.add(shape)
-        assert len(seen) > len(warm) // 2  # the plans are varied enough to mean something
+        assert len(seen) >= len(warm) // 2  # the plans are varied enough to mean something
 
 
 def _requests(rng, lengths, sampling=None, **extra):

@@ -54,7 +54,11 @@ def test_two_pass_l3_over_http(checkpoint_dir, tmp_path, family):
         f"--model_path={checkpoint_dir(family)}",
         "--dtype=float32",
         f"--hicache_storage_spec={tmp_path / 'l3'}",
-        *(["--speculative_algorithm=NGRAM"] if family in SPECULATIVE else []),
+        *(
+            ["--speculative_algorithm=NGRAM", "--speculative_ngram_min_match_window_size=1"]
+            if family in SPECULATIVE
+            else []
+        ),
         log_path=str(tmp_path / "server.log"),
     )
     try:

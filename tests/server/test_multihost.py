@@ -177,7 +177,8 @@ def test_two_processes_serve_tp8_over_http_like_one_process(tmp_path, checkpoint
     want = reference(checkpoint)  # (without speculation)
     # With n-gram speculative decoding: every process drafts the same tokens from the same
     # request states, so the replayed verify steps agree (the plan digest checks each).
-    pair = Pair(tmp_path / "a", checkpoint, extra=("--speculative_algorithm=NGRAM",))
+    spec = ("--speculative_algorithm=NGRAM", "--speculative_ngram_min_match_window_size=1")
+    pair = Pair(tmp_path / "a", checkpoint, extra=spec)
     try:
         first = pair.generate(PROMPTS)
         assert [r.status_code for r in first] == [200] * len(PROMPTS), [r.text for r in first]
