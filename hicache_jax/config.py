@@ -197,7 +197,7 @@ class EngineConfig:
     speculative_draft_model_path: str | None = setting(
         None,
         "A draft model (EAGLE-3, standalone): not supported yet; refused when set.",
-        (lambda v, c: v is None, "is not supported yet (NGRAM needs no draft model)"),
+        (lambda v, c: v is None, "must be unset: draft models are not supported yet (NGRAM needs none)"),
         shown_default="unset",
     )
     speculative_ngram_min_match_window_size: int = setting(
