@@ -40,11 +40,15 @@ def error_response(status: int, message: str, headers: dict | None = None) -> JS
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def describe_validation_errors(errors) -> str:
-    """pydantic's error list -> one readable line (``field: what is wrong; ...``)."""
+def describe_validation_errors(errors, under_body: bool = False) -> str:
+    """pydantic's error list -> one readable line (``field: what is wrong; ...``).
+    ``under_body``: FastAPI's errors, whose locations start with ``"body"`` (only that first
+    entry goes: a field may itself be named ``body``)."""
     parts = []
     for e in errors[:5]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in e.get("loc", ())]
+        if under_body and loc[:1] == ["body"]:
+            loc = loc[1:]
         where = ".".join(loc)
         kind = e.get("type", "")
         if kind == "json_invalid":
@@ -66,7 +70,7 @@ def describe_validation_errors(errors) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error_response(400, describe_validation_errors(exc.errors()))
+        return error_response(400, describe_validation_errors(exc.errors(), under_body=True))
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):

@@ -308,3 +308,13 @@ def test_sglang_sampling_params_off_default_are_refused_by_name(data):
     body = GenerateRequest.model_validate_json(json.dumps({"text": "a", "sampling_params": {f.name: value}}))
     with pytest.raises(InvalidRequest, match=f"sampling_params.{f.name}.*not supported"):
         body.to_engine_requests()
+
+
+def test_a_field_named_body_is_named_unknown():
+    """FastAPI's locations start with ``"body"``; only that entry is dropped (a field named
+    ``body`` once read as ``unknown field ''``, found by the test above)."""
+    for route in ROUTE_NAMES:
+        _, model, base, _, _ = ROUTES[route]
+        assert "unknown field 'body'" in _refusal(model, dict(base, body=1))
+    error = {"type": "extra_forbidden", "loc": ("body", "body"), "msg": "Extra inputs are not permitted"}
+    assert describe_validation_errors([error], under_body=True) == "unknown field 'body'"
