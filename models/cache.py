@@ -178,9 +178,10 @@ def join(entries, specs: tuple[PagedSpec, ...]):
 
 
 def layer_specs(cfg: ModelConfig) -> tuple[tuple[PagedSpec, ...], ...]:
-    """Every layer's paged specs, in layer order. Every layer that pages a cache kind pages
-    it alike (one L2/L3 row stacks them)."""
-    out = tuple(paged_specs(cfg, k) for k in cfg.layer_kinds)
+    """Every cache entry's paged specs, in entry order (``ModelConfig.cache_layer_kinds``:
+    the main layers, then a drafting block's). Every layer that pages a cache kind pages it
+    alike (one L2/L3 row stacks them)."""
+    out = tuple(paged_specs(cfg, k) for k in cfg.cache_layer_kinds)
     first: dict = {}
     for specs in out:
         for s in specs:
@@ -205,13 +206,14 @@ def allocate_cache(
     fill: float = 0.0,
     kv_heads: int | None = None,
 ) -> tuple:
-    """One entry per layer: its paged entries (``paged_specs``), or RecurrentState.
+    """One entry per cache layer (``ModelConfig.cache_layer_kinds``: the main layers, then
+    a drafting block's): its paged entries (``paged_specs``), or RecurrentState.
 
     ``num_pages`` is per cache kind or one number for all. ``kv_heads`` (default the
     model's) is more under tensor parallelism with replicated KV heads (``models/sharding.py``).
     """
     entries = []
-    for kind in cfg.layer_kinds:
+    for kind in cfg.cache_layer_kinds:
         if kind in RECURRENT:
             spec = state_shapes(cfg, kind, dtype)
             entries.append(

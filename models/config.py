@@ -363,6 +363,10 @@ class ModelConfig:
     moe: MoEConfig | None = None
     sparse_layers: tuple[int, ...] = ()
     nextn: NextNConfig | None = None
+    # Cache entries past the main layers' for the drafting block's layer (0 or 1; 1 needs
+    # ``nextn``): the speculative engine sets it, so that block's KV is paged with the main
+    # layers' (same pages, L2 rows and L3 pages; ``cache_layer_kinds``).
+    mtp_cache_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     max_position_embeddings: int = 131072
@@ -433,10 +437,23 @@ class ModelConfig:
             )
         if self.logits_scaling == 0:
             raise ValueError("ModelConfig.logits_scaling must not be 0 (logits are divided by it)")
+        if self.mtp_cache_layers not in (0, 1):
+            raise ValueError(f"ModelConfig.mtp_cache_layers must be 0 or 1, got {self.mtp_cache_layers!r}")
+        if self.mtp_cache_layers and self.nextn is None:
+            raise ValueError("ModelConfig.mtp_cache_layers=1 needs nextn (a model without MTP blocks)")
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    @property
+    def cache_layer_kinds(self) -> tuple[LayerKind, ...]:
+        """The kind of each cache entry: the main layers', then ``mtp_cache_layers`` of the
+        drafting block's layer. What allocates, shards, moves, stores or counts the cache
+        iterates these; what runs the main layers, ``layer_kinds``."""
+        if not self.mtp_cache_layers:
+            return self.layer_kinds
+        return self.layer_kinds + (self.nextn.kind,) * self.mtp_cache_layers
 
     @property
     def page_multiple(self) -> int:
@@ -562,13 +579,7 @@ class ModelConfig:
         ``[2h, h]`` input projection, its layer and (DeepSeek-style) its own LM head."""
         if self.nextn is not None:
             x, h = self.nextn, self.hidden_size
-            one = dataclasses.replace(  # the block's layer alone (``mtp_nextn.block_config``)
-                self,
-                layer_kinds=(x.kind,),
-                sparse_layers=(0,) if x.sparse else (),
-                mlp_free_layers=(),
-                nextn=None,
-            )
+            one = self.nextn_block_config()
             head = self.vocab_size * h if x.style == "deepseek" else 0
             return x.num_layers * (3 * h + 2 * h * h + one._layer_params(active=False) + head)
         v = self.dsv4
@@ -578,6 +589,19 @@ class ModelConfig:
         layer = 2 * h + self.mlp_params(self.num_layers) + self._dsv4_params(v.mtp_kind)
         block = 3 * h + 2 * h * h + layer + hc * (hc * h + 1) + 1
         return v.num_nextn_predict_layers * block
+
+    def nextn_block_config(self) -> ModelConfig:
+        """The one-layer config of a ``NextNConfig`` block's layer alone (its own cache is
+        allocated from it: ``layers/mtp_nextn.py``, ``block_config``)."""
+        x = self.nextn
+        return dataclasses.replace(
+            self,
+            layer_kinds=(x.kind,),
+            sparse_layers=(0,) if x.sparse else (),
+            mlp_free_layers=(),
+            nextn=None,
+            mtp_cache_layers=0,
+        )
 
     def _outer_params(self) -> int:
         """Embeddings, LM head, final norm (and DeepSeek V4's stream-collapsing head)."""

@@ -1,7 +1,7 @@
 """Bytes of one L2/L3 page of each kind a model stores, and the L3 bandwidth at a token rate.
 
 Pages are stored whole (the same at every tp_size), as the layers declare them
-(``models/cache.py``, ``paged_specs``): per page, every layer that pages a cache kind
+(``models/cache.py``, ``paged_specs``): per page, every cache layer that pages a cache kind
 stores its fields' rows (K and V of every KV head of every token for attention, one row per
 ``rate`` tokens of a compressed kind, one per page of a compressor's state). A prefix hit reads every page of
 an every-page kind, only the window behind its end of a window kind, and one state snapshot
@@ -25,7 +25,7 @@ def page_bytes(cfg, dtype_bytes: int, page_size: int) -> dict[str, int]:
         for s in specs:
             out[L3_SUFFIX[s.kind]] += s.page_values(page_size) * s.value_bytes(dtype_bytes)
     out = dict(out)
-    recurrent = [k for k in cfg.layer_kinds if k in RECURRENT]
+    recurrent = [k for k in cfg.cache_layer_kinds if k in RECURRENT]
     if recurrent:  # one snapshot holds every recurrent layer's state
         out[L3_SUFFIX[layer_cache(recurrent[0])[0]]] = cfg.state_bytes(dtype_bytes)
     return out

@@ -220,12 +220,13 @@ def _key(k):
 
 
 def cache_shardings(cfg: ModelConfig, mesh: Mesh) -> tuple:
-    """One entry per layer, shaped like the cache: pages split by KV head where their
-    ``PagedSpec`` has heads (else replicated: a latent every head reads), a recurrent
-    layer's state by head; Mamba's conv state (a few rows per slot) replicated, GDN's split
-    by channel (its channels are grouped by key head, as the device's heads are)."""
+    """One entry per cache layer (``ModelConfig.cache_layer_kinds``), shaped like the cache:
+    pages split by KV head where their ``PagedSpec`` has heads (else replicated: a latent
+    every head reads), a recurrent layer's state by head; Mamba's conv state (a few rows
+    per slot) replicated, GDN's split by channel (its channels are grouped by key head, as
+    the device's heads are)."""
     out = []
-    for kind in cfg.layer_kinds:
+    for kind in cfg.cache_layer_kinds:
         if kind in RECURRENT:
             conv = P(None, None, AXIS) if kind == LayerKind.GDN else P()  # [slots, K - 1, channels]
             out.append(RecurrentState(conv=NamedSharding(mesh, conv), ssm=NamedSharding(mesh, P(None, AXIS))))

@@ -27,6 +27,8 @@ HASH_BYTES = 32  # SHA-256 digest size
 KINDS = tuple(L3_SUFFIX.values())  # object suffixes: full-attention KV, sliding KV, state snapshot
 _U32_LIMIT = 2**32
 _HEX_ID = re.compile(r"^[0-9a-f]{16}$")
+# Namespace fields added after stores existed: left out of the digest while None.
+LATER_FIELDS = ("auth_id", "mtp_cache_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +36,9 @@ class Namespace:
     """Everything that must match for a stored page to be reusable.
 
     Invariant: any change to any field changes `digest`, hence every page key.
-    `cache_salt=None` (no salt) and `cache_salt=""` are different namespaces. `auth_id=None`
-    is left out of `canonical_bytes`, so a namespace without a key keeps the digest it had
-    before the field existed (existing stores still hit).
+    `cache_salt=None` (no salt) and `cache_salt=""` are different namespaces. A field added
+    later (`LATER_FIELDS`) is left out of `canonical_bytes` while None, so a namespace
+    without it keeps the digest it had before the field existed (existing stores still hit).
     """
 
     model_fingerprint: str  # identity of the weights (e.g. a hash of the checkpoint)
@@ -51,6 +53,11 @@ class Namespace:
     # The page-auth key's one-way id (`auth.key_id`; never the key): servers with different
     # keys, or with and without one, never share a page key. None: pages carry no MAC.
     auth_id: str | None = None
+    # Cache layers each page holds past the model's main layers (a drafting block's KV,
+    # ``ModelConfig.mtp_cache_layers``): its pages are larger, so servers with and without
+    # it never share a key. 0 is stored as None: the digest and directory of a server
+    # without it are those of a store from before the field.
+    mtp_cache_layers: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -65,12 +72,18 @@ class Namespace:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
         if self.auth_id is not None and not _HEX_ID.match(self.auth_id):
             raise ValueError(f"Namespace.auth_id must be 16 lowercase hex chars, got {self.auth_id!r}")
+        extra = self.mtp_cache_layers
+        if extra is not None and (type(extra) is not int or extra < 0):
+            raise ValueError(f"Namespace.mtp_cache_layers must be an int >= 0 or None, got {extra!r}")
+        if extra == 0:
+            object.__setattr__(self, "mtp_cache_layers", None)
 
     def canonical_bytes(self) -> bytes:
         """A stable, unambiguous encoding of all fields (sorted-key JSON, ASCII only)."""
         fields = dataclasses.asdict(self)
-        if fields["auth_id"] is None:
-            del fields["auth_id"]  # no key: the digest (every page key) of a store from before keys
+        for name in LATER_FIELDS:
+            if fields[name] is None:
+                del fields[name]  # unset: the digest (every page key) of a store from before it
         body = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return b"hicache-jax/namespace/v1\x00" + body.encode("ascii")
 

@@ -67,7 +67,7 @@ class PageTransfer:
         self.step_pages = step_pages  # pages per group a step takes layer by layer (0: none)
         self._pending: dict[str, list[tuple[list[int], dict]]] = {}  # kind -> queued writes
         self.layerwise_pages = 0  # pages the last ``step_loads`` took
-        kinds = runner.cfg.layer_kinds
+        kinds = runner.cfg.cache_layer_kinds  # a drafting block's entry pages as a main layer's
         self.shardings = runner.model.cache_shardings()
         mesh = runner.model.mesh
         # Over several processes a host reads only its own devices: gather pages onto all.

@@ -28,8 +28,6 @@ forward does not call the blocks.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -78,7 +76,4 @@ class NextNBlock(nnx.Module):
 
 def block_config(cfg: ModelConfig) -> ModelConfig:
     """The one-layer config a block's own cache is allocated from (``allocate_cache``)."""
-    x = cfg.nextn
-    return dataclasses.replace(
-        cfg, layer_kinds=(x.kind,), sparse_layers=(0,) if x.sparse else (), mlp_free_layers=(), nextn=None
-    )
+    return cfg.nextn_block_config()
