@@ -32,6 +32,7 @@ from flax import nnx
 
 from hicache_jax.kinds import LayerKind
 from hicache_jax.models.batch import ForwardBatch
+from hicache_jax.models.cache import layer_specs, paged_specs
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.layers.attention import Attention
@@ -199,6 +200,26 @@ class Eagle3Config:
             rope_linear_factor=self.rope_linear_factor,
             max_position_embeddings=self.max_position_embeddings,
         )
+
+
+def cache_mismatch(cfg: Eagle3Config, target: ModelConfig) -> str | None:
+    """Why the draft's KV cannot be one more layer of the target's full-attention pages
+    (``layer_specs`` requires every layer of a page group to page it alike), or None when
+    it can: the target pages a ``full`` group with the draft's KV heads and head_dim. Else
+    the draft needs a pool of its own: its own ``[pages, page_size, kv_heads, head_dim]``
+    arrays (``allocate_cache(cfg.layer_config, ...)``), sized and counted apart from the
+    target's (page bytes, host rows), though it may share the target's page tables: the
+    draft's position ``p`` holds the same token as the target's."""
+    (draft,) = paged_specs(cfg.layer_config, LayerKind.ATTENTION)
+    target_specs = [s for specs in layer_specs(target) for s in specs if s.kind == draft.kind]
+    if not target_specs:
+        return f"the target ({target.architecture}) has no {draft.kind} attention pages"
+    if target_specs[0].per_row != draft.per_row:
+        return (
+            f"the draft's KV rows are [kv_heads, head_dim] = {list(draft.per_row)}, the target's "
+            f"{draft.kind} pages {list(target_specs[0].per_row)}"
+        )
+    return None
 
 
 class VocabMap(nnx.Variable):

@@ -8,6 +8,8 @@ refused with the field or tensor named."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,7 @@ from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf.eagle3 import load_eagle3
 from hicache_jax.models.hf.safetensors_io import CheckpointError
 from hicache_jax.models.kernels.backend import KernelConfig
-from hicache_jax.models.layers.eagle3 import Eagle3Config
+from hicache_jax.models.layers.eagle3 import Eagle3Config, cache_mismatch
 from hicache_jax.models.layers.linear import Embed
 from tests.models.steps import build_step, sequence
 from tests.models.test_mtp_families import write  # safetensors and config.json in a folder
@@ -288,6 +290,19 @@ def test_aux_boundaries():
     assert Eagle3Config.from_hf(draft_config() | ids).aux_boundaries(32) == (2, 16, 29)
     with pytest.raises(ValueError, match=r"boundaries \(2, 16, 29\).*within the target's 20 layers"):
         Eagle3Config.from_hf(draft_config() | ids).aux_boundaries(20)
+
+
+def test_cache_mismatch_names_the_layouts():
+    """The draft's KV fits the target's full-attention pages only with the same KV heads and
+    head_dim, and only if the target has such pages."""
+    cfg = Eagle3Config.from_hf(draft_config())
+    assert cache_mismatch(cfg, TARGET) is None
+    wider = dataclasses.replace(TARGET, num_kv_heads=4)
+    assert cache_mismatch(cfg, wider) == (
+        f"the draft's KV rows are [kv_heads, head_dim] = [2, {D}], the target's full pages [4, {D}]"
+    )
+    sliding = dataclasses.replace(TARGET, layer_kinds=("sliding",) * 8, sliding_window=16)
+    assert "has no full attention pages" in cache_mismatch(cfg, sliding)
 
 
 def _without(key):
