@@ -257,12 +257,10 @@ class Eagle3Draft(nnx.Module):
         self.hidden_size, self.vocab_size = h, cfg.vocab_size
         self.norm_before_residual = cfg.norm_before_residual
         self.fc = Linear(3 * h, h, bias=False, dtype=dtype, rngs=rngs)
-        self.input_norm, self.hidden_norm, self.post_attention_norm, self.norm = (
-            norm(),
-            norm(),
-            norm(),
-            norm(),
-        )
+        self.input_norm = norm()  # the embedding's
+        self.hidden_norm = norm()
+        self.post_attention_norm = norm()
+        self.norm = norm()  # the output's, before the head
         self.attn = Attention(layer, LayerKind.ATTENTION, dtype=dtype, rngs=rngs, kernels=kernels)
         # q, k and v read [embedding | hidden], twice the width Attention built them for.
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -43,7 +43,7 @@ TARGET = ModelConfig(
 PROMPTS, CHAINED = (7, 10), 2
 
 
-def draft_config(shared_head: bool = False) -> dict:
+def draft_config(shared_head: bool = False, norm_before_residual: bool = False) -> dict:
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -63,6 +63,8 @@ def draft_config(shared_head: bool = False) -> dict:
     }
     if shared_head:  # SGLang: no draft_vocab_size -> the target's LM head, full vocabulary
         del cfg["draft_vocab_size"]
+    if norm_before_residual:  # vLLM's option: the residual is the normed hidden state
+        cfg["norm_before_residual"] = True
     return cfg
 
 
@@ -116,13 +118,14 @@ def rope(x, positions):  # [T, heads, D], rotate-half
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def reference_step(t: dict, embed: np.ndarray, head: np.ndarray, ids, x: np.ndarray):
+def reference_step(t: dict, embed: np.ndarray, head: np.ndarray, ids, x: np.ndarray, normed_residual: bool):
     """The draft over one whole sequence: ``x [T, h]`` each token's hidden input (after
     fc), ``ids`` its tokens. Returns (out [T, h], logits [T, vocab]) in float64."""
     g = {k: v.astype(np.float64) for k, v in t.items() if k not in ("d2t", "t2d")}
     T = len(ids)
     e = rms(embed[ids], g["midlayer.input_layernorm.weight"])
-    cat = np.concatenate([e, rms(x, g["midlayer.hidden_norm.weight"])], axis=-1)  # embedding first
+    hn = rms(x, g["midlayer.hidden_norm.weight"])
+    cat = np.concatenate([e, hn], axis=-1)  # embedding first
     pos = np.arange(T, dtype=np.float64)
     q = rope((cat @ g["midlayer.self_attn.q_proj.weight"].T).reshape(T, HEADS, D), pos)
     k = rope((cat @ g["midlayer.self_attn.k_proj.weight"].T).reshape(T, KV_HEADS, D), pos)
@@ -133,7 +136,7 @@ def reference_step(t: dict, embed: np.ndarray, head: np.ndarray, ids, x: np.ndar
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     a = np.einsum("hqk,khd->qhd", p, v).reshape(T, HEADS * D) @ g["midlayer.self_attn.o_proj.weight"].T
-    r = x + a
+    r = (hn if normed_residual else x) + a
     m = rms(r, g["midlayer.post_attention_layernorm.weight"])
     gate, up = m @ g["midlayer.mlp.gate_proj.weight"].T, m @ g["midlayer.mlp.up_proj.weight"].T
     out = r + (gate / (1 + np.exp(-gate)) * up) @ g["midlayer.mlp.down_proj.weight"].T
@@ -145,15 +148,15 @@ def reference_step(t: dict, embed: np.ndarray, head: np.ndarray, ids, x: np.ndar
     return out, logits
 
 
-def reference(t: dict, embed, head, ids, aux) -> list[np.ndarray]:
+def reference(t: dict, embed, head, ids, aux, normed_residual: bool = False) -> list[np.ndarray]:
     """Per step, the logits of the rows it drafts: the prompt's rows (hidden = fc(aux)), then
     each chained token (hidden = the previous position's output), recomputed from scratch."""
     x = aux.astype(np.float64) @ t["fc.weight"].astype(np.float64).T
-    out, logits = reference_step(t, embed, head, ids[: len(x)], x)
+    out, logits = reference_step(t, embed, head, ids[: len(x)], x, normed_residual)
     steps = [logits]
     for _ in range(CHAINED):
         x = np.concatenate([x, out[-1:]])
-        out, logits = reference_step(t, embed, head, ids[: len(x)], x)
+        out, logits = reference_step(t, embed, head, ids[: len(x)], x, normed_residual)
         steps.append(logits[-1:])
     return steps
 
@@ -188,13 +191,15 @@ def run_draft(draft, embed: Embed, unembed, ids_per_seq, aux_per_seq) -> list[li
     return got
 
 
-@pytest.fixture(scope="module", params=["own_head", "shared_head"])
+@pytest.fixture(scope="module", params=["own_head", "shared_head", "norm_before_residual"])
 def checkpoint(request, tmp_path_factory):
-    """(path, tensors, shared_head): ``own_head`` has a 40-id draft vocabulary mapped by d2t;
-    ``shared_head`` no lm_head, d2t or draft_vocab_size (the target's head, as SGLang loads)."""
+    """(path, tensors, config): ``own_head`` has a 40-id draft vocabulary mapped by d2t;
+    ``shared_head`` no lm_head, d2t or draft_vocab_size (the target's head, as SGLang loads);
+    ``norm_before_residual`` is ``own_head`` with vLLM's option set."""
     shared = request.param == "shared_head"
+    config = draft_config(shared, norm_before_residual=request.param == "norm_before_residual")
     tensors = draft_tensors(shared_head=shared)
-    return write(tmp_path_factory.mktemp(request.param), tensors, draft_config(shared)), tensors, shared
+    return write(tmp_path_factory.mktemp(request.param), tensors, config), tensors, config
 
 
 @pytest.fixture(scope="module")
@@ -220,46 +225,50 @@ def compare(got, want, label: str) -> None:
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=f"{label}: step {step} seq {s}")
 
 
+def expected(checkpoint, target, ids, aux) -> list[list[np.ndarray]]:
+    """The recompute's logits, per step, per sequence (``run_draft``'s layout)."""
+    _, tensors, config = checkpoint
+    embed, target_head = target
+    head = (tensors["lm_head.weight"] if "lm_head.weight" in tensors else target_head).astype(np.float64)
+    table = np.asarray(embed.embedding[...], np.float64)
+    normed = config.get("norm_before_residual", False)
+    per_seq = [reference(tensors, table, head, i, a, normed) for i, a in zip(ids, aux)]
+    return [list(step) for step in zip(*per_seq)]
+
+
+def unembed_of(target):
+    return lambda rows: rows @ jnp.asarray(target[1]).T
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_draft_logits_equal_the_recompute(checkpoint, target, backend):
     """Prompt step (fc over the three hidden states) and two chained steps, against the
     recompute: finite exactly at the draft vocabulary's target ids (``-inf`` elsewhere)."""
-    path, tensors, shared = checkpoint
-    embed, target_head = target
+    path, tensors, _ = checkpoint
     kernels = KernelConfig(attention=backend, interpret=backend == "pallas")
     draft = load_eagle3(path, TARGET, dtype=jnp.float32, kernels=kernels)
-    head = target_head if shared else tensors["lm_head.weight"]
-    table = np.asarray(embed.embedding[...], np.float64)
     ids, aux = inputs()
-    want = [[] for _ in range(1 + CHAINED)]
-    for seq_ids, seq_aux in zip(ids, aux):
-        for step, logits in enumerate(reference(tensors, table, head.astype(np.float64), seq_ids, seq_aux)):
-            want[step].append(logits)
-    got = run_draft(draft, embed, lambda rows: rows @ jnp.asarray(target_head).T, ids, aux)
-    compare(got, want, backend)
-    finite = np.isfinite(got[0][0]).sum(-1)
-    assert (finite == (VOCAB if shared else DRAFT_VOCAB)).all()
-    if not shared:  # the argmax is a target id the draft covers
+    got = run_draft(draft, target[0], unembed_of(target), ids, aux)
+    compare(got, expected(checkpoint, target, ids, aux), backend)
+    mapped = "d2t" in tensors
+    assert (np.isfinite(got[0][0]).sum(-1) == (DRAFT_VOCAB if mapped else VOCAB)).all()
+    if mapped:  # the argmax is a target id the draft covers
         assert set(np.argmax(got[0][1], -1)) <= set(np.flatnonzero(tensors["t2d"]))
 
 
 def test_mutations_are_caught(checkpoint, target):
     """The test can fail: the embedding and hidden halves of q, k, v swapped (the concat
     order reversed), or draft ids placed without d2t (at their own index), miss the recompute."""
-    path, tensors, shared = checkpoint
-    embed, target_head = target
+    path, tensors, _ = checkpoint
     draft = load_eagle3(path, TARGET, dtype=jnp.float32)
     ids, aux = inputs()
-    unembed = lambda rows: rows @ jnp.asarray(target_head).T  # noqa: E731
-    head = (target_head if shared else tensors["lm_head.weight"]).astype(np.float64)
-    want = [
-        [logits]
-        for logits in reference(tensors, np.asarray(embed.embedding[...], np.float64), head, ids[0], aux[0])
-    ]
+    want = expected(checkpoint, target, ids, aux)
 
     def misses() -> bool:
-        got = run_draft(draft, embed, unembed, ids, aux)
-        return not all(np.allclose(g[0], w[0], rtol=1e-4, atol=1e-4) for g, w in zip(got, want))
+        got = run_draft(draft, target[0], unembed_of(target), ids, aux)
+        return not all(
+            np.allclose(g, w, rtol=1e-4, atol=1e-4) for gs, ws in zip(got, want) for g, w in zip(gs, ws)
+        )
 
     assert not misses()
     for proj in (draft.attn.q_proj, draft.attn.k_proj):
@@ -269,7 +278,7 @@ def test_mutations_are_caught(checkpoint, target):
             assert misses()
         finally:
             proj.kernel[...] = kept
-    if not shared:
+    if "d2t" in tensors:
         kept = draft.targets[...]
         draft.targets[...] = jnp.arange(DRAFT_VOCAB, dtype=jnp.int32)  # d2t ignored
         try:
