@@ -172,11 +172,13 @@ class EngineConfig:
     )
     speculative_algorithm: str | None = setting(
         None,
-        "Speculative decoding: NGRAM (drafts from the request's own tokens: prompt lookup). "
-        "Unset: off. SGLang's EAGLE, EAGLE3, NEXTN and STANDALONE are refused as not supported yet.",
+        "Speculative decoding: NGRAM (drafts from the request's own tokens: prompt lookup), or "
+        "NEXTN (EAGLE: its SGLang alias) drafting with the model's multi-token-prediction blocks "
+        "(DeepSeek V3/V3.2, GLM-5, Qwen3-Next, Qwen3.5). Unset: off. EAGLE3 and STANDALONE are "
+        "refused as not supported yet.",
         (
-            lambda v, c: v is None or v.upper() == "NGRAM",
-            "must be NGRAM (EAGLE, EAGLE3, NEXTN and STANDALONE are not supported yet)",
+            lambda v, c: v is None or v.upper() in ("NGRAM", "NEXTN", "EAGLE"),
+            "must be NGRAM, NEXTN or EAGLE (EAGLE3 and STANDALONE are not supported yet)",
         ),
         shown_default="unset",
     )

@@ -185,9 +185,12 @@ class CausalLM(nnx.Module):
         else:
             self.mtp = None
 
-    def __call__(self, cache: tuple, batch: ForwardBatch) -> tuple[tuple, jax.Array]:
+    def __call__(self, cache: tuple, batch: ForwardBatch, *, hidden: bool = False):
         """One step: returns the updated cache and float32 logits ``[R, vocab]`` for the rows
-        ``batch.logits_indices``."""
+        ``batch.logits_indices``; with ``hidden``, also every token row's final-norm output
+        ``[T, hidden_size]`` (what a multi-token-prediction block drafts from). Cache entries
+        past the main layers (``ModelConfig.cache_layer_kinds``: the drafting block's) pass
+        through unchanged."""
         cfg = self.cfg
         x = self.embed(batch.input_ids)
         if cfg.embed_scale != 1.0:
@@ -195,15 +198,24 @@ class CausalLM(nnx.Module):
         if self.hc_head is not None:  # the residual streams start as copies of the embedding
             x = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.dsv4.hc_mult, x.shape[1]))
         new_cache, picks = [], None
-        for i, (layer, entry) in enumerate(zip(self.layers, cache, strict=True)):
+        main, tail = cache[: len(self.layers)], tuple(cache[len(self.layers) :])
+        for i, (layer, entry) in enumerate(zip(self.layers, main, strict=True)):
             if batch.loads is not None and batch.loads.pages[i] is not None:
                 entry, x = land(entry, x, batch.loads, i, paged_specs(cfg, layer.kind))
             entry, x, picks = layer(entry, x, batch, picks)
             new_cache.append(entry)
-        x = x[batch.logits_indices]
-        if self.hc_head is not None:
-            x = self.hc_head(x)
-        logits = self.unembed(self.final_norm(x))
+        states = None
+        if hidden:  # every row's final-norm output, the logits rows' among them
+            if self.hc_head is not None:
+                raise NotImplementedError("hidden=True: DeepSeek V4's blocks take residual streams")
+            states = self.final_norm(x)
+            x = states[batch.logits_indices]
+        else:
+            x = x[batch.logits_indices]
+            if self.hc_head is not None:
+                x = self.hc_head(x)
+            x = self.final_norm(x)
+        logits = self.unembed(x)
         # Each device computes its vocabulary shard (left to itself, XLA gathers the whole
         # embedding instead), and the logits stay split: the sampler gathers the rows it
         # samples from and reduces the others' logprobs across the shards, so no chip holds
@@ -214,7 +226,9 @@ class CausalLM(nnx.Module):
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)
-        return tuple(new_cache), logits
+        if hidden:
+            return tuple(new_cache) + tail, logits, states
+        return tuple(new_cache) + tail, logits
 
     def unembed(self, x: jax.Array) -> jax.Array:
         """The LM head (the tied embedding, or ``lm_head``): ``[R, hidden]`` -> ``[R, vocab]``."""

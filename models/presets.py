@@ -22,6 +22,7 @@ from hicache_jax.models.config import (
     MlaConfig,
     ModelConfig,
     MoEConfig,
+    NextNConfig,
     YarnConfig,
 )
 from hicache_jax.models.kernels.backend import KernelConfig
@@ -387,6 +388,17 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=32768,
     ),
 }
+
+
+def _with_mtp(name: str, base: str, nextn: NextNConfig) -> None:
+    """A preset with one multi-token-prediction block (``layers/mtp_nextn.py``): the base
+    preset's weights, plus the block's (random) for ``--speculative_algorithm NEXTN``."""
+    PRESETS[name] = dataclasses.replace(PRESETS[base], architecture=f"preset:{name}", nextn=nextn)
+
+
+_with_mtp("tiny-mla-mtp", "tiny-mla", NextNConfig(1, "mla", sparse=True, style="deepseek"))
+_with_mtp("tiny-dsa-mtp", "tiny-dsa", NextNConfig(1, "dsa", sparse=True, style="deepseek"))
+_with_mtp("tiny-qwen3.5-mtp", "tiny-qwen3.5", NextNConfig(1, "attention", sparse=False, style="qwen"))
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -116,6 +116,7 @@ def make_runner(
         page_size=cfg.page_size,
         num_state_slots=sum(p.size for k, p in pools.items() if retention(k) is Retention.SNAPSHOT),
         max_seqs=BatchBuilder.max_seqs_for(cfg.max_running_requests),
+        draft_steps=cfg.spec_width - 1 if model.cfg.mtp_cache_layers else 0,
         abstract_on=abstract_on,
         check_plan=check_plan,
     )
@@ -131,7 +132,16 @@ def make_builder(cfg: EngineConfig, mc: ModelConfig, context_len: int) -> BatchB
         vocab_size=mc.vocab_size,
         spec_width=cfg.spec_width,
         eos_token_ids=mc.eos_token_ids,
+        draft_groups=draft_groups(mc),
     )
+
+
+def draft_groups(mc: ModelConfig) -> tuple[str, ...]:
+    """The page groups of the multi-token-prediction block whose KV the cache holds (none
+    without one: ``ModelConfig.mtp_cache_layers``)."""
+    if not mc.mtp_cache_layers:
+        return ()
+    return tuple(k for k in cache_kinds((mc.nextn.kind,)) if retention(k) is not Retention.SNAPSHOT)
 
 
 def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:
@@ -177,6 +187,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         tp_rank=0,
         tp_size=1,
         auth_id=None if auth_key is None else key_id(auth_key),
+        mtp_cache_layers=model.cfg.mtp_cache_layers,  # the drafting block's KV in every page
     )
     spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
     store = make_store(cfg.hicache_storage_backend, spec, timeout_s=cfg.hicache_storage_timeout_s)

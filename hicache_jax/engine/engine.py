@@ -76,7 +76,8 @@ from hicache_jax.scheduler.drafts import add_drafts
 from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions
 from hicache_jax.scheduler.plan import StepPlan
 from hicache_jax.scheduler.scheduler import OutOfMemory
-from hicache_jax.speculative.drafters import make_drafter
+from hicache_jax.speculative.drafters import MtpDrafter, make_drafter
+from hicache_jax.speculative.mtp_pages import reserve_chain
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,10 @@ class Engine:
         self.cfg = cfg
         self.model = model
         self.tokenizer = tokenizer or Tokenizer(None)
+        self.drafter = make_drafter(cfg, model.cfg.layer_kinds, model.cfg)  # speculative decoding (None: off)
+        if isinstance(self.drafter, MtpDrafter):  # the block's KV: one more layer in every tier
+            model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1)
         mc = model.cfg
-        self.drafter = make_drafter(cfg, mc.layer_kinds)  # speculative decoding (None: off)
         self.context_len = context_length(cfg, mc)
         pools = make_device_pools(cfg, mc)
         self.rules = prefix_rules(cfg, mc)
@@ -249,6 +252,8 @@ class Engine:
             add_drafts(
                 plan, self.adapter, self.drafter, width=self.cfg.spec_width, context_len=self.context_len
             )
+            if isinstance(self.drafter, MtpDrafter):  # pages for the next draft's chain
+                reserve_chain(plan, self.adapter, self.runner.draft_steps, self.context_len)
         if plan is not None:
             self._idle_steps = 0
             self.stats["overlapped_steps"] += prev is not None
@@ -419,6 +424,9 @@ class Engine:
                 continue
             if item.samples:
                 touched.append(req)
+                if out.drafts is not None:  # the MTP block's next draft (``MtpDrafter``)
+                    draft = out.drafts[s].tolist()
+                    req.drafter_state = draft[: draft.index(-1)] if -1 in draft else draft
             if finished:
                 if not item.draft:  # a step planned after this one is void
                     req.num_computed = item.end

@@ -32,7 +32,7 @@ from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.request import Req
 from hicache_jax.runtime.penalties import PenaltyInputs, held_back
 from hicache_jax.runtime.sampler import SamplingInputs
-from hicache_jax.runtime.step_inputs import StateCopies, StepInputs, StepShape
+from hicache_jax.runtime.step_inputs import DraftInputs, StateCopies, StepInputs, StepShape
 from hicache_jax.sampling_params import GRAMMARS
 from hicache_jax.scheduler.plan import TOP_WIDTHS, StepPlan, token_buckets
 
@@ -69,10 +69,13 @@ class BatchBuilder:
         vocab_size: int,
         spec_width: int = 0,
         eos_token_ids=(),
+        draft_groups: tuple[str, ...] = (),
     ):
         """``spec_width``: the most tokens a request feeds in a verify step (its last token
         and its draft; 0: no speculative decoding). ``eos_token_ids``: what
-        ``min_new_tokens`` holds back (``penalties.held_back``)."""
+        ``min_new_tokens`` holds back (``penalties.held_back``). ``draft_groups``: the page
+        groups of a multi-token-prediction block that drafts in every step (none: no such
+        drafts; ``StepInputs.draft``)."""
         self.P = page_size
         self.mask_words = -(-vocab_size // 32)  # a row's grammar bitmask (``hicache_jax/grammar``)
         self._masks: dict[int, np.ndarray] = {}
@@ -83,6 +86,7 @@ class BatchBuilder:
         self.max_pages = max_pages
         self.max_seqs = self.max_seqs_for(max_running)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.draft_groups = tuple(draft_groups)
 
     @staticmethod
     def max_seqs_for(max_running: int) -> int:
@@ -163,6 +167,7 @@ class BatchBuilder:
         constrained = np.zeros(N, bool)
         penalty = PenaltyInputs.neutral(N, self.spec_width - 1 if verify else 0)
         grammar_rows = []
+        drafting = _DraftRows(T, S) if self.draft_groups else None
         first_rows, sample_rows = [], []
         t = 0
         for s, item in enumerate(plan.items):
@@ -211,6 +216,8 @@ class BatchBuilder:
                     nxt = fill[1:] + r.fill_ids[item.end : item.end + 1]  # row q scores token q+1
                     targets[t : t + len(nxt)] = nxt
                 _pack_penalty(penalty, item, rows, self.eos_token_ids)
+                if drafting is not None:
+                    drafting.add(item, s, t, verify, self._draft_cap(r))
             except RowFailed:
                 raise
             except Exception as e:
@@ -265,7 +272,13 @@ class BatchBuilder:
             top_logprobs=TOP_WIDTHS[wants_top],
             first_rows=tuple(first_rows),
             sample_rows=tuple(sample_rows),
+            draft=None if drafting is None else drafting.inputs(),
         )
+
+    def _draft_cap(self, req: Req) -> int:
+        """Positions ``req`` holds pages for in every drafting group."""
+        pages = req.cache.pages
+        return min(len(pages.get(g, ())) for g in self.draft_groups) * self.P
 
     def _all_allowed(self, S: int) -> np.ndarray:
         """[S, W] int32 bitmask allowing every token, kept per S (read-only: copy to fill)."""
@@ -288,6 +301,37 @@ class BatchBuilder:
         bs, bd = pad(plan.copies_before)
         as_, ad = pad(plan.copies_after)
         return StateCopies(before_src=bs, before_dst=bd, after_src=as_, after_dst=ad)
+
+
+class _DraftRows:
+    """A step's ``DraftInputs``, item by item."""
+
+    def __init__(self, T: int, S: int):
+        self.next_ids = np.zeros(T, np.int32)
+        self.next_rows = np.full(T, -1, np.int32)
+        self.draft_rows = np.zeros(S, np.int32)
+        self.draft_lens = np.zeros(S, np.int32)
+        self.draft_caps = np.zeros(S, np.int32)
+
+    def add(self, item, s: int, t: int, verify: bool, cap: int) -> None:
+        """Item ``s``, whose token rows start at ``t``: the token after each row is the
+        prompt's next (a chunk's last row: the next chunk's first token) or the one sampled
+        after it (each row of a verify step; the last row of a sampling item, at row ``s``)."""
+        n, fed = item.num_tokens, item.fed_ids
+        if verify:
+            self.next_rows[t : t + n] = np.arange(t, t + n)
+        else:
+            self.next_ids[t : t + n - 1] = fed[1:]
+            if item.samples:
+                self.next_rows[t + n - 1] = s
+            elif item.end < len(item.req.fill_ids):
+                self.next_ids[t + n - 1] = item.req.fill_ids[item.end]
+        self.draft_rows[s] = t if verify else t + n - 1
+        self.draft_lens[s] = len(item.draft)
+        self.draft_caps[s] = cap
+
+    def inputs(self) -> DraftInputs:
+        return DraftInputs(self.next_ids, self.next_rows, self.draft_rows, self.draft_lens, self.draft_caps)
 
 
 def _pack_penalty(out: PenaltyInputs, item, rows: range, eos_token_ids) -> None:

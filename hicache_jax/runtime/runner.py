@@ -27,6 +27,7 @@ from hicache_jax.models import sharding
 from hicache_jax.models.cache import RecurrentState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.runtime import compiles, penalties
+from hicache_jax.runtime.mtp_drafts import mtp_drafts
 from hicache_jax.runtime.sampler import SamplingInputs, SamplingOutputs, sample
 from hicache_jax.runtime.step_inputs import StepInputs
 
@@ -98,6 +99,7 @@ class ModelRunner:
         page_size: int,
         num_state_slots: int,
         max_seqs: int = 1,
+        draft_steps: int = 0,
         abstract_on: jax.sharding.Mesh | None = None,
         check_plan: Callable[[int, object], None] | None = None,
     ):
@@ -109,8 +111,13 @@ class ModelRunner:
         ``check_plan(n, plan)`` runs before the ``n``-th launch with the step's host-side
         inputs and raises to stop it. Over several processes it is the check that every
         process launches the same step (``multihost/distributed.py``), passed in from
-        there so that the runtime needs nothing above it."""
+        there so that the runtime needs nothing above it.
+
+        ``draft_steps``: draft tokens each step proposes per sequence with the model's first
+        multi-token-prediction block (``mtp_drafts.py``; 0: none), returned as
+        ``SamplingOutputs.drafts``."""
         self.model = model
+        self.draft_steps = draft_steps
         self.cfg = model.cfg
         self.page_size = page_size
         self.has_state = CacheKind.STATE in cache_kinds(self.cfg.layer_kinds)
@@ -196,10 +203,11 @@ class ModelRunner:
         prev_ids = self._no_ids if prev_ids is None else prev_ids
         if sampling.allowed is not None:
             sampling = dataclasses.replace(sampling, allowed=self._placed_mask(sampling))
-        return self._leaves, self.cache, batch, sampling, inputs.copies, prev_ids, penalty, self.counts
+        args = (self._leaves, self.cache, batch, sampling, inputs.copies, prev_ids, penalty, self.counts)
+        return (*args, inputs.draft)
 
     def _static(self, top_logprobs: int) -> dict:
-        return {"structure": self._structure, "top_logprobs": top_logprobs}
+        return {"structure": self._structure, "top_logprobs": top_logprobs, "draft_steps": self.draft_steps}
 
     def _placed_mask(self, sampling: SamplingInputs):
         """The step's grammar bitmask where the step's state lives. Without a constrained row
@@ -262,7 +270,21 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def _step(leaves, cache, batch, sampling, copies, prev_ids, penalty, counts, *, structure, top_logprobs):
+def _step(
+    leaves,
+    cache,
+    batch,
+    sampling,
+    copies,
+    prev_ids,
+    penalty,
+    counts,
+    draft,
+    *,
+    structure,
+    top_logprobs,
+    draft_steps,
+):
     fed = prev_ids[jnp.maximum(batch.feed_rows, 0)]
     ids = jnp.where(batch.feed_rows >= 0, fed, batch.input_ids)
     batch = dataclasses.replace(batch, input_ids=ids, feed_rows=None)
@@ -271,12 +293,19 @@ def _step(leaves, cache, batch, sampling, copies, prev_ids, penalty, counts, *, 
     # conv-state pool across the copy loop and all-gather it whole afterwards, every step.
     cache = copy_states(cache, copies.before_src, copies.before_dst)
     cache = sharding.constrain(cache, structure.cache_shardings)
-    cache, logits = nnx.merge(structure.graphdef, params)(cache, batch)
+    model = nnx.merge(structure.graphdef, params)
+    if draft_steps:
+        cache, logits, hidden = model(cache, batch, hidden=True)
+    else:
+        cache, logits = model(cache, batch)
     cache = sharding.constrain(cache, structure.cache_shardings)
     cache = copy_states(cache, copies.after_src, copies.after_dst)
     rows = sharding.vocab_rows(structure.replicated, logits.shape[-1])
     out = sample(logits, sampling, top_logprobs, rows, structure.replicated, (penalty, counts))
     counts = sharding.constrain(penalties.counted(counts, penalty, out.next_ids), rows)
+    if draft_steps:
+        cache, drafts = mtp_drafts(model, cache, hidden, batch, out.next_ids, draft, draft_steps)
+        out = dataclasses.replace(out, drafts=drafts)
     n = min(out.next_ids.shape[0], prev_ids.shape[0])
     ids = jnp.zeros_like(prev_ids).at[:n].set(out.next_ids[:n])
     cache = sharding.constrain(cache, structure.cache_shardings)
@@ -291,7 +320,7 @@ def step_jit(compiler_options: dict | None = None):
     """The jitted ``_step`` (``compiler_options``: XLA options for its compiles)."""
     return jax.jit(
         _step,
-        static_argnames=("structure", "top_logprobs"),
+        static_argnames=("structure", "top_logprobs", "draft_steps"),
         donate_argnums=(1, 7),
         compiler_options=compiler_options,
     )

@@ -89,6 +89,7 @@ class SamplingOutputs:
     target_logprobs: jax.Array  # [R] float32
     row_top_ids: jax.Array  # [R, K]
     row_top_logprobs: jax.Array  # [R, K]
+    drafts: jax.Array | None = None  # [S, k] int32: the step's MTP drafts (``mtp_drafts.py``)
 
 
 jax.tree_util.register_dataclass(

@@ -30,6 +30,31 @@ jax.tree_util.register_dataclass(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftInputs:
+    """What a step's multi-token-prediction drafts need besides the batch
+    (``runtime/mtp_drafts.py``). Per token row, the token after it: ``next_ids`` where the
+    host knows it (a prompt token), else the id sampled at sampled row ``next_rows`` (-1:
+    ``next_ids``). Per sequence: ``draft_rows``, the row after whose token the step samples
+    first, and ``draft_lens``, the draft tokens fed after it (a verify step's; the row the
+    block drafts from is ``draft_rows`` plus the drafts accepted); ``draft_caps``, the
+    positions the sequence has pages for (a chained draft writes the block's KV at the
+    positions after its last token, and stops where they end)."""
+
+    next_ids: jax.Array  # [T] int32
+    next_rows: jax.Array  # [T] int32
+    draft_rows: jax.Array  # [S] int32
+    draft_lens: jax.Array  # [S] int32
+    draft_caps: jax.Array  # [S] int32
+
+
+jax.tree_util.register_dataclass(
+    DraftInputs,
+    data_fields=["next_ids", "next_rows", "draft_rows", "draft_lens", "draft_caps"],
+    meta_fields=[],
+)
+
+
 class StepShape(NamedTuple):
     """What picks a step program: ``T`` token rows, ``S`` sequence rows, ``R`` logits rows,
     whether every sequence feeds one token, and ``N`` sampled rows. ``N`` is ``S`` (each
@@ -67,6 +92,7 @@ class StepInputs:
     top_logprobs: int
     first_rows: tuple[int, ...]
     sample_rows: tuple[int, ...]
+    draft: DraftInputs | None = None  # None: the step drafts nothing (``runtime/mtp_drafts.py``)
 
     def with_loads(self, loads) -> StepInputs:
         """These inputs taking ``loads`` (L2 pages written layer by layer, ``ForwardBatch.loads``):

@@ -26,11 +26,32 @@ class NgramDrafter:
         return req.drafter_state.propose(req.input_ids + req.output_ids, k)
 
 
-def make_drafter(cfg: EngineConfig, layer_kinds) -> NgramDrafter | None:
+class MtpDrafter:
+    """The drafts the model's multi-token-prediction block proposed in the request's last
+    step (``runtime/mtp_drafts.py``; the engine keeps them on the request)."""
+
+    def __call__(self, req: Req, k: int) -> list[int]:
+        return list(req.drafter_state or ())[:k]
+
+
+MTP_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names for drafting with the model's MTP blocks
+
+
+def make_drafter(cfg: EngineConfig, layer_kinds, mc=None) -> NgramDrafter | MtpDrafter | None:
     """The drafter ``cfg`` asks for (None: speculation off); refuses a model whose cache a
-    verify step cannot roll back, naming the flag."""
+    verify step cannot roll back, or without the MTP blocks NEXTN drafts with, naming the
+    flag. ``mc``: the model's config (its ``nextn`` blocks)."""
     if not cfg.spec_width:
         return None
+    if cfg.speculative_algorithm.upper() in MTP_ALGORITHMS:
+        if mc is None or mc.nextn is None:
+            raise ConfigError(
+                f"speculative_algorithm={cfg.speculative_algorithm!r} drafts with the model's "
+                "multi-token-prediction blocks, and this model has none (DeepSeek V3/V3.2, GLM-5, "
+                "Qwen3-Next and Qwen3.5 checkpoints ship them; DeepSeek V4's are not supported "
+                "yet): use NGRAM"
+            )
+        return MtpDrafter()
     blocked = [k for k in cache_kinds(layer_kinds) if k in NOT_ROLLED_BACK]
     if blocked:
         raise ConfigError(

@@ -83,11 +83,15 @@ class Mixed:
             self.ngram_tokens += len(draft)
             return draft
         req.drafter_state = req.drafter_state or "oracle"
-        n = len(req.output_ids)
-        draft = list(truth[n : n + k])
-        if draft and self.rng.random() < 0.5:
-            draft[self.rng.randrange(len(draft))] = self.rng.randrange(3, 500)
-        return draft
+        return corrupted(truth, len(req.output_ids), k, self.rng)
+
+
+def corrupted(truth: list[int], n: int, k: int, rng: random.Random) -> list[int]:
+    """The ``k`` true tokens after the first ``n``, one replaced at random half the time."""
+    draft = list(truth[n : n + k])
+    if draft and rng.random() < 0.5:
+        draft[rng.randrange(len(draft))] = rng.randrange(3, 500)
+    return draft
 
 
 def assert_same(want: list[dict], got: list[dict]) -> None:

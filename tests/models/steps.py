@@ -86,10 +86,16 @@ def whole_sequence(cfg, ids) -> tuple:
     and the batch feeding it the tokens ``ids``, every row's logits: how a lone MTP block is
     run."""
     T = len(ids)
-    groups = page_groups(cfg.layer_kinds)
     P = -(-T // cfg.page_multiple) * cfg.page_multiple
     (entry,) = allocate_cache(cfg, num_pages=1, page_size=P, num_state_slots=1)
-    return entry, ForwardBatch(
+    return entry, one_page_batch(page_groups(cfg.layer_kinds), ids, jnp.arange(T, dtype=jnp.int32))
+
+
+def one_page_batch(groups, ids, logits_indices) -> ForwardBatch:
+    """One sequence of the tokens ``ids`` in page 0 of each group (state slot 0, from zeros),
+    logits at the rows ``logits_indices``."""
+    T = len(ids)
+    return ForwardBatch(
         input_ids=jnp.asarray(ids, jnp.int32),
         positions=jnp.arange(T, dtype=jnp.int32),
         cu_q_lens=jnp.array([0, T], jnp.int32),
@@ -99,5 +105,5 @@ def whole_sequence(cfg, ids) -> tuple:
         slot_mappings={g: jnp.arange(T, dtype=jnp.int32) for g in groups},
         state_slots=jnp.zeros((1,), jnp.int32),
         has_initial_state=jnp.zeros((1,), bool),
-        logits_indices=jnp.arange(T, dtype=jnp.int32),
+        logits_indices=jnp.asarray(logits_indices, jnp.int32),
     )

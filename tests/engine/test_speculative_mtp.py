@@ -1,0 +1,150 @@
+"""Drafting with the model's multi-token-prediction block (``--speculative_algorithm
+NEXTN``, ``runtime/mtp_drafts.py``), for MLA, DSA and a Gated DeltaNet hybrid:
+
+- every draft the step program hands the engine equals a recomputation: the main model's
+  final-norm output over the request's whole sequence, then the block over it and chained
+  on its own outputs, with no cache (``reference_drafts``);
+- under load (concurrent requests, a pool small enough to retract, L2 and a TensorStore L3
+  on), and again after L1 and L2 are flushed, so the second pass's prompts come back from
+  L3: the block's KV travels with the pages, or the drafts read through them differ;
+- outputs equal decoding without speculation.
+
+Random weights almost never make the block's draft the model's next token, so half the
+requests have their drafts replaced by the true continuation (one token of it corrupted
+half the time): the step then accepts drafts, and the block must draft from the last
+accepted row (``accepted_rows``) for the next drafts to equal the recomputation. The
+prompts share no prefix (a page's last position holds the block's KV for the token after
+the page, which a request sharing the page need not have: ``mtp_drafts.py``)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hicache_jax.config import ConfigError, EngineConfig
+from hicache_jax.engine.engine import Engine
+from hicache_jax.models.batch import ForwardBatch, page_groups
+from hicache_jax.speculative.drafters import MtpDrafter
+from tests.engine.test_speculative import BASE, assert_same, corrupted, run
+from tests.models.steps import one_page_batch
+
+WIDTH = 4
+ROWS = 256  # the recomputation's padded length (one program for every length)
+
+
+def workload(seed: int = 0):
+    rng = np.random.RandomState(seed)
+    prompts = [rng.randint(3, 500, rng.randint(20, 70)).tolist() for _ in range(8)]
+    params = []
+    for i in range(8):
+        sp = {"max_new_tokens": int(rng.randint(8, 32)), "seed": i, "ignore_eos": True}
+        sp.update(temperature=0.9, top_k=40) if i % 3 else sp.update(temperature=0.0)
+        params.append(sp)
+    return prompts, params
+
+
+def one_sequence(cfg, ids: jax.Array, row) -> ForwardBatch:
+    """``ROWS`` positions of one sequence in one page, logits at ``row``."""
+    return one_page_batch(page_groups(cfg.cache_layer_kinds), ids, jnp.reshape(row, (1,)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _main_hidden(model, ids):
+    cache = model.allocate_cache(num_pages=1, page_size=ROWS, num_state_slots=1)
+    return model(cache, one_sequence(model.cfg, ids, 0), hidden=True)[2]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _block(model, hidden, nxt, row):
+    cache = model.allocate_cache(num_pages=1, page_size=ROWS, num_state_slots=1)
+    entry = cache[len(model.layers)]
+    batch = one_sequence(model.cfg, nxt, row)
+    _, out, logits = model.mtp[0](entry, hidden, batch, model.embed, model.unembed)
+    return out[row], jnp.argmax(logits[0]).astype(jnp.int32)
+
+
+def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
+    """The ``k`` drafts after ``tokens`` (its last one sampled, not yet fed), recomputed:
+    the block at each fed position ``i`` reads the main model's output there and token
+    ``i + 1``; draft ``j + 1`` reads the block's output for draft ``j`` and draft ``j``."""
+    m = len(tokens) - 1  # fed positions 0..m-1
+    ids = np.zeros(ROWS, np.int32)
+    ids[:m] = tokens[:m]
+    hidden = _main_hidden(model, jnp.asarray(ids))
+    nxt = np.zeros(ROWS, np.int32)
+    nxt[:m] = tokens[1:]
+    out = []
+    for j in range(k):
+        h, d = _block(model, hidden, jnp.asarray(nxt), jnp.int32(m - 1 + j))
+        out.append(int(d))
+        hidden = hidden.at[m + j].set(h)
+        nxt[m + j] = int(d)
+    return out
+
+
+class Checked(MtpDrafter):
+    """The block's drafts, each checked against ``reference_drafts``; for even-numbered
+    prompts then replaced by the true continuation, a token corrupted half the time."""
+
+    def __init__(self, model, prompts, want, seed: int = 1):
+        self.model, self.rng = model, random.Random(seed)
+        self.truth = {tuple(p): (i, w["output_ids"]) for i, (p, w) in enumerate(zip(prompts, want))}
+        self.checked = 0
+
+    def __call__(self, req, k: int) -> list[int]:
+        proposed = list(req.drafter_state or ())
+        if proposed:
+            ref = reference_drafts(self.model, req.input_ids + req.output_ids, len(proposed))
+            assert proposed == ref, (req.rid, len(req.output_ids), proposed, ref)
+            self.checked += 1
+        i, truth = self.truth[tuple(req.input_ids)]
+        if i % 2:
+            return proposed[:k]
+        return corrupted(truth, len(req.output_ids), k, self.rng)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mla-mtp", "tiny-dsa-mtp", "tiny-qwen3.5-mtp"])
+def test_mtp_drafts_equal_a_recomputation_through_every_tier(preset, tmp_path):
+    prompts, params = workload()
+    want = run(Engine(EngineConfig(preset=preset, **BASE)), prompts, params)
+    cfg = EngineConfig(
+        preset=preset,
+        speculative_algorithm="NEXTN",
+        speculative_num_draft_tokens=WIDTH,
+        enable_hierarchical_cache=True,
+        hicache_ratio=2.0,
+        hicache_storage_backend="tensorstore",
+        hicache_storage_spec=str(tmp_path / "l3"),
+        hicache_write_policy="write_through",  # every page reaches L3
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_prefetch_threshold=16,  # a page: the prompts are short
+        **BASE,
+    )
+    engine = Engine(cfg)
+    assert engine.model.cfg.mtp_cache_layers == 1
+    engine.drafter = drafter = Checked(engine.model, prompts, want)
+    try:
+        got = run(engine, prompts, params)
+        assert_same(want, got)
+        assert engine.scheduler.num_retractions > 0, "the pool was meant to force retractions"
+        first = drafter.checked
+        assert first > 20
+        engine.flush_cache()  # L1 and L2: the second pass's prompts come from L3
+        again = run(engine, prompts, params)
+    finally:
+        engine.close()
+    assert_same(want, again)
+    assert drafter.checked > first
+    assert sum(g["meta_info"]["cached_tokens_details"].get("storage", 0) for g in again) > 0
+    st = engine.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st
+
+
+def test_nextn_needs_mtp_blocks():
+    with pytest.raises(ConfigError, match="speculative_algorithm.*multi-token-prediction blocks"):
+        Engine(EngineConfig(preset="tiny-mla", speculative_algorithm="NEXTN"))
