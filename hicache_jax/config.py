@@ -174,11 +174,11 @@ class EngineConfig:
         None,
         "Speculative decoding: NGRAM (drafts from the request's own tokens: prompt lookup), or "
         "NEXTN (EAGLE: its SGLang alias) drafting with the model's multi-token-prediction blocks "
-        "(DeepSeek V3/V3.2, GLM-5, Qwen3-Next, Qwen3.5). Unset: off. EAGLE3 and STANDALONE are "
-        "refused as not supported yet.",
+        "(DeepSeek V3/V3.2, GLM-5, Qwen3-Next, Qwen3.5), or EAGLE3 with the draft checkpoint at "
+        "--speculative_draft_model_path. Unset: off. STANDALONE is refused as not supported yet.",
         (
-            lambda v, c: v is None or v.upper() in ("NGRAM", "NEXTN", "EAGLE"),
-            "must be NGRAM, NEXTN or EAGLE (EAGLE3 and STANDALONE are not supported yet)",
+            lambda v, c: v is None or v.upper() in ("NGRAM", "NEXTN", "EAGLE", "EAGLE3"),
+            "must be NGRAM, NEXTN, EAGLE or EAGLE3 (STANDALONE is not supported yet)",
         ),
         shown_default="unset",
     )
@@ -198,8 +198,13 @@ class EngineConfig:
     )
     speculative_draft_model_path: str | None = setting(
         None,
-        "A draft model (EAGLE-3, standalone): not supported yet; refused when set.",
-        (lambda v, c: v is None, "must be unset: draft models are not supported yet (NGRAM needs none)"),
+        "The EAGLE-3 draft checkpoint (LlamaForCausalLMEagle3: a local folder or a Hub id) for "
+        "--speculative_algorithm EAGLE3, which needs it; other algorithms take none.",
+        (
+            lambda v, c: (v is not None) == ((c.speculative_algorithm or "").upper() == "EAGLE3"),
+            "must be set with speculative_algorithm EAGLE3 (its draft checkpoint) and only then: "
+            "other draft models are not supported yet",
+        ),
         shown_default="unset",
     )
     speculative_ngram_min_match_window_size: int = setting(

@@ -188,7 +188,9 @@ class CausalLM(nnx.Module):
     def __call__(self, cache: tuple, batch: ForwardBatch, *, hidden: bool = False):
         """One step: returns the updated cache and float32 logits ``[R, vocab]`` for the rows
         ``batch.logits_indices``; with ``hidden``, also every token row's final-norm output
-        ``[T, hidden_size]`` (what a multi-token-prediction block drafts from). Cache entries
+        ``[T, hidden_size]`` (what a multi-token-prediction block drafts from), or with
+        ``ModelConfig.eagle3_aux`` the residual stream at its three boundaries, concatenated
+        ``[T, 3 * hidden_size]`` (what an EAGLE-3 draft reads). Cache entries
         past the main layers (``ModelConfig.cache_layer_kinds``: the drafting block's) pass
         through unchanged."""
         cfg = self.cfg
@@ -199,7 +201,10 @@ class CausalLM(nnx.Module):
             x = jnp.broadcast_to(x[:, None, :], (x.shape[0], cfg.dsv4.hc_mult, x.shape[1]))
         new_cache, picks = [], None
         main, tail = cache[: len(self.layers)], tuple(cache[len(self.layers) :])
+        aux = {}  # boundary -> the residual stream there (an EAGLE-3 draft's, ``eagle3_aux``)
         for i, (layer, entry) in enumerate(zip(self.layers, main, strict=True)):
+            if hidden and cfg.eagle3_aux is not None and i in cfg.eagle3_aux:
+                aux[i] = x
             if batch.loads is not None and batch.loads.pages[i] is not None:
                 entry, x = land(entry, x, batch.loads, i, paged_specs(cfg, layer.kind))
             entry, x, picks = layer(entry, x, batch, picks)
@@ -208,8 +213,13 @@ class CausalLM(nnx.Module):
         if hidden:  # every row's final-norm output, the logits rows' among them
             if self.hc_head is not None:
                 raise NotImplementedError("hidden=True: DeepSeek V4's blocks take residual streams")
-            states = self.final_norm(x)
-            x = states[batch.logits_indices]
+            if cfg.eagle3_aux is not None:  # boundary L: the last layer's output, unnormed
+                aux[len(self.layers)] = x
+                states = jnp.concatenate([aux[b] for b in cfg.eagle3_aux], axis=-1)
+                x = self.final_norm(x[batch.logits_indices])
+            else:
+                states = self.final_norm(x)
+                x = states[batch.logits_indices]
         else:
             x = x[batch.logits_indices]
             if self.hc_head is not None:

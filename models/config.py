@@ -367,6 +367,11 @@ class ModelConfig:
     # ``nextn``): the speculative engine sets it, so that block's KV is paged with the main
     # layers' (same pages, L2 rows and L3 pages; ``cache_layer_kinds``).
     mtp_cache_layers: int = 0
+    # An EAGLE-3 draft in place of ``nextn``'s blocks (``layers/eagle3.py``): the residual-
+    # stream boundaries it reads (``Eagle3Config.aux_boundaries``; boundary ``b`` is layer
+    # ``b``'s input). Set with ``mtp_cache_layers=1``: the draft's KV is one more full-
+    # attention layer, and ``CausalLM(hidden=True)`` returns those three states.
+    eagle3_aux: tuple[int, ...] | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     max_position_embeddings: int = 131072
@@ -439,8 +444,17 @@ class ModelConfig:
             raise ValueError("ModelConfig.logits_scaling must not be 0 (logits are divided by it)")
         if self.mtp_cache_layers not in (0, 1):
             raise ValueError(f"ModelConfig.mtp_cache_layers must be 0 or 1, got {self.mtp_cache_layers!r}")
-        if self.mtp_cache_layers and self.nextn is None:
-            raise ValueError("ModelConfig.mtp_cache_layers=1 needs nextn (a model without MTP blocks)")
+        if self.eagle3_aux is not None:
+            object.__setattr__(self, "eagle3_aux", tuple(self.eagle3_aux))
+            if len(self.eagle3_aux) != 3 or not all(1 <= b <= self.num_layers for b in self.eagle3_aux):
+                raise ValueError(
+                    f"ModelConfig.eagle3_aux {self.eagle3_aux}: want three layer boundaries in "
+                    f"1..{self.num_layers}"
+                )
+        if self.mtp_cache_layers and self.nextn is None and self.eagle3_aux is None:
+            raise ValueError(
+                "ModelConfig.mtp_cache_layers=1 needs nextn or eagle3_aux (a model without a drafter)"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -453,7 +467,8 @@ class ModelConfig:
         iterates these; what runs the main layers, ``layer_kinds``."""
         if not self.mtp_cache_layers:
             return self.layer_kinds
-        return self.layer_kinds + (self.nextn.kind,) * self.mtp_cache_layers
+        kind = LayerKind.ATTENTION if self.eagle3_aux is not None else self.nextn.kind
+        return self.layer_kinds + (kind,) * self.mtp_cache_layers
 
     @property
     def page_multiple(self) -> int:

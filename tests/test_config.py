@@ -38,7 +38,7 @@ BAD = {  # one value per field that its rule must refuse (the other fields at th
     "hicache_storage_auth_key_file": "/nonexistent/l3.key",
     "max_queued_tokens": 0,
     "mamba_cache_slots": 1,
-    "speculative_algorithm": "EAGLE3",
+    "speculative_algorithm": "STANDALONE",
     "speculative_num_steps": 0,
     "speculative_num_draft_tokens": 1,
     "speculative_draft_model_path": "/models/draft",

@@ -30,13 +30,17 @@ from hicache_jax.scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
-def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
-    kernels = KernelConfig(
+def kernel_config(cfg: EngineConfig) -> KernelConfig:
+    return KernelConfig(
         attention=cfg.attention_backend,
         ssd=cfg.ssd_backend,
         interpret=cfg.kernel_interpret,
         mesh=make_mesh(cfg.tp_size) if cfg.tp_size > 1 else None,
     )
+
+
+def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
+    kernels = kernel_config(cfg)
     kernels.check_platform()
     if cfg.model_path:
         from hicache_jax.models.loader import load_model
@@ -48,6 +52,40 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
 
     dtype = resolve_dtype("float32" if cfg.dtype == "auto" else cfg.dtype)
     return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
+
+
+def attach_drafter(cfg: EngineConfig, model: CausalLM) -> None:
+    """Give ``model`` the drafter a model-drafting algorithm runs in every step
+    (``runtime/mtp_drafts.py``), its KV one more cache layer (``mtp_cache_layers``): NEXTN,
+    the model's first MTP block; EAGLE3, the draft at ``speculative_draft_model_path`` in
+    the block's place, reading the residual stream at its three boundaries (``eagle3_aux``).
+    Refuses, naming the flag, a draft that does not fit the model."""
+    if cfg.speculative_algorithm.upper() != "EAGLE3":
+        model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1)
+        return
+    from flax import nnx
+
+    from hicache_jax.models.hf.eagle3 import load_eagle3
+    from hicache_jax.models.hf.safetensors_io import CheckpointError
+    from hicache_jax.models.layers.eagle3 import cache_mismatch
+
+    flag = f"speculative_draft_model_path={cfg.speculative_draft_model_path!r}"
+    if cfg.tp_size > 1 or model.cfg.dsv4 is not None:
+        raise ConfigError(
+            "speculative_algorithm='EAGLE3' is not supported yet "
+            + ("with tp_size > 1" if cfg.tp_size > 1 else "for DeepSeek V4 (residual streams)")
+        )
+    path = resolve_model_path(cfg.speculative_draft_model_path)
+    try:
+        draft = load_eagle3(path, model.cfg, dtype=model.dtype, kernels=kernel_config(cfg))
+    except (CheckpointError, OSError, ValueError) as e:
+        raise ConfigError(f"{flag}: {e}") from e
+    why = cache_mismatch(draft.cfg, model.cfg)
+    if why:
+        raise ConfigError(f"{flag}: its KV cannot share the model's pages: {why}")
+    model.mtp = nnx.data(nnx.List([draft]))
+    aux = draft.cfg.aux_boundaries(model.cfg.num_layers)
+    model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1, eagle3_aux=aux)
 
 
 def check_model_tp(cfg: EngineConfig, model: CausalLM) -> None:
@@ -141,7 +179,7 @@ def draft_groups(mc: ModelConfig) -> tuple[str, ...]:
     without one: ``ModelConfig.mtp_cache_layers``)."""
     if not mc.mtp_cache_layers:
         return ()
-    return tuple(k for k in cache_kinds((mc.nextn.kind,)) if retention(k) is not Retention.SNAPSHOT)
+    return tuple(k for k in cache_kinds(mc.cache_layer_kinds[-1:]) if retention(k) is not Retention.SNAPSHOT)
 
 
 def prefix_rules(cfg: EngineConfig, mc: ModelConfig) -> PrefixRules:
@@ -168,6 +206,9 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
 
     fp = model_fingerprint(resolve_model_path(cfg.model_path, cfg.revision)) if cfg.model_path else None
     fp = fp or params_fingerprint(params, label=model.cfg.architecture)
+    if cfg.speculative_draft_model_path and cfg.model_path:  # its KV is in every page
+        draft = model_fingerprint(resolve_model_path(cfg.speculative_draft_model_path))
+        fp = f"{fp}+draft:{draft or params_fingerprint(params, label='draft')}"
     auth_key = None
     if cfg.hicache_storage_auth_key_file:
         path = cfg.hicache_storage_auth_key_file

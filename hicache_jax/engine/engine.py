@@ -41,6 +41,7 @@ from hicache_jax import finish
 from hicache_jax.config import EngineConfig
 from hicache_jax.engine import compile_cache
 from hicache_jax.engine.build import (
+    attach_drafter,
     check_model_tp,
     context_length,
     load_model_and_tokenizer,
@@ -116,8 +117,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer or Tokenizer(None)
         self.drafter = make_drafter(cfg, model.cfg.layer_kinds, model.cfg)  # speculative decoding (None: off)
-        if isinstance(self.drafter, MtpDrafter):  # the block's KV: one more layer in every tier
-            model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1)
+        if isinstance(self.drafter, MtpDrafter):  # its KV: one more layer in every tier
+            attach_drafter(cfg, model)
         mc = model.cfg
         self.context_len = context_length(cfg, mc)
         pools = make_device_pools(cfg, mc)

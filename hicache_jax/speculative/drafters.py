@@ -27,14 +27,16 @@ class NgramDrafter:
 
 
 class MtpDrafter:
-    """The drafts the model's multi-token-prediction block proposed in the request's last
-    step (``runtime/mtp_drafts.py``; the engine keeps them on the request)."""
+    """The drafts the model's multi-token-prediction block (or an EAGLE-3 draft in its
+    place) proposed in the request's last step (``runtime/mtp_drafts.py``; the engine keeps
+    them on the request)."""
 
     def __call__(self, req: Req, k: int) -> list[int]:
         return list(req.drafter_state or ())[:k]
 
 
 MTP_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names for drafting with the model's MTP blocks
+DRAFT_MODEL_ALGORITHMS = ("EAGLE3",)  # a draft checkpoint run in the MTP block's place
 
 
 def make_drafter(cfg: EngineConfig, layer_kinds, mc=None) -> NgramDrafter | MtpDrafter | None:
@@ -43,6 +45,8 @@ def make_drafter(cfg: EngineConfig, layer_kinds, mc=None) -> NgramDrafter | MtpD
     flag. ``mc``: the model's config (its ``nextn`` blocks)."""
     if not cfg.spec_width:
         return None
+    if cfg.speculative_algorithm.upper() in DRAFT_MODEL_ALGORITHMS:
+        return MtpDrafter()  # the engine loads the draft (``engine/build.py``, ``attach_drafter``)
     if cfg.speculative_algorithm.upper() in MTP_ALGORITHMS:
         if mc is None or mc.nextn is None:
             raise ConfigError(

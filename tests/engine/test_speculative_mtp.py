@@ -1,5 +1,6 @@
 """Drafting with the model's multi-token-prediction block (``--speculative_algorithm
-NEXTN``, ``runtime/mtp_drafts.py``), for MLA, DSA and a Gated DeltaNet hybrid:
+NEXTN``, ``runtime/mtp_drafts.py``), for MLA, DSA and a Gated DeltaNet hybrid, and with an
+EAGLE-3 draft checkpoint in its place (``EAGLE3``) over Gemma 3 and a Mamba2 hybrid:
 
 - every draft the step program hands the engine equals a recomputation: the main model's
   final-norm output over the request's whole sequence, then the block over it and chained
@@ -32,6 +33,8 @@ from hicache_jax.models.batch import ForwardBatch, page_groups
 from hicache_jax.speculative.drafters import MtpDrafter
 from tests.engine.test_speculative import BASE, assert_same, corrupted, run
 from tests.models.steps import one_page_batch
+from tests.models.test_eagle3 import Widths, draft_config, draft_tensors
+from tests.models.test_mtp_families import write
 
 WIDTH = 4
 ROWS = 256  # the recomputation's padded length (one program for every length)
@@ -76,6 +79,8 @@ def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
     ids = np.zeros(ROWS, np.int32)
     ids[:m] = tokens[:m]
     hidden = _main_hidden(model, jnp.asarray(ids))
+    if hidden.shape[-1] != model.cfg.hidden_size:  # EAGLE-3: its fc over the three states first
+        hidden = model.mtp[0].fc(hidden)
     nxt = np.zeros(ROWS, np.int32)
     nxt[:m] = tokens[1:]
     out = []
@@ -108,13 +113,34 @@ class Checked(MtpDrafter):
         return corrupted(truth, len(req.output_ids), k, self.rng)
 
 
-@pytest.mark.parametrize("preset", ["tiny-mla-mtp", "tiny-dsa-mtp", "tiny-qwen3.5-mtp"])
-def test_mtp_drafts_equal_a_recomputation_through_every_tier(preset, tmp_path):
+# (preset, algorithm): the MTP block of DeepSeek V3 (MLA), GLM-5 (DSA) and Qwen3.5 (a GDN
+# hybrid); an EAGLE-3 draft over Gemma 3 (sliding and full attention) and Bamba (Mamba2).
+DRAFTERS = [
+    ("tiny-mla-mtp", "NEXTN"),
+    ("tiny-dsa-mtp", "NEXTN"),
+    ("tiny-qwen3.5-mtp", "NEXTN"),
+    ("tiny", "EAGLE3"),
+    ("tiny-mamba", "EAGLE3"),
+]
+# An EAGLE-3 draft for the tiny presets' widths, reading the residual stream after layers 1,
+# 1 and 2 (boundaries 2, 2, 3: the three-layer Bamba has no default triple).
+DRAFT = Widths(h=64, heads=4, kv_heads=2, d=16, inter=96, vocab=512, draft_vocab=200)
+
+
+def eagle3_checkpoint(folder) -> str:
+    config = draft_config(w=DRAFT) | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}}
+    return write(folder, draft_tensors(w=DRAFT), config)
+
+
+@pytest.mark.parametrize("preset,algorithm", DRAFTERS)
+def test_drafts_equal_a_recomputation_through_every_tier(preset, algorithm, tmp_path):
     prompts, params = workload()
     want = run(Engine(EngineConfig(preset=preset, **BASE)), prompts, params)
+    draft = eagle3_checkpoint(str(tmp_path / "draft")) if algorithm == "EAGLE3" else None
     cfg = EngineConfig(
         preset=preset,
-        speculative_algorithm="NEXTN",
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=draft,
         speculative_num_draft_tokens=WIDTH,
         enable_hierarchical_cache=True,
         hicache_ratio=2.0,
@@ -127,6 +153,7 @@ def test_mtp_drafts_equal_a_recomputation_through_every_tier(preset, tmp_path):
     )
     engine = Engine(cfg)
     assert engine.model.cfg.mtp_cache_layers == 1
+    assert len(engine.runner.cache) == engine.model.cfg.num_layers + 1  # the drafter's KV
     engine.drafter = drafter = Checked(engine.model, prompts, want)
     try:
         got = run(engine, prompts, params)
@@ -148,3 +175,19 @@ def test_mtp_drafts_equal_a_recomputation_through_every_tier(preset, tmp_path):
 def test_nextn_needs_mtp_blocks():
     with pytest.raises(ConfigError, match="speculative_algorithm.*multi-token-prediction blocks"):
         Engine(EngineConfig(preset="tiny-mla", speculative_algorithm="NEXTN"))
+
+
+def test_an_eagle3_draft_that_does_not_fit_is_refused(tmp_path):
+    fits = eagle3_checkpoint(str(tmp_path / "fits"))
+    narrow = write(str(tmp_path / "narrow"), draft_tensors(), draft_config())  # hidden 32, vocab 96
+    for preset, path, message in [
+        ("tiny-mla", fits, "cannot share the model's pages: the target .* has no full attention pages"),
+        ("tiny", narrow, "the draft's hidden_size is 32 but the target's .* is 64"),
+    ]:
+        cfg = EngineConfig(preset=preset, speculative_algorithm="EAGLE3", speculative_draft_model_path=path)
+        with pytest.raises(ConfigError, match="speculative_draft_model_path.*" + message):
+            Engine(cfg)
+    with pytest.raises(ConfigError, match="speculative_draft_model_path.*EAGLE3"):
+        EngineConfig(speculative_algorithm="EAGLE3")
+    with pytest.raises(ConfigError, match="speculative_draft_model_path.*EAGLE3"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_draft_model_path=fits)

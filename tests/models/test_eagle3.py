@@ -9,6 +9,7 @@ refused with the field or tensor named."""
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,19 @@ from hicache_jax.models.layers.linear import Embed
 from tests.models.steps import build_step, sequence
 from tests.models.test_mtp_families import write  # safetensors and config.json in a folder
 
-H, HEADS, KV_HEADS, D, INTER, VOCAB, DRAFT_VOCAB = 32, 4, 2, 8, 48, 96, 40
+
+class Widths(NamedTuple):
+    h: int
+    heads: int
+    kv_heads: int
+    d: int
+    inter: int
+    vocab: int
+    draft_vocab: int
+
+
+WIDTHS = Widths(32, 4, 2, 8, 48, 96, 40)
+H, HEADS, KV_HEADS, D, INTER, VOCAB, DRAFT_VOCAB = WIDTHS
 EPS, THETA, PAGE = 1e-5, 10000.0, 4
 TARGET = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -43,22 +56,25 @@ TARGET = ModelConfig(
 PROMPTS, CHAINED = (7, 10), 2
 
 
-def draft_config(shared_head: bool = False, norm_before_residual: bool = False) -> dict:
+def draft_config(
+    shared_head: bool = False, norm_before_residual: bool = False, *, w: Widths | None = None
+) -> dict:
+    w = w or WIDTHS
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
-        "hidden_size": H,
-        "intermediate_size": INTER,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": D,
+        "hidden_size": w.h,
+        "intermediate_size": w.inter,
+        "num_attention_heads": w.heads,
+        "num_key_value_heads": w.kv_heads,
+        "head_dim": w.d,
         "num_hidden_layers": 1,
         "hidden_act": "silu",
         "rms_norm_eps": EPS,
         "rope_theta": THETA,
         "max_position_embeddings": 2048,
-        "vocab_size": VOCAB,
-        "draft_vocab_size": DRAFT_VOCAB,
+        "vocab_size": w.vocab,
+        "draft_vocab_size": w.draft_vocab,
         "tie_word_embeddings": False,
     }
     if shared_head:  # SGLang: no draft_vocab_size -> the target's LM head, full vocabulary
@@ -68,7 +84,8 @@ def draft_config(shared_head: bool = False, norm_before_residual: bool = False) 
     return cfg
 
 
-def draft_tensors(seed: int = 0, shared_head: bool = False) -> dict:
+def draft_tensors(seed: int = 0, shared_head: bool = False, *, w: Widths | None = None) -> dict:
+    H, HEADS, KV_HEADS, D, INTER, VOCAB, DRAFT_VOCAB = w or WIDTHS
     rng = np.random.default_rng(seed)
     f32 = np.float32
 
