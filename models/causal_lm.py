@@ -188,7 +188,8 @@ class CausalLM(nnx.Module):
     def __call__(self, cache: tuple, batch: ForwardBatch, *, hidden: bool = False):
         """One step: returns the updated cache and float32 logits ``[R, vocab]`` for the rows
         ``batch.logits_indices``; with ``hidden``, also every token row's final-norm output
-        ``[T, hidden_size]`` (what a multi-token-prediction block drafts from), or with
+        ``[T, hidden_size]`` (what a multi-token-prediction block drafts from; DeepSeek V4's
+        read the last layer's residual streams ``[T, hc_mult, hidden_size]``), or with
         ``ModelConfig.eagle3_aux`` the residual stream at its three boundaries, concatenated
         ``[T, 3 * hidden_size]`` (what an EAGLE-3 draft reads). Cache entries
         past the main layers (``ModelConfig.cache_layer_kinds``: the drafting block's) pass
@@ -211,9 +212,11 @@ class CausalLM(nnx.Module):
             new_cache.append(entry)
         states = None
         if hidden:  # every row's final-norm output, the logits rows' among them
-            if self.hc_head is not None:
-                raise NotImplementedError("hidden=True: DeepSeek V4's blocks take residual streams")
-            if cfg.eagle3_aux is not None:  # boundary L: the last layer's output, unnormed
+            if self.hc_head is not None:  # DeepSeek V4's blocks read the residual streams
+                if cfg.eagle3_aux is not None:
+                    raise NotImplementedError("an EAGLE-3 draft on DeepSeek V4's residual streams")
+                states, x = x, self.final_norm(self.hc_head(x[batch.logits_indices]))
+            elif cfg.eagle3_aux is not None:  # boundary L: the last layer's output, unnormed
                 aux[len(self.layers)] = x
                 states = jnp.concatenate([aux[b] for b in cfg.eagle3_aux], axis=-1)
                 x = self.final_norm(x[batch.logits_indices])

@@ -451,9 +451,10 @@ class ModelConfig:
                     f"ModelConfig.eagle3_aux {self.eagle3_aux}: want three layer boundaries in "
                     f"1..{self.num_layers}"
                 )
-        if self.mtp_cache_layers and self.nextn is None and self.eagle3_aux is None:
+        if self.mtp_cache_layers and self.nextn is None and self.eagle3_aux is None and not self.v4_blocks:
             raise ValueError(
-                "ModelConfig.mtp_cache_layers=1 needs nextn or eagle3_aux (a model without a drafter)"
+                "ModelConfig.mtp_cache_layers=1 needs nextn, DeepSeek V4's blocks or eagle3_aux "
+                "(a model without a drafter)"
             )
 
     @property
@@ -467,8 +468,16 @@ class ModelConfig:
         iterates these; what runs the main layers, ``layer_kinds``."""
         if not self.mtp_cache_layers:
             return self.layer_kinds
-        kind = LayerKind.ATTENTION if self.eagle3_aux is not None else self.nextn.kind
+        if self.eagle3_aux is not None:
+            kind = LayerKind.ATTENTION
+        else:
+            kind = self.nextn.kind if self.nextn is not None else self.dsv4.mtp_kind
         return self.layer_kinds + (kind,) * self.mtp_cache_layers
+
+    @property
+    def v4_blocks(self) -> int:
+        """DeepSeek V4's multi-token-prediction blocks (``layers/mtp.py``), 0 elsewhere."""
+        return self.dsv4.num_nextn_predict_layers if self.dsv4 is not None else 0
 
     @property
     def page_multiple(self) -> int:

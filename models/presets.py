@@ -399,6 +399,11 @@ def _with_mtp(name: str, base: str, nextn: NextNConfig) -> None:
 _with_mtp("tiny-mla-mtp", "tiny-mla", NextNConfig(1, "mla", sparse=True, style="deepseek"))
 _with_mtp("tiny-dsa-mtp", "tiny-dsa", NextNConfig(1, "dsa", sparse=True, style="deepseek"))
 _with_mtp("tiny-qwen3.5-mtp", "tiny-qwen3.5", NextNConfig(1, "attention", sparse=False, style="qwen"))
+PRESETS["tiny-dsv4-mtp"] = dataclasses.replace(  # DeepSeek V4's own block (``layers/mtp.py``)
+    PRESETS["tiny-dsv4"],
+    architecture="preset:tiny-dsv4-mtp",
+    dsv4=dataclasses.replace(PRESETS["tiny-dsv4"].dsv4, num_nextn_predict_layers=1),
+)
 
 
 def preset_config(name: str) -> ModelConfig:

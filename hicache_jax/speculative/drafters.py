@@ -45,17 +45,14 @@ def make_drafter(cfg: EngineConfig, layer_kinds, mc=None) -> NgramDrafter | MtpD
     flag. ``mc``: the model's config (its ``nextn`` blocks)."""
     if not cfg.spec_width:
         return None
-    if cfg.speculative_algorithm.upper() in DRAFT_MODEL_ALGORITHMS:
-        return MtpDrafter()  # the engine loads the draft (``engine/build.py``, ``attach_drafter``)
-    if cfg.speculative_algorithm.upper() in MTP_ALGORITHMS:
-        if mc is None or mc.nextn is None:
+    algorithm = cfg.speculative_algorithm.upper()
+    if algorithm in MTP_ALGORITHMS:
+        if mc is None or (mc.nextn is None and not mc.v4_blocks):
             raise ConfigError(
                 f"speculative_algorithm={cfg.speculative_algorithm!r} drafts with the model's "
-                "multi-token-prediction blocks, and this model has none (DeepSeek V3/V3.2, GLM-5, "
-                "Qwen3-Next and Qwen3.5 checkpoints ship them; DeepSeek V4's are not supported "
-                "yet): use NGRAM"
+                "multi-token-prediction blocks, and this model has none (DeepSeek V3/V3.2/V4, "
+                "GLM-5, Qwen3-Next and Qwen3.5 checkpoints ship them): use NGRAM"
             )
-        return MtpDrafter()
     blocked = [k for k in cache_kinds(layer_kinds) if k in NOT_ROLLED_BACK]
     if blocked:
         raise ConfigError(
@@ -63,6 +60,8 @@ def make_drafter(cfg: EngineConfig, layer_kinds, mc=None) -> NgramDrafter | MtpD
             f"its {', '.join(blocked)} cache (DeepSeek V4's compressors) is not rolled back "
             "after a rejected draft"
         )
+    if algorithm in MTP_ALGORITHMS + DRAFT_MODEL_ALGORITHMS:
+        return MtpDrafter()  # the engine gives the model its drafter (``build.attach_drafter``)
     return NgramDrafter(
         NgramConfig(cfg.speculative_ngram_min_match_window_size, cfg.speculative_ngram_max_match_window_size)
     )

@@ -45,7 +45,7 @@ def workload(seed: int = 0):
     prompts = [rng.randint(3, 500, rng.randint(20, 70)).tolist() for _ in range(8)]
     params = []
     for i in range(8):
-        sp = {"max_new_tokens": int(rng.randint(8, 32)), "seed": i, "ignore_eos": True}
+        sp = {"max_new_tokens": int(rng.randint(8, 24)), "seed": i, "ignore_eos": True}
         sp.update(temperature=0.9, top_k=40) if i % 3 else sp.update(temperature=0.0)
         params.append(sp)
     return prompts, params
@@ -162,10 +162,10 @@ def test_drafts_equal_a_recomputation_through_every_tier(preset, algorithm, tmp_
         first = drafter.checked
         assert first > 20
         engine.flush_cache()  # L1 and L2: the second pass's prompts come from L3
-        again = run(engine, prompts, params)
+        again = run(engine, prompts[:4], params[:4])
     finally:
         engine.close()
-    assert_same(want, again)
+    assert_same(want[:4], again)
     assert drafter.checked > first
     assert sum(g["meta_info"]["cached_tokens_details"].get("storage", 0) for g in again) > 0
     st = engine.stats
