@@ -98,10 +98,12 @@ class Req:
     # device, so ``fill_ids`` holds a placeholder for each until the step's results are read.
     pending: int = 0
     # Speculative decoding: its drafter's state (``hicache_jax/speculative``), the verify
-    # steps that fed it a draft, and the draft tokens accepted.
+    # steps that fed it a draft, the draft tokens accepted, and how often its drafts are
+    # right (``scheduler/draft_policy.DraftHistory``: whether a step should draft).
     drafter_state: object = None
     spec_verifications: int = 0
     spec_accepted_tokens: int = 0
+    draft_history: object = None
 
     # Logprobs.
     input_logprobs: dict = dataclasses.field(default_factory=dict)  # position -> (lp, top)

@@ -25,7 +25,9 @@ Which requests draft, and how much:
   end needs is then taken by an ordinary decode step, and a verify step's states live only
   in its scratch slots (``ReqCache.trail``), one per draft token;
 - only when the pages (and scratch slots) are free without retracting anyone: speculation
-  never costs another request its place.
+  never costs another request its place;
+- only in a step whose drafts are expected to pay for the verify step's extra rows
+  (``draft_policy``: from each request's acceptance so far).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from collections.abc import Callable
 
 from hicache_jax.request import Req
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
+from hicache_jax.scheduler.draft_policy import worth_verifying
 from hicache_jax.scheduler.plan import StepPlan
 
 Propose = Callable[[Req, int], list[int]]  # (request, most tokens) -> its draft
+Gate = Callable[[dict[Req, list[int]], int, int], bool]  # (drafts, batch, width) -> verify?
 
 
 def draft_room(req: Req, *, width: int, context_len: int, page_size: int, recurrent: bool) -> int:
@@ -52,13 +56,20 @@ def draft_room(req: Req, *, width: int, context_len: int, page_size: int, recurr
 
 
 def add_drafts(
-    plan: StepPlan, adapter: CacheAdapter, propose: Propose, *, width: int, context_len: int
+    plan: StepPlan,
+    adapter: CacheAdapter,
+    propose: Propose,
+    *,
+    width: int,
+    context_len: int,
+    gate: Gate | None = worth_verifying,
 ) -> int:
     """Give each decode item of an all-decode ``plan`` its draft, where it has room and the
-    pages are free (see the module docstring); returns the draft tokens added."""
+    pages are free (see the module docstring), if ``gate`` finds the drafts worth a verify
+    step (``draft_policy``; None: always); returns the draft tokens added."""
     if not plan.items or not plan.decode_only:
         return 0
-    added = 0
+    drafts = []
     for item in plan.items:
         req = item.req
         if not item.samples:
@@ -69,6 +80,12 @@ def add_drafts(
         draft = propose(req, room)[:room] if room else []
         if draft and req.grammar is not None:
             draft = req.grammar.valid_draft(draft)
+        drafts.append((item, draft))
+    if gate is not None and not gate({i.req: d for i, d in drafts}, len(plan.items), width):
+        return 0
+    added = 0
+    for item, draft in drafts:
+        req = item.req
         if not draft:
             continue
         end = item.end + len(draft)

@@ -1,0 +1,173 @@
+"""The draft policy: a step verifies only when its drafts are expected to pay for the verify
+step's rows; a request whose drafts are rejected stops counting and probes again later; one
+whose drafts are accepted keeps drafting its full width.
+
+The engine's side is simulated as ``Engine._results`` counts: a request fed a draft in a
+verify step gets one more ``spec_verifications`` and its accepted tokens in
+``spec_accepted_tokens``."""
+
+from __future__ import annotations
+
+import math
+import types
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_jax.request import Req
+from hicache_jax.sampling_params import SamplingParams
+from hicache_jax.scheduler import draft_policy
+from hicache_jax.scheduler.draft_policy import PROBE_EVERY, needed, worth_verifying
+from hicache_jax.scheduler.drafts import add_drafts
+from hicache_jax.scheduler.plan import StepPlan, WorkItem
+
+WIDTH = 4
+
+
+def new_req(i: int = 0) -> Req:
+    return Req(f"r{i}", list(range(3, 40)), SamplingParams(max_new_tokens=1000))
+
+
+def run(trace, batch: int, width: int = WIDTH) -> list[bool]:
+    """Steps of ``batch`` requests, each with a full draft every step; ``trace(step, i)``:
+    the draft tokens request ``i`` would have accepted at ``step``. Returns, per step,
+    whether it verified."""
+    reqs = [new_req(i) for i in range(batch)]
+    verified = []
+    for step in range(len(trace)):
+        drafts = {r: [7] * (width - 1) for r in reqs}
+        verify = worth_verifying(drafts, batch, width)
+        if verify:
+            for i, r in enumerate(reqs):
+                r.spec_verifications += 1
+                r.spec_accepted_tokens += min(trace[step][i], width - 1)
+        verified.append(verify)
+    return verified
+
+
+def test_the_needed_tokens_are_where_a_verify_step_breaks_even():
+    """``needed`` against the cost model recomputed: tokens per unit of cost, decode step
+    (``S`` rows) against verify step (``S x W`` rows), each plus the step's fixed cost."""
+    for overhead in (0.0, 12.0, 500.0):
+        for batch in range(1, 9):
+            for width in (2, 4, 8):
+                seqs = 1 << (batch - 1).bit_length()
+                a = needed(batch, width, overhead)
+                decode = batch / (overhead + seqs)
+                verify = (batch + a) / (overhead + seqs * width)
+                assert abs(verify - decode) <= 1e-9 * decode, (overhead, batch, width)
+    assert needed(4, 4, 500.0) < 0.1 < needed(1, 4, 12.0) < needed(4, 4, 12.0)
+
+
+def test_rejected_drafts_stop_then_probe_every_probe_interval():
+    steps = 6 * (PROBE_EVERY + 1)
+    verified = run([[0] * 4] * steps, batch=4)
+    assert verified[0], "a new request probes at its first draft"
+    stopped = verified.index(False)
+    assert stopped <= 4, verified
+    later = [s for s in range(stopped, steps) if verified[s]]
+    assert len(later) >= 4, verified  # it probes again ...
+    gaps = {b - a for a, b in zip(later, later[1:])}
+    assert gaps == {PROBE_EVERY + 1}, verified  # ... once per probe interval, not more
+
+
+def test_accepted_drafts_keep_verifying_every_step():
+    for batch in (1, 2, 4, 8):
+        assert all(run([[WIDTH - 1] * batch] * 50, batch=batch)), batch
+
+
+def test_a_request_that_starts_copying_recovers_at_its_next_probe():
+    steps = 4 * (PROBE_EVERY + 1)
+    turn = 2 * (PROBE_EVERY + 1)
+    verified = run([[0 if s < turn else WIDTH - 1] * 4 for s in range(steps)], batch=4)
+    assert not all(verified[:turn])
+    resumed = verified.index(True, turn)
+    assert resumed <= turn + PROBE_EVERY + 1
+    assert all(verified[resumed:]), verified
+
+
+def test_one_good_request_among_poor_ones_does_not_pay_at_batch_4_but_does_alone():
+    """Four requests, one whose drafts are mostly right, the others' never: at B = 4 what it
+    gains does not pay for the extra rows of four (``needed(4, W)``); alone it does."""
+    accepted = math.ceil(needed(4, WIDTH)) - 1
+    assert needed(1, WIDTH) < accepted < WIDTH
+    good_and_poor = run([[accepted, 0, 0, 0]] * 80, batch=4)
+    assert good_and_poor.count(True) <= 4 + 80 / PROBE_EVERY, good_and_poor
+    assert all(run([[accepted]] * 80, batch=1))
+
+
+def test_no_drafts_no_verify_step():
+    reqs = [new_req(i) for i in range(3)]
+    assert not worth_verifying({r: [] for r in reqs}, 3, WIDTH)
+
+
+class Adapter:
+    """Pages and scratch slots are always free (``CacheAdapter``'s part ``add_drafts`` uses)."""
+
+    P, has_state = 16, False
+
+    def ensure_pages(self, req, end) -> bool:
+        return True
+
+
+def decode_plan(reqs) -> StepPlan:
+    return StepPlan([WorkItem(r, r.seq_len - 1, r.seq_len) for r in reqs])
+
+
+def test_add_drafts_gives_full_width_or_nothing():
+    """Through ``add_drafts``: a request whose drafts are accepted gets ``width - 1`` tokens
+    every step; four whose drafts are rejected soon get none, all of them."""
+    good = new_req()
+    for _ in range(10):
+        plan = decode_plan([good])
+        assert add_drafts(plan, Adapter(), lambda r, k: [5] * k, width=WIDTH, context_len=4096) == WIDTH - 1
+        assert len(plan.items[0].draft) == WIDTH - 1
+        good.spec_verifications += 1
+        good.spec_accepted_tokens += WIDTH - 1
+    poor = [new_req(i) for i in range(4)]
+    added = []
+    for _ in range(8):
+        plan = decode_plan(poor)
+        added.append(add_drafts(plan, Adapter(), lambda r, k: [5] * k, width=WIDTH, context_len=4096))
+        for item in plan.items:
+            item.req.spec_verifications += bool(item.draft)
+        assert len({len(i.draft) for i in plan.items}) == 1  # the step drafts for all or for none
+    assert added[0] == 4 * (WIDTH - 1) and added[-1] == 0, added
+    always = decode_plan(poor)
+    assert add_drafts(always, Adapter(), lambda r, k: [5] * k, width=WIDTH, context_len=4096, gate=None) > 0
+
+
+traces = st.integers(1, 8).flatmap(
+    lambda batch: st.lists(st.lists(st.integers(0, WIDTH - 1), min_size=batch, max_size=batch), max_size=80)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(traces)
+def test_any_trace_probes_within_the_interval_and_averages_what_it_saw(trace):
+    """Whatever the acceptance: never more than ``PROBE_EVERY`` steps in a row with drafts
+    and no verify step; each request's rate is the average the module docstring defines."""
+    if not trace:
+        return
+    batch = len(trace[0])
+    reqs = [new_req(i) for i in range(batch)]
+    rates = [draft_policy.PRIOR] * batch
+    quiet = 0
+    for row in trace:
+        verify = worth_verifying({r: [7] * (WIDTH - 1) for r in reqs}, batch, WIDTH)
+        quiet = 0 if verify else quiet + 1
+        assert quiet <= PROBE_EVERY
+        if verify:
+            for i, r in enumerate(reqs):
+                r.spec_verifications += 1
+                r.spec_accepted_tokens += row[i]
+                rates[i] += draft_policy.RECENT * (row[i] / (WIDTH - 1) - rates[i])
+    worth_verifying({r: [] for r in reqs}, batch, WIDTH)  # takes in the last step's outcome
+    for r, rate in zip(reqs, rates):
+        assert abs(r.draft_history.rate - rate) < 1e-9
+
+
+def test_the_policy_imports_no_jax():
+    assert not any(
+        isinstance(v, types.ModuleType) and v.__name__.startswith("jax") for v in vars(draft_policy).values()
+    )
