@@ -102,6 +102,10 @@ LAYER_CACHE: dict[LayerKind, tuple[CacheKind, ...]] = {
     LayerKind.HCA: (CacheKind.SWA, CacheKind.HCA, CacheKind.HCA_STATE),
 }
 RECURRENT = frozenset(k for k, c in LAYER_CACHE.items() if c == (CacheKind.STATE,))
+# Paged kinds whose one row per page is a running state after the last token written in
+# the page, rewritten every step (DeepSeek V4's compressors): a verify step writes the
+# state after each fed token but the last to a scratch page (``CacheAdapter.trail_slots``).
+PAGE_STATE = frozenset({CacheKind.CSA_STATE, CacheKind.HCA_STATE})
 # Cache kinds that hold one page per page of tokens (the rest hold snapshots in slots).
 PAGED = tuple(k for k in CacheKind if RETENTION[k] is not Retention.SNAPSHOT)
 

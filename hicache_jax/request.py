@@ -37,6 +37,9 @@ class ReqCache:
     # Scratch state slots of a verify step in flight (speculative decoding): the state after
     # each draft position, until the accepted one becomes ``state_slot`` (``after_verify``).
     trail: list = dataclasses.field(default_factory=list)
+    # The same for a page-state kind (``kinds.PAGE_STATE``): per kind, a scratch page per
+    # draft position, until the accepted one replaces the current page's (``after_verify``).
+    trail_pages: dict = dataclasses.field(default_factory=dict)
     last_node: object = None  # deepest radix node this request locks
     window_locked: list = dataclasses.field(default_factory=list)  # nodes whose window pages it pins
     num_inserted_pages: int = 0  # pages of fill_ids already in the tree

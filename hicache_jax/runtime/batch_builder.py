@@ -194,6 +194,9 @@ class BatchBuilder:
                         if (slot_page < 0).any():
                             raise RuntimeError(f"request {r.rid}: no {g} page for positions being written")
                         slots[g][t : t + n] = slot_page * P + p % P
+                for g, scratch in r.cache.trail_pages.items():  # a verify step's, per fed token
+                    if g in slots and len(scratch) == n - 1:  # but the last: a scratch page's row
+                        slots[g][t : t + n - 1] = np.asarray(scratch) * P + p[:-1] % P
                 kv[s] = item.end
                 state_slots[s] = -1 if r.cache.state_slot is None else r.cache.state_slot
                 has_init[s] = item.has_initial_state

@@ -11,7 +11,7 @@ tokens ``jP .. jP+P-1``::
 Every paged cache kind (``PrefixRules.paged``) gets a page per page of the sequence; the
 kinds a window keeps (sliding-window KV) drop the pages behind it; the snapshot kind
 (recurrent state) has a working slot and snapshots at page boundaries. The adapter reads
-these retention rules and never names a cache kind.
+these retention rules (and ``kinds.PAGE_STATE``) and never names a cache kind.
 
 Prompt pages go into the tree at every prefill chunk boundary, before anything can slide
 out of the window, so the window that ends at the prompt's usable end survives for the
@@ -25,6 +25,7 @@ import time
 
 from hicache_jax.cache.prefix_cache import Match, PrefixCache
 from hicache_jax.cache.radix import path_to
+from hicache_jax.kinds import PAGE_STATE
 from hicache_jax.request import Req, ReqCache
 from hicache_jax.tiers import Tier, zero_counts
 
@@ -37,11 +38,18 @@ class CacheAdapter:
         self.kinds = tuple(k for k in self.rules.paged if k in cache.pools)  # paged kinds
         self.windowed = tuple(k for k in self.rules.windowed if k in cache.pools)
         self.snapshot = self.rules.snapshot if self.rules.snapshot in cache.pools else None
+        self.page_states = tuple(k for k in self.kinds if k in PAGE_STATE)
 
     @property
     def has_state(self) -> bool:
         """The model keeps a snapshot kind (recurrent state)."""
         return self.snapshot is not None
+
+    @property
+    def trails(self) -> bool:
+        """A verify step keeps a state per fed token (recurrent slots, page-state pages):
+        its draft stays short of the next page boundary (``scheduler/drafts.py``)."""
+        return self.has_state or bool(self.page_states)
 
     # ---- admission ---------------------------------------------------------------------
     def match(self, req: Req) -> Match:
@@ -138,27 +146,47 @@ class CacheAdapter:
         return slot
 
     def trail_slots(self, req: Req, n: int) -> list[int] | None:
-        """``n`` scratch state slots for a verify step's states after each draft position
-        (``ReqCache.trail``; None: no room, feed no draft)."""
-        got = self.cache.alloc(self.snapshot, n) if n else []
-        if got is None:
-            return None
-        req.cache.trail = list(got)
+        """``n`` scratch state slots, and ``n`` scratch pages of each page-state kind, for a
+        verify step's states after each fed token but the last (``ReqCache.trail``,
+        ``ReqCache.trail_pages``); all or nothing (None: no room, feed no draft)."""
+        got: dict = {}
+        for kind in ((self.snapshot,) if self.has_state else ()) + self.page_states:
+            got[kind] = self.cache.alloc(kind, n) if n else []
+            if got[kind] is None:
+                for k, idx in got.items():
+                    if idx:
+                        self.cache.pools[k].free(idx)
+                return None
+        req.cache.trail = list(got.pop(self.snapshot, []))
+        req.cache.trail_pages = got
         return req.cache.trail
 
     # ---- after a step -------------------------------------------------------------------
     def after_verify(self, req: Req, accepted: int) -> None:
         """A verify step accepted ``accepted`` draft tokens: the state after the last
         accepted one becomes the working state (a slot swap: no copy, no re-run), and the
-        other scratch slots go back. All accepted: the working slot already holds it."""
+        other scratch slots go back. All accepted: the working slot already holds it. A
+        page-state kind alike: the accepted scratch page becomes the current page's (whose
+        row the step wrote after its last fed token), the page the request owns (a draft
+        never completes a page, so the tree has none of it)."""
         held = req.cache
-        if not held.trail:
-            return
-        back = list(held.trail)
-        if accepted < len(back):
-            back[accepted], held.state_slot = held.state_slot, back[accepted]
-        held.trail = []
-        self.cache.pools[self.snapshot].free(back)
+        if held.trail:
+            back = list(held.trail)
+            if accepted < len(back):
+                back[accepted], held.state_slot = held.state_slot, back[accepted]
+            held.trail = []
+            self.cache.pools[self.snapshot].free(back)
+        page = (req.num_computed - 1) // self.P  # the last accepted token's
+        for kind, back in held.trail_pages.items():
+            back = list(back)
+            if accepted < len(back):
+                if not held.own[kind][page]:
+                    raise RuntimeError(
+                        f"request {req.rid}: a verify step wrote {kind} page {page}, not its own"
+                    )
+                back[accepted], held.pages[kind][page] = held.pages[kind][page], back[accepted]
+            self.cache.pools[kind].free(back)
+        held.trail_pages = {}
 
     def after_step(self, req: Req, insert: bool) -> None:
         if insert:
@@ -255,6 +283,8 @@ class CacheAdapter:
             slots = list(held.snapshots.values()) + held.trail
             slots += [held.state_slot] if held.state_slot is not None else []
             self.cache.pools[self.snapshot].free(slots)
+        for kind, pages in held.trail_pages.items():
+            self.cache.pools[kind].free(pages)
         self.cache.window_unlock(held.window_locked)
         self.cache.unlock(held.last_node)
         req.cache = ReqCache()
@@ -268,7 +298,7 @@ class CacheAdapter:
         out: dict[str, list[int]] = {k: [] for k in self.cache.pools}
         for r in reqs:
             for kind in self.kinds:
-                out[kind] += r.cache.owned(kind)
+                out[kind] += r.cache.owned(kind) + r.cache.trail_pages.get(kind, [])
             if self.has_state:
                 out[self.snapshot] += list(r.cache.snapshots.values()) + r.cache.trail
                 if r.cache.state_slot is not None:

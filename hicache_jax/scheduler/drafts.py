@@ -23,7 +23,8 @@ Which requests draft, and how much:
 - at most ``width - 1`` tokens, none past ``max_new_tokens`` or the context length;
 - with recurrent layers, none that reach the next page boundary: the state snapshot a page
   end needs is then taken by an ordinary decode step, and a verify step's states live only
-  in its scratch slots (``ReqCache.trail``), one per draft token;
+  in its scratch slots (``ReqCache.trail``), one per draft token; likewise with DeepSeek
+  V4's compressors, whose states go to scratch pages (``ReqCache.trail_pages``);
 - only when the pages (and scratch slots) are free without retracting anyone: speculation
   never costs another request its place;
 - only in a step whose drafts are expected to pay for the verify step's extra rows
@@ -75,7 +76,7 @@ def add_drafts(
         if not item.samples:
             continue
         room = draft_room(
-            req, width=width, context_len=context_len, page_size=adapter.P, recurrent=adapter.has_state
+            req, width=width, context_len=context_len, page_size=adapter.P, recurrent=adapter.trails
         )
         draft = propose(req, room)[:room] if room else []
         if draft and req.grammar is not None:
@@ -91,7 +92,7 @@ def add_drafts(
         end = item.end + len(draft)
         if not adapter.ensure_pages(req, end):
             continue
-        if adapter.has_state and adapter.trail_slots(req, len(draft)) is None:
+        if adapter.trails and adapter.trail_slots(req, len(draft)) is None:
             continue
         item.draft, item.trail, item.end = tuple(draft), tuple(req.cache.trail), end
         added += len(draft)

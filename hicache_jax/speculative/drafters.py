@@ -4,13 +4,8 @@
 from __future__ import annotations
 
 from hicache_jax.config import ConfigError, EngineConfig
-from hicache_jax.kinds import CacheKind, cache_kinds
 from hicache_jax.request import Req
 from hicache_jax.speculative.ngram import NgramConfig, NgramIndex
-
-# Cache kinds a verify step cannot roll back yet: DeepSeek V4's compressors keep a running
-# window in their state rows, which a rejected draft token would have advanced.
-NOT_ROLLED_BACK = (CacheKind.CSA_STATE, CacheKind.HCA_STATE)
 
 
 class NgramDrafter:
@@ -40,9 +35,10 @@ DRAFT_MODEL_ALGORITHMS = ("EAGLE3",)  # a draft checkpoint run in the MTP block'
 
 
 def make_drafter(cfg: EngineConfig, layer_kinds, mc=None) -> NgramDrafter | MtpDrafter | None:
-    """The drafter ``cfg`` asks for (None: speculation off); refuses a model whose cache a
-    verify step cannot roll back, or without the MTP blocks NEXTN drafts with, naming the
-    flag. ``mc``: the model's config (its ``nextn`` blocks)."""
+    """The drafter ``cfg`` asks for (None: speculation off); refuses a model without the MTP
+    blocks NEXTN drafts with, naming the flag. ``mc``: the model's config (its ``nextn``
+    blocks). ``layer_kinds`` is not read: every cache kind rolls back after a rejected
+    draft (``docs/speculative.md``)."""
     if not cfg.spec_width:
         return None
     algorithm = cfg.speculative_algorithm.upper()
@@ -53,13 +49,6 @@ def make_drafter(cfg: EngineConfig, layer_kinds, mc=None) -> NgramDrafter | MtpD
                 "multi-token-prediction blocks, and this model has none (DeepSeek V3/V3.2/V4, "
                 "GLM-5, Qwen3-Next and Qwen3.5 checkpoints ship them): use NGRAM"
             )
-    blocked = [k for k in cache_kinds(layer_kinds) if k in NOT_ROLLED_BACK]
-    if blocked:
-        raise ConfigError(
-            f"speculative_algorithm={cfg.speculative_algorithm!r} is not supported yet for this model: "
-            f"its {', '.join(blocked)} cache (DeepSeek V4's compressors) is not rolled back "
-            "after a rejected draft"
-        )
     if algorithm in MTP_ALGORITHMS + DRAFT_MODEL_ALGORITHMS:
         return MtpDrafter()  # the engine gives the model its drafter (``build.attach_drafter``)
     return NgramDrafter(

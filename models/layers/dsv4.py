@@ -118,6 +118,7 @@ class Steps:
         q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
         self.start = batch.kv_lens - q_lens  # [S]: each sequence's first new position
         self.page_size = page_size
+        self.verify = batch.state_trail is not None  # a verify step (speculative decoding)
 
     def prior(self, pages: CompressorState, table: jax.Array):
         """Each sequence's compressor state before its first new token, ``[S, W, C]`` twice:
@@ -133,9 +134,13 @@ class Steps:
 
     def write_state(self, pages: CompressorState, lse, mean, positions, slot_mapping) -> CompressorState:
         """Each sequence's state after its last token in each page it wrote (``[T, W, C]``
-        per token: the state after that token)."""
+        per token: the state after that token). A verify step writes every token's: a draft
+        stays inside one page, and the state after each fed token but the last goes to a
+        scratch page (``slot_mapping``), the one that replaces the page's if the token is
+        the last one accepted (``CacheAdapter.after_verify``)."""
         P = self.page_size
-        ends = (self.last | (positions % P == P - 1)) & self.live & (slot_mapping >= 0)
+        ends = self.last | (positions % P == P - 1) | self.verify
+        ends = ends & self.live & (slot_mapping >= 0)
         row = jnp.where(ends, slot_mapping // P, -1)
         return CompressorState(write_rows(pages.lse, lse, row), write_rows(pages.mean, mean, row))
 

@@ -112,8 +112,17 @@ def assert_same(want: list[dict], got: list[dict]) -> None:
     ["tiny", "tiny-swa", "tiny-gpt-oss", "tiny-moe", "tiny-mamba", "tiny-qwen3.5", "tiny-mla", "tiny-dsa"],
 )
 def test_outputs_equal_decoding_without_speculation(preset, tmp_path):
-    prompts, params = workload()
-    want = run(Engine(EngineConfig(preset=preset, **BASE)), prompts, params)
+    check_outputs_equal(preset, tmp_path)
+
+
+def check_outputs_equal(preset: str, tmp_path, watch=None, seed: int = 0, **config) -> Engine:
+    """The outputs of ``workload(seed)`` with speculation (``Mixed`` drafts) equal those
+    without, on ``preset`` (``config``: settings other than ``BASE``'s); drafts were
+    accepted and rejected, and requests retracted. ``watch``: called with the speculating
+    engine before it runs. Returns that engine."""
+    prompts, params = workload(seed)
+    base = BASE | config
+    want = run(Engine(EngineConfig(preset=preset, **base)), prompts, params)
     spec = EngineConfig(
         preset=preset,
         speculative_algorithm="NGRAM",
@@ -123,10 +132,12 @@ def test_outputs_equal_decoding_without_speculation(preset, tmp_path):
         hicache_ratio=2.0,
         hicache_storage_backend="tensorstore",
         hicache_storage_spec=str(tmp_path / "l3"),
-        **BASE,
+        **base,
     )
     engine = Engine(spec)
     engine.drafter = drafter = Mixed(engine.drafter, prompts, want)
+    if watch is not None:
+        watch(engine)
     try:
         got = run(engine, prompts, params)
     finally:
@@ -141,6 +152,7 @@ def test_outputs_equal_decoding_without_speculation(preset, tmp_path):
     assert metrics["spec_accept_length"] == pytest.approx(
         (st["spec_accepted_tokens"] + st["spec_verifications"]) / st["spec_verifications"]
     )
+    return engine
 
 
 def test_unsupported_speculation_is_refused_naming_the_flag():
@@ -154,5 +166,3 @@ def test_unsupported_speculation_is_refused_naming_the_flag():
     ]:
         with pytest.raises(ConfigError, match=field):
             EngineConfig(**bad)
-    with pytest.raises(ConfigError, match="speculative_algorithm.*not supported yet for this model"):
-        Engine(EngineConfig(preset="tiny-dsv4", speculative_algorithm="NGRAM"))
