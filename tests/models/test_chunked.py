@@ -24,6 +24,11 @@ FAMILIES = [
     "deepseek_v4",  # window, compressed entries and the compressors' state across chunks and pages
 ]
 LENGTH = 70  # > 3 windows of 20; > 4 SSD chunks
+# Families whose chunked logits sit at this test's noise floor: compiled as a server compiles
+# them. The suite's cheap XLA:CPU flags (tests/xla_env.py) move Qwen3.5-MoE's float32 rounding
+# just past the tolerance (2 logits of 35,840 by 8.3e-5); every other family passes under them
+# and compiles its four programs in about half the time (DeepSeek V4: 153 s -> 81 s).
+NOISE_FLOOR = {"qwen3_5_moe"}
 
 
 def run_chunked(model, step, params, ids, chunk, *, state_slot=0):
@@ -51,10 +56,9 @@ def run_chunked(model, step, params, ids, chunk, *, state_slot=0):
 def test_chunks_match_full_pass(checkpoint_dir, family):
     model = load_hf(checkpoint_dir(family))
     ids = np.random.RandomState(1).randint(0, model.cfg.vocab_size, LENGTH)
-    # Both compiled as a server compiles them: the suite's cheap XLA:CPU flags
-    # (tests/xla_env.py) move float32 rounding by about this tolerance (2 logits of 35,840).
-    full = np.asarray(jax.jit(model.forward_full, compiler_options=SERVING_COMPILE)(ids[None]))[0]
-    params, step = jit_forward(model, SERVING_COMPILE)
+    options = SERVING_COMPILE if family in NOISE_FLOOR else None  # both alike
+    full = np.asarray(jax.jit(model.forward_full, compiler_options=options)(ids[None]))[0]
+    params, step = jit_forward(model, options)
     for chunk in (1, 7, 64):
         got = run_chunked(model, step, params, ids, chunk)
         assert not np.isnan(got).any(), f"chunk {chunk}: NaN leaked from unused pages/slots"
