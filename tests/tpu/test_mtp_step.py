@@ -26,7 +26,7 @@ import os
 
 import pytest
 
-from hicache_jax.config import EngineConfig
+from hicache_jax.config import ConfigError, EngineConfig
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.registry import config_from_hf
 from hicache_jax.tpu.abstract import AbstractServer
@@ -45,15 +45,14 @@ SEQS = (1, 8) if FULL else (1,)
 
 def mtp_config(family: str) -> ModelConfig:
     """The family cut to one layer of each kind, with the one MTP block its checkpoint
-    ships (parsed from config.json's key, as loading it does) and that block's KV paged
-    as one more cache layer, as the engine sets it for NEXTN."""
+    ships (parsed from config.json's key, as loading it does)."""
     hf = dict(HF_CONFIGS[family])
     if "text_config" in hf:  # Qwen3.5: the text model's config nests
         hf["text_config"] = hf["text_config"] | {"mtp_num_hidden_layers": 1}
     else:
         hf["num_nextn_predict_layers"] = 1
     nextn = config_from_hf(hf, f"{family} config").nextn
-    return dataclasses.replace(real_config(family, num_layers=1), nextn=nextn, mtp_cache_layers=1)
+    return dataclasses.replace(real_config(family, num_layers=1), nextn=nextn)
 
 
 @pytest.mark.parametrize("family,topology", CASES)
@@ -63,8 +62,9 @@ def test_verify_step_with_mtp_drafts_compiles(family, topology):
         tp_size=TP[topology], speculative_algorithm="NEXTN", speculative_num_steps=DRAFTS, **SERVING
     )
     server = AbstractServer.build(model_cfg, cfg, target(topology))
+    # As the engine builds it for NEXTN: the block drafts in the step, its KV one more entry.
     assert server.runner.draft_steps == DRAFTS
-    # The block's KV: one more cache entry, paged like the main attention layers'.
+    assert server.model.cfg.mtp_cache_layers == 1
     assert len(server.runner.cache) == len(model_cfg.layer_kinds) + 1
     want = {f"verify step T={(DRAFTS + 1) * S} S={S} top=0" for S in SEQS}
     compiled = dict(server.compile(lambda name: name in want))  # raises naming what fails
@@ -77,3 +77,9 @@ def test_verify_step_with_mtp_drafts_compiles(family, topology):
         # Donated and updated in place, the block's entry included: no pool is copied.
         aliased = program.memory_analysis().alias_size_in_bytes
         assert aliased >= server.cache_bytes(), (name, aliased, server.cache_bytes())
+
+
+def test_a_model_without_a_block_is_refused_as_the_engine_refuses_it():
+    cfg = EngineConfig(tp_size=TP[V5E], speculative_algorithm="NEXTN", **SERVING)
+    with pytest.raises(ConfigError, match="speculative_algorithm='NEXTN'.*has none"):
+        AbstractServer.build(real_config("deepseek-v3", num_layers=1), cfg, target(V5E))
