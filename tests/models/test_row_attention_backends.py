@@ -23,8 +23,15 @@ def run(model, ids_a, ids_b):
     b = sequence(ids_b, pages=range(n + 1, 2 * n + 1), state_slot=1)
     groups, out = kv_groups(model), []
     # a: a chunk of 33 tokens; then a decodes its 34th while b prefills 20; then both go on.
-    for work in ([(a, 0, 33)], [(a, 33, 34), (b, 0, 20)], [(b, 20, 21), (a, 34, 40)]):
-        batch, rows = build_step(work, groups=groups, page_size=PAGE, max_pages=n, all_logits=True)
+    # The two mixed steps pad to one width (as the engine's buckets do): one program for both.
+    for work, width in (
+        ([(a, 0, 33)], None),
+        ([(a, 33, 34), (b, 0, 20)], 24),
+        ([(b, 20, 21), (a, 34, 40)], 24),
+    ):
+        batch, rows = build_step(
+            work, groups=groups, page_size=PAGE, max_pages=n, num_tokens=width, all_logits=True
+        )
         cache, logits = step(params, cache, batch)
         out.append(logits_of(logits, rows))
     return np.concatenate(out)
