@@ -116,7 +116,7 @@ class Engine:
         self.cfg = cfg
         self.model = model
         self.tokenizer = tokenizer or Tokenizer(None)
-        self.drafter = make_drafter(cfg, model.cfg.layer_kinds, model.cfg)  # speculative decoding (None: off)
+        self.drafter = make_drafter(cfg, model.cfg)  # speculative decoding (None: off)
         if isinstance(self.drafter, MtpDrafter):  # its KV: one more layer in every tier
             attach_drafter(cfg, model)
         mc = model.cfg

@@ -34,16 +34,15 @@ MTP_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names for drafting with the mode
 DRAFT_MODEL_ALGORITHMS = ("EAGLE3",)  # a draft checkpoint run in the MTP block's place
 
 
-def make_drafter(cfg: EngineConfig, layer_kinds, mc=None) -> NgramDrafter | MtpDrafter | None:
+def make_drafter(cfg: EngineConfig, mc) -> NgramDrafter | MtpDrafter | None:
     """The drafter ``cfg`` asks for (None: speculation off); refuses a model without the MTP
-    blocks NEXTN drafts with, naming the flag. ``mc``: the model's config (its ``nextn``
-    blocks). ``layer_kinds`` is not read: every cache kind rolls back after a rejected
-    draft (``docs/speculative.md``)."""
+    blocks NEXTN drafts with, naming the flag. ``mc``: the model's config (its blocks).
+    Every cache kind rolls back after a rejected draft (``docs/speculative.md``)."""
     if not cfg.spec_width:
         return None
     algorithm = cfg.speculative_algorithm.upper()
     if algorithm in MTP_ALGORITHMS:
-        if mc is None or (mc.nextn is None and not mc.v4_blocks):
+        if mc.nextn is None and not mc.v4_blocks:
             raise ConfigError(
                 f"speculative_algorithm={cfg.speculative_algorithm!r} drafts with the model's "
                 "multi-token-prediction blocks, and this model has none (DeepSeek V3/V3.2/V4, "

@@ -76,7 +76,7 @@ class AbstractServer:
         abstract_weights(model, mesh)
         # As the engine: its refusals, and for NEXTN the MTP block drafting in every step, its
         # KV one more cache layer (``Engine.__init__``).
-        if isinstance(make_drafter(cfg, model_cfg.layer_kinds, model_cfg), MtpDrafter):
+        if isinstance(make_drafter(cfg, model_cfg), MtpDrafter):
             if cfg.speculative_algorithm.upper() in DRAFT_MODEL_ALGORITHMS:
                 raise ValueError(
                     f"speculative_algorithm={cfg.speculative_algorithm!r}: the TPU compile path "
