@@ -411,8 +411,11 @@ class Dsv4Attention(nnx.Module):
             valid = (idx < visible[:, None]) & steps.live[:, None]
             return stored.kv, table, idx, valid
         keys = self._rope(self.indexer.kv_norm(means[:, D:]), starts)
+        # The indexer's keys go to its own pool's pages: their indices match the entries'
+        # only while every pool allocates alike (L2 loads and evictions are per cache kind).
+        key_slots = batch.slot_mappings[CacheKind.INDEX]
         keys = IndexPages(
-            write_rows(pages[CacheKind.INDEX].k, keys, jnp.where(ends & (slots >= 0), slots // r, -1))
+            write_rows(pages[CacheKind.INDEX].k, keys, jnp.where(ends & (key_slots >= 0), key_slots // r, -1))
         )
         new[CacheKind.INDEX] = keys
         T = x.shape[0]
