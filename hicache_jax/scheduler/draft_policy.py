@@ -16,7 +16,8 @@ dispatch; then each row's compute). The decode step yields ``B`` tokens; the ver
 On a memory-bound accelerator the overhead is hundreds of rows and ``needed`` is a fraction
 of a token: any likely draft pays. On a few CPU cores it is tens: at ``B = 4``, ``W = 4``
 ``needed`` is several tokens, so a step verifies only when most requests have drafts that
-are usually right.
+are usually right. The default, 12, is SmolLM2-135M's on this project's 2-core CPU under
+load (``benchmarks/RESULTS.md``, speculative section): a machine's constant, not a model's.
 
 ``A`` is estimated per request from its own history (``DraftHistory``, kept on the
 request): ``rate * len(draft)``, ``rate`` the fraction of its draft tokens accepted, an
