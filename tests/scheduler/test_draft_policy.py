@@ -104,7 +104,7 @@ def test_no_drafts_no_verify_step():
 class Adapter:
     """Pages and scratch slots are always free (``CacheAdapter``'s part ``add_drafts`` uses)."""
 
-    P, has_state = 16, False
+    P, has_state, trails = 16, False, False
 
     def ensure_pages(self, req, end) -> bool:
         return True
