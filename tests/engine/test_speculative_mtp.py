@@ -1,5 +1,6 @@
 """Drafting with the model's multi-token-prediction block (``--speculative_algorithm
-NEXTN``, ``runtime/mtp_drafts.py``), for MLA, DSA and a Gated DeltaNet hybrid, and with an
+NEXTN``, ``runtime/mtp_drafts.py``), for MLA, DSA, a Gated DeltaNet hybrid and DeepSeek V4
+(the founding document's model, its compressors rolled back after rejections), and with an
 EAGLE-3 draft checkpoint in its place (``EAGLE3``) over Gemma 3 and a Mamba2 hybrid:
 
 - every draft the step program hands the engine equals a recomputation: the main model's
@@ -113,12 +114,14 @@ class Checked(MtpDrafter):
         return corrupted(truth, len(req.output_ids), k, self.rng)
 
 
-# (preset, algorithm): the MTP block of DeepSeek V3 (MLA), GLM-5 (DSA) and Qwen3.5 (a GDN
-# hybrid); an EAGLE-3 draft over Gemma 3 (sliding and full attention) and Bamba (Mamba2).
+# (preset, algorithm): the MTP block of DeepSeek V3 (MLA), GLM-5 (DSA), Qwen3.5 (a GDN
+# hybrid) and DeepSeek V4; an EAGLE-3 draft over Gemma 3 (sliding and full attention) and
+# Bamba (Mamba2).
 DRAFTERS = [
     ("tiny-mla-mtp", "NEXTN"),
     ("tiny-dsa-mtp", "NEXTN"),
     ("tiny-qwen3.5-mtp", "NEXTN"),
+    ("tiny-dsv4-mtp", "NEXTN"),  # DeepSeek V4's block: a window layer over the residual streams
     ("tiny", "EAGLE3"),
     ("tiny-mamba", "EAGLE3"),
 ]
