@@ -207,6 +207,16 @@ class EngineConfig:
         ),
         shown_default="unset",
     )
+    speculative_verify_overhead_rows: float | None = setting(
+        None,
+        "A step's fixed cost in token rows, which decides when drafts pay for a verify step's extra "
+        "rows (hicache_jax/scheduler/draft_policy.py). Unset: 12 on CPU (measured on 2 cores), 240 "
+        "on an accelerator (the rows at which a bfloat16 step's compute matches reading its "
+        "weights on a TPU v5e: 197 TFLOP/s over 819 GB/s); 0: verify whenever drafts are expected "
+        "to gain a token.",
+        (_unset_or(lambda v, c: v >= 0), "must be >= 0"),
+        shown_default="unset",
+    )
     speculative_ngram_min_match_window_size: int = setting(
         3,
         "NGRAM: the shortest suffix of a request's tokens looked up (SGLang's default is 1; "

@@ -44,6 +44,7 @@ BAD = {  # one value per field that its rule must refuse (the other fields at th
     "speculative_draft_model_path": "/models/draft",
     "speculative_ngram_min_match_window_size": 0,
     "speculative_ngram_max_match_window_size": 2,
+    "speculative_verify_overhead_rows": -1.0,
 }
 
 

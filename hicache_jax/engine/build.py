@@ -88,6 +88,17 @@ def attach_drafter(cfg: EngineConfig, model: CausalLM) -> None:
     model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1, eagle3_aux=aux)
 
 
+def verify_overhead_rows(cfg: EngineConfig, platform: str | None = None) -> float:
+    """``--speculative_verify_overhead_rows`` resolved for ``platform`` (default: JAX's)."""
+    import jax
+
+    if cfg.speculative_verify_overhead_rows is not None:
+        return cfg.speculative_verify_overhead_rows
+    from hicache_jax.scheduler.draft_policy import ACCELERATOR_OVERHEAD_ROWS, OVERHEAD_ROWS
+
+    return OVERHEAD_ROWS if (platform or jax.default_backend()) == "cpu" else ACCELERATOR_OVERHEAD_ROWS
+
+
 def check_model_tp(cfg: EngineConfig, model: CausalLM) -> None:
     """A model built elsewhere must sit on the mesh the config asks for; over several
     processes that mesh holds every device."""

@@ -29,6 +29,7 @@ wait for the mask, would double the step programs; the host's mask work is a mil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import random
@@ -50,6 +51,7 @@ from hicache_jax.engine.build import (
     make_device_pools,
     make_runner,
     prefix_rules,
+    verify_overhead_rows,
 )
 from hicache_jax.engine.failures import EngineStalled, StepFailed
 from hicache_jax.engine.flush_result import FlushResult, close_tiers, flush_tiers
@@ -73,6 +75,7 @@ from hicache_jax.runtime import penalties
 from hicache_jax.runtime.batch_builder import RowFailed
 from hicache_jax.runtime.step_inputs import StepInputs
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
+from hicache_jax.scheduler.draft_policy import worth_verifying
 from hicache_jax.scheduler.drafts import add_drafts
 from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions
 from hicache_jax.scheduler.plan import StepPlan
@@ -119,6 +122,7 @@ class Engine:
         self.drafter = make_drafter(cfg, model.cfg)  # speculative decoding (None: off)
         if isinstance(self.drafter, MtpDrafter):  # its KV: one more layer in every tier
             attach_drafter(cfg, model)
+        self._verify_gate = functools.partial(worth_verifying, overhead_rows=verify_overhead_rows(cfg))
         mc = model.cfg
         self.context_len = context_length(cfg, mc)
         pools = make_device_pools(cfg, mc)
@@ -251,7 +255,12 @@ class Engine:
             self._step_failed(e)
         if plan is not None and self.drafter is not None:
             add_drafts(
-                plan, self.adapter, self.drafter, width=self.cfg.spec_width, context_len=self.context_len
+                plan,
+                self.adapter,
+                self.drafter,
+                width=self.cfg.spec_width,
+                context_len=self.context_len,
+                gate=self._verify_gate,
             )
             if isinstance(self.drafter, MtpDrafter):  # pages for the next draft's chain
                 reserve_chain(plan, self.adapter, self.runner.draft_steps, self.context_len)

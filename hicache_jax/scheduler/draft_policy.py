@@ -41,7 +41,10 @@ import dataclasses
 
 from hicache_jax.request import Req
 
-OVERHEAD_ROWS = 12.0  # a step's fixed cost, in token rows (see the module docstring)
+OVERHEAD_ROWS = 12.0  # a step's fixed cost, in token rows, on CPU (see the module docstring)
+# On an accelerator: the rows at which a bfloat16 step's compute (2 FLOPs per weight per row)
+# matches reading its weights (2 bytes each): TPU v5e's 197 TFLOP/s over 819 GB/s.
+ACCELERATOR_OVERHEAD_ROWS = 240.0
 PRIOR = 1.0  # the acceptance rate assumed of a request with no verify step yet
 RECENT = 0.5  # the weight of the latest verify step in a request's acceptance rate
 PROBE_EVERY = 16  # steps with a draft and no verify step before a request counts at PRIOR
