@@ -1,7 +1,7 @@
 """Drafting with the model's multi-token-prediction block (``--speculative_algorithm
 NEXTN``, ``runtime/mtp_drafts.py``), for MLA, DSA, a Gated DeltaNet hybrid and DeepSeek V4
 (the founding document's model, its compressors rolled back after rejections), and with an
-EAGLE-3 draft checkpoint in its place (``EAGLE3``) over Gemma 3 and a Mamba2 hybrid:
+EAGLE-3 draft checkpoint in its place (``EAGLE3``) over Gemma 3:
 
 - every draft the step program hands the engine equals a recomputation: the main model's
   final-norm output over the request's whole sequence, then the block over it and chained
@@ -115,18 +115,16 @@ class Checked(MtpDrafter):
 
 
 # (preset, algorithm): the MTP block of DeepSeek V3 (MLA), GLM-5 (DSA), Qwen3.5 (a GDN
-# hybrid) and DeepSeek V4; an EAGLE-3 draft over Gemma 3 (sliding and full attention) and
-# Bamba (Mamba2).
+# hybrid) and DeepSeek V4; an EAGLE-3 draft over Gemma 3 (sliding and full attention).
 DRAFTERS = [
     ("tiny-mla-mtp", "NEXTN"),
     ("tiny-dsa-mtp", "NEXTN"),
     ("tiny-qwen3.5-mtp", "NEXTN"),
     ("tiny-dsv4-mtp", "NEXTN"),  # DeepSeek V4's block: a window layer over the residual streams
     ("tiny", "EAGLE3"),
-    ("tiny-mamba", "EAGLE3"),
 ]
 # An EAGLE-3 draft for the tiny presets' widths, reading the residual stream after layers 1,
-# 1 and 2 (boundaries 2, 2, 3: the three-layer Bamba has no default triple).
+# 1 and 2 (boundaries 2, 2, 3: explicit layer ids, read as SGLang reads them).
 DRAFT = Widths(h=64, heads=4, kv_heads=2, d=16, inter=96, vocab=512, draft_vocab=200)
 
 
