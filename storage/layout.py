@@ -6,6 +6,7 @@
     meta/journal/<ms>-<server>-<seq>                   batched recency records (journal.py)
     meta/index                                         the folded recency index (lru_index.py)
     meta/usage.json                                    the store's size, as the evictor saw it
+    meta/handover/<room>                               prefill -> decode markers (handover.py)
 
 Only these names are this project's: clear and gc delete nothing else (clearing.py), so
 another program's files under the same path survive.
