@@ -11,6 +11,7 @@ from hicache_jax.storage.auth import MAX_KEY_BYTES, MIN_KEY_BYTES, BadAuthKey, r
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
@@ -86,6 +87,11 @@ COMBINATION_RULES = (
     (
         lambda c: bool(c.hicache_storage_auth_key_file) and not c.hicache_storage_backend,
         "hicache_storage_auth_key_file is set but hicache_storage_backend is not",
+    ),
+    (
+        lambda c: c.disaggregation_mode != "null" and not c.hicache_storage_backend,
+        "disaggregation_mode prefill or decode hands KV over through L3: it needs "
+        "--hicache_storage_backend and --hicache_storage_spec (the store both servers share)",
     ),
 )
 
@@ -374,6 +380,29 @@ class EngineConfig:
             "ignored (e.g. openssl rand -hex 32 > FILE)",
         ),
         shown_default="unset",
+    )
+
+    # Prefill/decode disaggregation through L3 (server/disaggregation.py).
+    disaggregation_mode: str = setting(
+        "null",
+        "SGLang's server role behind sglang-router --pd-disaggregation: prefill computes each "
+        "prompt, writes its pages through to L3 and publishes a handover marker under the "
+        "request's bootstrap_room; decode waits for the marker, loads the pages as an L3 hit and "
+        "decodes (computing the prompt itself if none comes in time). null: both.",
+        (lambda v, c: v in DISAGGREGATION_MODES, f"must be one of {DISAGGREGATION_MODES}"),
+        (
+            lambda v, c: v != "prefill" or c.hicache_write_policy == "write_through",
+            "must come with --hicache_write_policy=write_through (a prompt's pages must reach L3 as soon "
+            "as they are computed)",
+        ),
+        choices=DISAGGREGATION_MODES,
+    )
+    disaggregation_wait_s: float = setting(
+        60.0,
+        "Decode role: how long a request waits for its handover marker before it computes the "
+        "prompt itself (counted in /metrics as hicache_pd_fallbacks_total). Prefill role: the "
+        "longest wait for a prompt's pages to be durable in L3 before its marker is published.",
+        _POSITIVE,
     )
 
     def __post_init__(self):

@@ -72,6 +72,11 @@ class Req:
     # names it); None for a request of its own.
     group: str | None = None
     grammar: object = None  # its ``grammar.constraint.Constraint``, when the output is constrained
+    # Prefill/decode disaggregation, on a decode server: what became of the prompt's handover
+    # through L3 (``server/disaggregation.py``; meta_info "disaggregation"). With status
+    # "handover" a prefill server wrote the pages: L3 is read whatever the prefetch threshold,
+    # and waited for under every prefetch policy up to the read's own deadline.
+    handover: dict | None = None
 
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING

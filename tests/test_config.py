@@ -45,6 +45,8 @@ BAD = {  # one value per field that its rule must refuse (the other fields at th
     "speculative_ngram_min_match_window_size": 0,
     "speculative_ngram_max_match_window_size": 2,
     "speculative_verify_overhead_rows": -1.0,
+    "disaggregation_mode": "both",
+    "disaggregation_wait_s": 0.0,
 }
 
 
@@ -75,7 +77,7 @@ def test_layerwise_loads_are_refused_over_several_processes():
 
 
 def test_contradictions_are_refused(tmp_path):
-    assert len(COMBINATION_RULES) == 4
+    assert len(COMBINATION_RULES) == 5
     key = tmp_path / "l3.key"
     key.write_bytes(b"0123456789abcdef0123")
     for kwargs, words in (
@@ -83,6 +85,16 @@ def test_contradictions_are_refused(tmp_path):
         ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "contradicts"),
         ({"hicache_storage_spec": "/tmp/x"}, "hicache_storage_backend is not"),
         ({"hicache_storage_auth_key_file": str(key)}, "hicache_storage_backend is not"),
+        ({"disaggregation_mode": "prefill"}, "hands KV over through L3"),
     ):
         with pytest.raises(ConfigError, match=words):
             EngineConfig(**kwargs)
+
+
+def test_disaggregation_needs_a_shared_l3_and_write_through_prefill():
+    with pytest.raises(ConfigError, match=r"disaggregation_mode prefill or decode hands KV over through L3"):
+        EngineConfig(disaggregation_mode="decode")
+    l3 = dict(enable_hierarchical_cache=True, hicache_storage_backend="tensorstore", hicache_storage_spec="/tmp/x")
+    EngineConfig(disaggregation_mode="decode", hicache_write_policy="write_back", **l3)
+    with pytest.raises(ConfigError, match=r"^disaggregation_mode='prefill': must.*write_through"):
+        EngineConfig(disaggregation_mode="prefill", hicache_write_policy="write_back", **l3)

@@ -296,6 +296,24 @@ class StorageTier:
         ]
         return [(k, j) for j, _, k in sorted(need)]
 
+    # ---- handover (prefill/decode disaggregation) -------------------------------------------
+    def durable_end(self, tokens: list[int], input_len: int, salt: str | None) -> tuple[int, int]:
+        """(how far L3 alone serves ``tokens``, the most any match may use): the prefix end a
+        decode server's match would accept from L3's pages only, by the same
+        ``usable_prefix_end``. Callable from any thread: it reads only this tier's fixed
+        settings and the client, whose calls are thread-safe."""
+        P = self.rules.page_size
+        max_end = self.rules.max_end(input_len)
+        n = max_end // P
+        ns = self.ns(salt)
+        hashes = page_hashes(list(tokens[: n * P]), P, ns)
+        probe = [(k, j) for k in self.kinds for j in range(n)]
+        found = self.client.exists([page_path(ns, hashes[j], SUFFIX[k]) for k, j in probe])
+        held = {k: [False] * n for k in self.rules.kinds}
+        for (k, j), ok in zip(probe, found):
+            held[k][j] = ok
+        return usable_prefix_end(self.rules, input_len, -1, held), max_end
+
     # ---- maintenance ---------------------------------------------------------------------------
     def drain(self, abandon_prefetches: Callable[[float], int], timeout: float | None = None) -> StorageDrain:
         """Wait, for at most `timeout` (default: one call deadline) in all, for in-flight

@@ -165,27 +165,16 @@ class Engine:
         stream: bool = False,
         after: str | None = None,
         group: str | None = None,
+        handover: dict | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequest naming the bad field.
         ``after``: the rid of a queued request with the same prompt (an earlier choice of
         an ``n > 1`` request); this one is admitted only once that one has computed the
         prompt, so it takes the prompt's pages from the radix tree instead of computing it.
-        ``group``: the parent request of the n choices of one ``n > 1`` request (``Req.group``)."""
-        validate_rid(rid)
-        validate_cache_salt(cache_salt)
-        sp = SamplingParams.from_dict(sampling_params)
-        mc = self.model.cfg
-        validate_sampling(sp, vocab_size=mc.vocab_size, eos_token_ids=mc.eos_token_ids)
-        input_ids = validate_prompt(
-            input_ids,
-            text,
-            sp,
-            self.tokenizer,
-            vocab_size=mc.vocab_size,
-            context_len=self.context_len,
-            capacity=self.prefix_cache.sequence_capacity(),
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
+        ``group``: the parent request of the n choices of one ``n > 1`` request (``Req.group``).
+        ``handover``: a decode server's record of the prompt's handover (``Req.handover``)."""
+        input_ids, sp = self.check_request(
+            input_ids, text, sampling_params, rid, logprob_start_len, top_logprobs_num, cache_salt
         )
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
@@ -212,10 +201,43 @@ class Engine:
             after=None if self.cfg.disable_radix_cache else self.requests.get(after),
             grammar=grammar,
             group=group,
+            handover=handover,
         )
         self.requests[rid] = req
         self.scheduler.add(req)  # and its L3 prefetch starts
         return rid
+
+    def check_request(
+        self,
+        input_ids: list[int] | None = None,
+        text: str | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        rid: str | None = None,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[list[int], SamplingParams]:
+        """``add_request``'s checks alone: (the prompt's ids, its sampling), or InvalidRequest
+        naming the bad field. Reads only what is fixed at start (the model, the tokenizer,
+        the pool sizes), so any thread may call it: a decode server refuses a bad request
+        before it waits for the prompt's handover (``server/disaggregation.py``)."""
+        validate_rid(rid)
+        validate_cache_salt(cache_salt)
+        sp = SamplingParams.from_dict(sampling_params)
+        mc = self.model.cfg
+        validate_sampling(sp, vocab_size=mc.vocab_size, eos_token_ids=mc.eos_token_ids)
+        input_ids = validate_prompt(
+            input_ids,
+            text,
+            sp,
+            self.tokenizer,
+            vocab_size=mc.vocab_size,
+            context_len=self.context_len,
+            capacity=self.prefix_cache.sequence_capacity(),
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+        )
+        return input_ids, sp
 
     def abort(self, rid: str) -> bool:
         req = self.scheduler.abort(rid)

@@ -51,6 +51,8 @@ def _meta(req: Req) -> dict:
         n = req.spec_verifications
         meta["spec_verify_ct"] = n
         meta["spec_accept_length"] = (req.spec_accepted_tokens + n) / n if n else 0.0
+    if req.handover is not None:
+        meta["disaggregation"] = dict(req.handover)
     if req.timing:
         meta["timing"] = {k: round(v, 6) for k, v in req.timing.items()}
     return meta

@@ -98,6 +98,7 @@ class PrefetchTask:
     started: float  # monotonic
     deadline: float  # monotonic time after which it is dropped
     given_up: bool = False  # the request stopped waiting; the reads still land in L2
+    handover: bool = False  # a prefill server wrote these pages for it: wait up to the deadline
 
     @property
     def reading(self) -> bool:
@@ -153,8 +154,11 @@ class Prefetcher:
         lsl = req.logprob_start_len if req.return_logprob else -1
         look = self.storage.look(req.input_ids, req.input_len, lsl, req.cache_salt)
         # prefetch_threshold counts the prompt tokens the tree cannot serve (SGLang's rule);
-        # what is then read still ends at usable_prefix_end.
-        if req.input_len - look.tree_end < self.threshold or look.max_end - look.tree_end < self.page_size:
+        # what is then read still ends at usable_prefix_end. A handover is read whatever its
+        # length: computing the prompt is what the prefill server was there to spare.
+        handover = (req.handover or {}).get("status") == "handover"
+        short = req.input_len - look.tree_end < self.threshold and not handover
+        if short or look.max_end - look.tree_end < self.page_size:
             return
         if not self.storage.reads_available():
             self.counters["prefetch_skipped_l3_down"] += 1
@@ -168,7 +172,7 @@ class Prefetcher:
         deadline = started + self.storage.time_limit(probes, rows)
         read = self.storage.read(req.input_ids, req.input_len, lsl, req.cache_salt, look, deadline)
         key = req.prefetch_key
-        self.tasks[key] = PrefetchTask(key, read, req.input_len, rows, started, deadline)
+        self.tasks[key] = PrefetchTask(key, read, req.input_len, rows, started, deadline, handover=handover)
         self._reserved += rows
         self.counters["prefetch_issued"] += 1
 
@@ -225,6 +229,8 @@ class Prefetcher:
 
     def _stop_waiting(self, task: PrefetchTask, now: float) -> str | None:
         """Why the task's request stops waiting now (a counter's name), or None."""
+        if task.handover:  # every policy: only the read's own deadline ends the wait
+            return "prefetch_deadline_exceeded" if now > task.deadline else None
         if self.policy == "best_effort":
             return "prefetch_revoked"
         if self.policy == "timeout" and now - task.started > prefetch_timeout(task.input_len):

@@ -94,11 +94,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
-        return server_info(state, await state.loop.metrics())
+        return server_info(state, await _metrics(state))
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        text = metrics.render(await state.loop.metrics(), model_name=state.served_model_name)
+        text = metrics.render(await _metrics(state), model_name=state.served_model_name)
         return Response(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")
@@ -151,6 +151,9 @@ def create_app(state: ServerState) -> FastAPI:
         body = await parse_body(request, GenerateRequest)
         reqs, batched = body.to_engine_requests(cfg.max_n)
         await tokenize_texts(reqs, state.chat.tokenizer, state.max_text_bytes)
+        prefilled = await state.pd.run(state.loop, request, reqs)  # a prefill server's answer
+        if prefilled is not None:
+            return JSONResponse(prefilled if batched else prefilled[0])
         watch = Watch(state.loop, await state.loop.generate(reqs), request)
         if body.stream:
             return stream_response(watch, _events(watch, indexed=batched))
@@ -161,6 +164,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(openai_router)
     return app
+
+
+async def _metrics(state: ServerState):
+    """The engine loop's numbers and the server's own (``Disaggregation``)."""
+    return (await state.loop.metrics()).add(state.pd.counters)
 
 
 def server_info(state: ServerState, metrics: dict) -> dict:
@@ -180,7 +188,7 @@ def server_info(state: ServerState, metrics: dict) -> dict:
         "dp_size": 1,
         "pp_size": 1,
         "is_embedding": False,
-        "disaggregation_mode": "null",
+        "disaggregation_mode": state.engine_cfg.disaggregation_mode,
         "weight_version": "default",
     }
     return {

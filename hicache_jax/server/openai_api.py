@@ -31,6 +31,7 @@ from hicache_jax.server.errors import ApiError, error_response
 from hicache_jax.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hicache_jax.server.prompt_size import check_text, tokenize_texts, utf8_len
 from hicache_jax.server.protocol import MAX_BATCH, parse_body
+from hicache_jax.server.rooms import rooms_for
 from hicache_jax.server.state import ServerState
 from hicache_jax.server.streaming import Watch, sse, stream_response, wait_whole
 from hicache_jax.tiers import TIERS
@@ -180,7 +181,11 @@ async def completions(request: Request) -> Response:
     want_lp = body.logprobs is not None
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     lsl = 0 if body.echo else -1  # echo: the prompt's logprobs from its first token
-    reqs = [_engine_request(p, "cmpl", body, max_tokens, want_lp, body.logprobs, lsl) for p in prompts]
+    rooms = rooms_for(body.bootstrap_room, len(prompts))
+    reqs = [
+        dict(_engine_request(p, "cmpl", body, max_tokens, want_lp, body.logprobs, lsl), bootstrap_room=room)
+        for p, room in zip(prompts, rooms)
+    ]
     await tokenize_texts(reqs, s.chat.tokenizer, s.max_text_bytes)
     rid = reqs[0]["rid"]
     reqs = choices.expand(reqs, n)  # choice k: prompt k // n
@@ -248,6 +253,7 @@ async def chat_completions(request: Request) -> Response:
     ids = await asyncio.to_thread(s.chat.encode, messages, True, variables)
     max_tokens = body.max_new_tokens(len(ids), s.max_request_tokens)
     req = _engine_request({"input_ids": ids}, "chatcmpl", body, max_tokens, body.logprobs, body.top_logprobs)
+    (req["bootstrap_room"],) = rooms_for(body.bootstrap_room, 1)
     if tools is not None:
         extra = tools.sampling_params()
         if "json_schema" in extra and body.grammar_params():
@@ -369,7 +375,11 @@ async def _respond(
     chunks: Callable[[Watch], AsyncIterator[bytes]],
     whole: Callable[[list[dict]], object],
 ) -> Response:
-    """Queue the requests; stream SSE chunks, or wait for every output and answer once."""
+    """Queue the requests; stream SSE chunks, or wait for every output and answer once. A
+    prefill server answers its role's outputs (``Disaggregation.run``), never streamed."""
+    prefilled = await s.pd.run(s.loop, request, reqs)
+    if prefilled is not None:
+        return JSONResponse(await whole(prefilled))
     watch = Watch(s.loop, await s.loop.generate(reqs), request)
     if stream:
         return stream_response(watch, chunks(watch))

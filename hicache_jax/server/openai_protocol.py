@@ -51,6 +51,10 @@ class _Common(StrictModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
+    # sglang-router's PD mode (server/disaggregation.py; host and port are not used here).
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
     # Structured output (``hicache_jax/grammar``): OpenAI's, and SGLang's extensions.
     response_format: dict[str, Any] | None = None
     regex: str | None = None

@@ -18,6 +18,7 @@ from hicache_jax.sampling_params import InvalidRequest, SamplingParams
 from hicache_jax.server import choices, compat_fields
 from hicache_jax.server.compat_fields import Compat
 from hicache_jax.server.errors import ApiError, describe_validation_errors
+from hicache_jax.server.rooms import rooms_for
 
 MAX_BATCH = 1024  # prompts per /generate or /v1/completions call
 MAX_BODY_BYTES = 64 << 20  # a request body is read into memory: bound it (ServerState narrows it)
@@ -93,6 +94,11 @@ class GenerateRequest(StrictModel):
     stream: bool = False
     rid: str | list[str] | None = None
     cache_salt: str | None = None
+    # sglang-router's PD mode (server/disaggregation.py): a room per prompt; host and port
+    # name SGLang's bootstrap server, which the L3 handover has no use for.
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
     def prompts(self) -> tuple[list[dict], bool]:
         """[{text} | {input_ids}] and whether the request was a batch."""
@@ -156,7 +162,11 @@ class GenerateRequest(StrictModel):
             cache_salt=self.cache_salt,
             stream=self.stream,
         )
-        reqs = [dict(item, sampling_params=p, rid=r, **common) for item, p, r in zip(items, params, rids)]
+        rooms = rooms_for(self.bootstrap_room, n)
+        reqs = [
+            dict(item, sampling_params=p, rid=r, bootstrap_room=room, **common)
+            for item, p, r, room in zip(items, params, rids, rooms)
+        ]
         return choices.expand(reqs, n_choices), batched or n_choices > 1
 
 

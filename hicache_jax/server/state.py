@@ -13,6 +13,7 @@ from hicache_jax.config import EngineConfig
 from hicache_jax.server import prompt_size
 from hicache_jax.server.chat_template import ChatTemplate
 from hicache_jax.server.config import ServerConfig
+from hicache_jax.server.disaggregation import Disaggregation
 from hicache_jax.server.engine_loop import EngineLoop
 from hicache_jax.server.tools.formats import ToolFormat, detect, from_name
 
@@ -31,6 +32,7 @@ class ServerState:
     max_body_bytes: int = prompt_size.MAX_BODY_BYTES  # a request body (prompt_size.py)
     max_text_bytes: int | None = None  # a prompt's text, before it is tokenized (None: no bound)
     tool_format: ToolFormat | None = None  # how tool_choice=auto output is parsed
+    pd: Disaggregation = dataclasses.field(default_factory=lambda: Disaggregation("null", 1.0))
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -78,6 +80,7 @@ class ServerState:
             devices=[str(d) for d in jax.devices()],
             max_body_bytes=prompt_size.body_limit(cfg.queued_token_limit),
             max_text_bytes=prompt_size.text_limit(engine.context_len, engine.tokenizer),
+            pd=Disaggregation.from_engine(engine),
             tool_format=from_name(server_cfg.tool_call_parser)
             if server_cfg.tool_call_parser
             else detect(chat.source),
