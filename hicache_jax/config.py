@@ -400,8 +400,8 @@ class EngineConfig:
     disaggregation_wait_s: float = setting(
         60.0,
         "Decode role: how long a request waits for its handover marker before it computes the "
-        "prompt itself (counted in /metrics as hicache_pd_fallbacks_total). Prefill role: the "
-        "longest wait for a prompt's pages to be durable in L3 before its marker is published.",
+        "prompt itself (counted in /metrics as hicache_pd_fallbacks_total). A prefill server "
+        "waits at most 3 x --hicache_storage_timeout_s for a prompt's pages to reach L3.",
         _POSITIVE,
     )
 

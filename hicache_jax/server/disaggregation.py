@@ -48,6 +48,7 @@ from hicache_jax.storage.layout import namespace_dir
 log = logging.getLogger(__name__)
 
 POLL_S = (0.005, 0.1)  # L3 polls: first interval, doubling up to the second
+WRITE_WAIT_CALLS = 3  # a prefill's wait for its pages, in L3 call deadlines (--hicache_storage_timeout_s)
 # ``Engine.check_request``'s arguments, as an engine request dict names them.
 CHECKED = (
     "input_ids",
@@ -72,6 +73,9 @@ class Disaggregation:
         self.wait_s = wait_s
         self.storage = storage  # cache/storage_tier.StorageTier: durable_end, ns, client
         self.check = check  # Engine.check_request: a decode server refuses before it waits
+        # Prefill: how long a finished prompt's pages may take to reach L3 (a few L3 call
+        # deadlines: the write queue's) before its marker says how far they got.
+        self.write_wait_s = WRITE_WAIT_CALLS * storage.timeout_s if storage is not None else 0.0
         self.board = HandoverBoard(storage.client.store) if mode != "null" else None
         self.server_id = server_id or f"{socket.gethostname()}-{os.getpid()}"
         self.counters = Metrics().counters(
@@ -186,7 +190,9 @@ class Disaggregation:
             else:
                 end, target = await self._durable(r)
                 status = "done" if end > 0 or target == 0 else "failed"
-                why = "" if status == "done" else f"none of its pages reached L3 within {self.wait_s:g} s"
+                why = (
+                    "" if status == "done" else f"none of its pages reached L3 within {self.write_wait_s:g} s"
+                )
                 done[room] = await self._publish(room, r, end, status, why)
         for out, room in zip(outs, rooms):
             if room is not None:
@@ -204,7 +210,7 @@ class Disaggregation:
         """(how far L3 serves the prompt now, how far it can): polled until equal or the wait
         runs out. The pages were queued for L3 when the request finished (write-through)."""
         ids, salt = r["input_ids"], r.get("cache_salt")
-        deadline = time.monotonic() + self.wait_s
+        deadline = time.monotonic() + self.write_wait_s
         pause = POLL_S[0]
         while True:
             end, target = await asyncio.to_thread(self.storage.durable_end, ids, len(ids), salt)
