@@ -18,6 +18,9 @@ Every server on a store runs one `Capacity` thread (never the scheduler thread).
   4. it checkpoints the index to ``meta/index`` (every `checkpoint_s`, or a second per 20,000
      pages if longer, and on close),
      then deletes the journal objects the checkpoint holds, so a new holder starts from it.
+  5. it sweeps the prefill -> decode handover markers (handover.py): one listing of
+     ``meta/handover/``, reading only markers new since its last sweep, and deletes those
+     older than `handover_max_age_s` and, past `handover_max_markers`, the oldest.
 
 A write that takes the store past a limit (as this server last saw the store's size) wakes the
 thread at once instead of at the next tick; the cap may be overshot by the writes of about one
@@ -43,6 +46,7 @@ import numpy as np
 
 from hicache_jax.metric_kinds import Metrics
 from hicache_jax.storage.guard import GuardConfig, StoreGuard
+from hicache_jax.storage.handover import HandoverBoard
 from hicache_jax.storage.journal import JOURNAL, RecencyLog, Segment, is_journal_key
 from hicache_jax.storage.layout import META
 from hicache_jax.storage.lease import Lease
@@ -66,6 +70,8 @@ class CapacityConfig:
     checkpoint_s: float = 60.0  # most time between index checkpoints
     delete_batch: int = 256  # pages per delete call
     timeout_s: float = 5.0  # deadline of one store call
+    handover_max_markers: int = 10_000  # PD handover markers kept (the newest)
+    handover_max_age_s: float = 600.0  # a handover marker older than this is swept
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0 or self.min_free_bytes < 0:
@@ -79,6 +85,11 @@ class CapacityConfig:
             raise ValueError("CapacityConfig.lease_ttl_s must exceed two ticks (the holder renews each tick)")
         if self.delete_batch < 1:
             raise ValueError(f"CapacityConfig.delete_batch must be >= 1, got {self.delete_batch}")
+        if self.handover_max_markers < 0 or not self.handover_max_age_s > 0:
+            raise ValueError(
+                "CapacityConfig: handover_max_markers must be >= 0 and handover_max_age_s > 0, got "
+                f"{self.handover_max_markers} and {self.handover_max_age_s}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -118,6 +129,7 @@ class Capacity:
         self._dirty = False
         self._used = 0  # the store's size as last seen (our index, or the holder's usage.json)
         self._since = 0  # bytes this server wrote since then
+        self._markers: dict[str, float] = {}  # handover marker key -> written, as last read
         self.counters = Counters(
             "evict_passes",
             "evicted_pages",
@@ -126,6 +138,7 @@ class Capacity:
             "journal_writes",
             "journal_folded",
             "checkpoints",
+            "handover_markers_swept",
             "maintenance_errors",
         )
         self._wake = threading.Event()
@@ -165,6 +178,7 @@ class Capacity:
             if not self.lease.acquire():
                 self.index = None  # another server evicts; drop our copy of the index
                 self._folded, self._folded_set = [], set()
+                self._markers = {}
                 self._read_usage()
                 return
             if self.index is None:
@@ -178,6 +192,7 @@ class Capacity:
             if final or (self._dirty and due):
                 self._checkpoint()
             self._publish_usage()
+            self._sweep_markers()
             if final:
                 self.lease.release()
 
@@ -222,6 +237,22 @@ class Capacity:
             self.counters.add(journal_folded=len(batch))
             self._dirty = True
         self._used, self._since = self.index.total_bytes, 0
+
+    def _sweep_markers(self) -> None:
+        """Sweep handover markers (evictor only). Its failure is counted and logged, and
+        leaves the rest of the tick done: markers are hints, a late sweep costs nothing."""
+        board = HandoverBoard(
+            self._store(), max_markers=self.cfg.handover_max_markers, max_age_s=self.cfg.handover_max_age_s
+        )
+        known = dict(self._markers)  # a copy: a sweep abandoned at its deadline may still fill it
+        try:
+            n = self._call("write", lambda: board.sweep(known=known), what="handover")
+        except Exception as e:  # noqa: BLE001 - the next tick sweeps again
+            self.counters.add(maintenance_errors=1)
+            self.guard.ratelog.warning("handover", "L3 handover sweep failed: %s: %s", type(e).__name__, e)
+            return
+        self._markers = known
+        self.counters.add(handover_markers_swept=n)
 
     def _needed(self) -> int:
         """Bytes to evict now to get back under every limit (0: none)."""

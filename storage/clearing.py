@@ -2,13 +2,15 @@
 
     scope "<model>/<fields>"   every page of that namespace, for every cache_salt tenant
     scope ""                   every page of the layout (every model, config and tenant),
-                               the recency journal, the index checkpoint and the usage record
+                               the recency journal, the index checkpoint, the usage record
+                               and the prefill -> decode handover markers
 
 A key is ours only if its name is one this project writes: a page path `parse_page_path`
-accepts (under the scope's prefix), a journal object named as `RecencyLog` names them, or
-``meta/index`` / ``meta/usage.json``. Anything else under the store's path survives: a user's
-files at the root, under ``pages/``, inside a namespace directory or under ``meta/``, and
-layout-1 flat pages (``gc --drop_legacy`` drops those, explicitly). Kept on purpose:
+accepts (under the scope's prefix), a journal object named as `RecencyLog` names them, a
+handover marker named as `handover.room_key` names them, or ``meta/index`` /
+``meta/usage.json``. Anything else under the store's path survives: a user's files at the
+root, under ``pages/``, inside a namespace directory or under ``meta/``, and layout-1 flat
+pages (``gc --drop_legacy`` drops those, explicitly). Kept on purpose:
 
   * the marker (``hicache-l3.json``): the store keeps its layout, so the next start need not
     list it again for flat pages;
@@ -24,6 +26,7 @@ from __future__ import annotations
 import time
 
 from hicache_jax.storage.capacity import RECORDS
+from hicache_jax.storage.handover import room_of
 from hicache_jax.storage.journal import is_journal_key
 from hicache_jax.storage.keys import Namespace
 from hicache_jax.storage.layout import META, PAGES, namespace_dir, namespace_prefix, parse_page_path
@@ -45,7 +48,7 @@ def owned_keys(store, scope: str = "") -> list[str]:
         prefix = namespace_prefix(scope)
         return [k for k in store.list_keys(prefix) if parse_page_path(k) is not None]
     pages = [k for k in store.list_keys(PAGES) if parse_page_path(k) is not None]
-    meta = [k for k in store.list_keys(META) if k in RECORDS or is_journal_key(k)]
+    meta = [k for k in store.list_keys(META) if k in RECORDS or is_journal_key(k) or room_of(k) is not None]
     return pages + meta
 
 

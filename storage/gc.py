@@ -6,8 +6,11 @@
     python -m hicache_jax.storage.gc --spec=/data/l3 --namespace=<model>[/<fields>/<salt>]
     python -m hicache_jax.storage.gc --spec=/data/l3 --drop_legacy      # old flat pages
 
-Every sweep deletes only keys named as this project names pages (layout.py): other files in
-the store are never listed for deletion.
+Every sweep deletes only keys named as this project names pages (layout.py) and handover
+markers (handover.py): other files in the store are never listed for deletion. The report
+counts the prefill -> decode handover markers and gives the oldest one's age; every sweep
+also removes the markers the fleet evictor would (unreadable, older than 10 minutes, the
+oldest past 10,000), and ``--older_than`` any marker older than it too.
 
 It works from the same recency index the servers' evictor keeps (``meta/index`` plus the
 journal) and takes the same lease, so it never runs beside a server's eviction pass (it
@@ -36,6 +39,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from hicache_jax.storage.capacity import Capacity, CapacityConfig
+from hicache_jax.storage.handover import HandoverBoard, survey
 from hicache_jax.storage.journal import encode_records
 from hicache_jax.storage.layout import LEGACY_RANGE, PAGES, is_legacy_key, namespace_prefix, parse_page_path
 from hicache_jax.storage.lru_index import LruIndex
@@ -72,7 +76,19 @@ class Collector:
 
     def report(self) -> dict:
         idx = self.index
-        return {"pages": idx.pages, "bytes": idx.total_bytes, "namespaces": idx.report()}
+        markers = survey(HandoverBoard(self.store).scan(), time.time())
+        return {"pages": idx.pages, "bytes": idx.total_bytes, "namespaces": idx.report(), "handover": markers}
+
+    def sweep_markers(self, older_than_s: float | None = None, *, dry_run: bool) -> dict:
+        """Remove handover markers past the evictor's bounds (`CapacityConfig`), and any
+        older than `older_than_s`; returns how many were (or, dry, would be) removed."""
+        cfg = self.cap.cfg
+        max_age = (
+            cfg.handover_max_age_s if older_than_s is None else min(older_than_s, cfg.handover_max_age_s)
+        )
+        board = HandoverBoard(self.store, max_markers=cfg.handover_max_markers, max_age_s=max_age)
+        n = len(board.expired(board.scan())) if dry_run else board.sweep()
+        return {"markers": n, "dry_run": dry_run}
 
     def select(self, *, max_bytes: int | None = None, older_than_s: float | None = None, namespace: str = ""):
         """Index rows to remove, oldest first: a namespace (and/or older than an age), or
@@ -148,7 +164,9 @@ class Collector:
 FLAGS = flags.FLAGS
 flags.DEFINE_string("spec", None, "The L3 store: a directory, a kvstore URL or a JSON spec.")
 flags.DEFINE_float("max_gb", None, "Sweep the least recently used pages until the store holds this many GB.")
-flags.DEFINE_string("older_than", None, "Sweep pages not used for this long (e.g. 12h, 7d).")
+flags.DEFINE_string(
+    "older_than", None, "Sweep pages not used, and handover markers written, this long ago (e.g. 12h, 7d)."
+)
 flags.DEFINE_string("namespace", None, "Sweep one namespace dir (<model>[/<fields>/<salt>]).")
 flags.DEFINE_bool("drop_legacy", False, "Delete pages of the old flat layout.")
 flags.DEFINE_bool("rebuild", False, "Re-create the recency index by listing the store first.")
@@ -165,6 +183,10 @@ def _table(report: dict) -> str:
         row = f"{ns[:60]:<60} {r['pages']:>10} {r['bytes'] / 1e9:>9.3f} "
         lines.append(row + " ".join(f"{b / 1e9:>9.3f}" for b in r["by_age"].values()))
     lines.append(f"{'total':<60} {report['pages']:>10} {report['bytes'] / 1e9:>9.3f}")
+    markers = report.get("handover")
+    if markers is not None:
+        oldest = "" if markers["oldest_age_s"] is None else f", oldest {markers['oldest_age_s']:.0f} s old"
+        lines.append(f"handover markers: {markers['markers']} ({markers['unreadable']} unreadable{oldest})")
     return "\n".join(lines)
 
 
@@ -188,6 +210,8 @@ def main(argv) -> None:
                 namespace=FLAGS.namespace or "",
             )
             out["sweep"] = gc.sweep(at, dry_run=FLAGS.dry_run, namespace=FLAGS.namespace or "")
+            older = None if not FLAGS.older_than else parse_age(FLAGS.older_than)
+            out["handover_sweep"] = gc.sweep_markers(older, dry_run=FLAGS.dry_run)
         out["report"] = gc.report()
         if FLAGS.json:
             print(json.dumps(out))

@@ -195,16 +195,59 @@ class HandoverBoard:
         """Delete the marker of `room` (missing is fine)."""
         self.store.delete([room_key(room)])
 
-    def markers(self) -> list[tuple[str, Handover | None]]:
-        """Every marker key in the store (one listing), with its marker, or None where the
+    def scan(self, known: dict[str, float] | None = None) -> dict[str, float | None]:
+        """Every marker key in the store (one listing) -> its `written`, or None where the
         value is unreadable or names another room. Keys that vanish meanwhile are left out;
-        keys not named as `room_key` names them are not ours and never listed here.
-        [] for a store that cannot list."""
+        keys not named as `room_key` names them are not ours and never listed. Keys in
+        `known` (key -> written, as an earlier scan read them) are not read again. {} for a
+        store that cannot list."""
         try:
             keys = [k for k in self.store.list_keys(HANDOVER) if room_of(k) is not None]
         except NotImplementedError:
-            return []
-        out: list[tuple[str, Handover | None]] = []
+            return {}
+        known = known or {}
+        out = {k: known[k] for k in keys if k in known}
+        out.update(self._written([k for k in keys if k not in known]))
+        return out
+
+    def expired(self, scanned: dict[str, float | None], now: float | None = None) -> list[str]:
+        """The keys of `scanned` that `sweep` deletes: unreadable ones, those written over
+        `max_age_s` before `now`, and, beyond `max_markers`, the oldest of the rest."""
+        cutoff = (self._clock() if now is None else now) - self.max_age_s
+        gone = [k for k, w in scanned.items() if w is None or w < cutoff]
+        live = sorted((w, k) for k, w in scanned.items() if w is not None and w >= cutoff)
+        return gone + [k for _, k in live[: max(0, len(live) - self.max_markers)]]
+
+    def sweep(self, now: float | None = None, *, known: dict[str, float] | None = None) -> int:
+        """Delete `expired` markers; returns how many (0 for a store that cannot list). One
+        listing, reads in batches of `READ_BATCH`, deletes in batches of `DELETE_BATCH`.
+
+        `known`: a cache the caller owns (and does not share between threads), key ->
+        written, filled and pruned here, so that a periodic sweep reads only markers new
+        since the last. A marker the cache condemns is read again before it is deleted (a
+        retried room's overwrite is newer than the cache says)."""
+        now = self._clock() if now is None else now
+        scanned = self.scan(known)
+        stale = {k for k in scanned if known and k in known}  # not read by this sweep
+        gone = self.expired(scanned, now)
+        while recheck := [k for k in gone if k in stale]:  # each key is read again once at most
+            stale.difference_update(recheck)
+            fresh = self._written(recheck)
+            for k in recheck:
+                if k in fresh:
+                    scanned[k] = fresh[k]
+                else:
+                    del scanned[k]  # consumed since the listing
+            gone = self.expired(scanned, now)
+        self._drop(gone)
+        if known is not None:
+            known.clear()
+            dropped = set(gone)
+            known.update((k, w) for k, w in scanned.items() if w is not None and k not in dropped)
+        return len(gone)
+
+    def _written(self, keys: list[str]) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
         for i in range(0, len(keys), READ_BATCH):
             batch = keys[i : i + READ_BATCH]
             for key, value in zip(batch, self.store.get(batch)):
@@ -214,39 +257,19 @@ class HandoverBoard:
                     h = Handover.decode(value)
                 except ValueError:
                     h = None
-                out.append((key, h if h is not None and h.room == room_of(key) else None))
+                out[key] = h.written if h is not None and h.room == room_of(key) else None
         return out
-
-    def expired(self, now: float | None = None, markers=None) -> list[str]:
-        """The keys `sweep` deletes: unreadable ones, those written over `max_age_s` ago,
-        and, beyond `max_markers`, the oldest of the rest."""
-        now = self._clock() if now is None else now
-        markers = self.markers() if markers is None else markers
-        cutoff = now - self.max_age_s
-        gone = [k for k, h in markers if h is None or h.written < cutoff]
-        live = sorted((h.written, k) for k, h in markers if h is not None and h.written >= cutoff)
-        over = len(live) - self.max_markers
-        if over > 0:
-            gone += [k for _, k in live[:over]]
-        return gone
-
-    def sweep(self, now: float | None = None) -> int:
-        """Delete `expired(now)`; returns how many were deleted (0 for a store that cannot
-        list). One listing, reads in batches of `READ_BATCH`, deletes of `DELETE_BATCH`."""
-        gone = self.expired(now)
-        self._drop(gone)
-        return len(gone)
 
     def _drop(self, keys: list[str]) -> None:
         for i in range(0, len(keys), DELETE_BATCH):
             self.store.delete(keys[i : i + DELETE_BATCH])
 
 
-def survey(markers: list[tuple[str, Handover | None]], now: float) -> dict:
+def survey(scanned: dict[str, float | None], now: float) -> dict:
     """For reports: how many markers, how many unreadable, and the oldest one's age (s)."""
-    written = [h.written for _, h in markers if h is not None]
+    written = [w for w in scanned.values() if w is not None]
     return {
-        "markers": len(markers),
-        "unreadable": sum(h is None for _, h in markers),
+        "markers": len(scanned),
+        "unreadable": len(scanned) - len(written),
         "oldest_age_s": round(now - min(written), 3) if written else None,
     }
