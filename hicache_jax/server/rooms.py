@@ -4,7 +4,7 @@ carried on each engine request dict (under ``ROOM``) until ``Disaggregation.run`
 from __future__ import annotations
 
 from hicache_jax.sampling_params import InvalidRequest
-from hicache_jax.storage.handover import room_key
+from hicache_jax.storage.handover import check_room
 
 ROOM = "bootstrap_room"
 
@@ -24,8 +24,8 @@ def rooms_for(value, prompts: int) -> list[int | None]:
         raise InvalidRequest(f"bootstrap_room: a batch of {prompts} prompts needs a list of rooms, one each")
     for i, room in enumerate(rooms):
         try:
-            room_key(room)
-        except ValueError as e:
+            check_room(room)
+        except ValueError:
             where = f"bootstrap_room[{i}]" if isinstance(value, list) else "bootstrap_room"
-            raise InvalidRequest(f"{where}: {e}") from None
+            raise InvalidRequest(f"{where} must be an integer in [0, 2**64), got {room!r}") from None
     return list(rooms)
