@@ -21,8 +21,8 @@ says it fell back and why, and ``/metrics`` counts it (``hicache_pd_fallbacks_to
 
 Markers are hints, never data: a forged one can at most end a wait early, since every page is
 checked (checksum, and HMAC with an auth key) as it is read. The decode server deletes the
-markers it reads; the fleet evictor sweeps the rest by age and number
-(``storage/handover.py``).
+markers it reads; the rest are swept by age and number (``storage/handover.py``) by each
+prefill server at most once a minute, and by the fleet evictor each tick when L3 is capped.
 
 A ``bootstrap_room`` on a server with ``--disaggregation_mode null`` is accepted and changes
 nothing: it serves the whole request, as SGLang's does.
@@ -48,6 +48,7 @@ from hicache_jax.storage.layout import namespace_dir
 log = logging.getLogger(__name__)
 
 POLL_S = (0.005, 0.1)  # L3 polls: first interval, doubling up to the second
+SWEEP_EVERY_S = 60.0  # a prefill server's sweep of stale markers (also the fleet evictor's, each tick)
 WRITE_WAIT_CALLS = 3  # a prefill's wait for its pages, in L3 call deadlines (--hicache_storage_timeout_s)
 # ``Engine.check_request``'s arguments, as an engine request dict names them.
 CHECKED = (
@@ -78,6 +79,7 @@ class Disaggregation:
         self.write_wait_s = WRITE_WAIT_CALLS * storage.timeout_s if storage is not None else 0.0
         self.board = HandoverBoard(storage.client.store) if mode != "null" else None
         self.server_id = server_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._next_sweep = 0.0  # monotonic: a prefill server sweeps at most every SWEEP_EVERY_S
         self.counters = Metrics().counters(
             {
                 "pd_handovers": 0,  # decode: a marker said done, and the prompt was read from L3
@@ -85,6 +87,7 @@ class Disaggregation:
                 "pd_wait_seconds": 0.0,  # decode: time spent waiting for markers
                 "pd_markers_published": 0,  # prefill: done markers
                 "pd_markers_failed": 0,  # prefill: failed markers (the prompt could not be handed over)
+                "pd_markers_swept": 0,  # prefill: markers past their age or number bound, deleted
             }
         )
 
@@ -111,6 +114,11 @@ class Disaggregation:
             return None
         return await self._prefill(loop, request, reqs, rooms)
 
+    async def _l3(self, fn, *args):
+        """``fn(*args)`` on a worker thread, within one L3 call deadline (TimeoutError past
+        it; the thread is left to finish on its own, as ``StoreGuard`` leaves its calls)."""
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.storage.timeout_s)
+
     # ---- decode ---------------------------------------------------------------------------
     async def _await_handovers(self, reqs: list[dict], rooms: list[int | None]) -> None:
         distinct = {room: r for r, room in zip(reqs, rooms) if room is not None}
@@ -129,7 +137,7 @@ class Disaggregation:
         marker = None
         while True:
             try:
-                marker = await asyncio.to_thread(self.board.read, room)
+                marker = await self._l3(self.board.read, room)
             except Exception as e:  # L3 unreachable: keep trying until the deadline
                 log.debug("reading handover marker %s failed: %s", room, e)
             if marker is not None or time.monotonic() >= deadline:
@@ -141,7 +149,7 @@ class Disaggregation:
         record = {"room": room, "wait_s": round(waited, 6)}
         if marker is None:
             return self._fell_back(record, f"no handover marker within {self.wait_s:g} s")
-        await asyncio.to_thread(self._consume, room)
+        await self._l3(self._consume, room)
         own = namespace_dir(self.storage.ns(salt))
         if marker.status != "done":
             return self._fell_back(record, f"the prefill server could not hand it over: {marker.message}")
@@ -212,8 +220,12 @@ class Disaggregation:
         ids, salt = r["input_ids"], r.get("cache_salt")
         deadline = time.monotonic() + self.write_wait_s
         pause = POLL_S[0]
+        end, target = 0, self.storage.rules.max_end(len(ids))
         while True:
-            end, target = await asyncio.to_thread(self.storage.durable_end, ids, len(ids), salt)
+            try:
+                end, target = await self._l3(self.storage.durable_end, ids, len(ids), salt)
+            except Exception as e:  # L3 unreachable or slow: poll again until the deadline
+                log.debug("checking the handover pages of %d tokens failed: %s", len(ids), e)
             if end >= target or time.monotonic() >= deadline:
                 return end, target
             await asyncio.sleep(pause)
@@ -231,11 +243,18 @@ class Disaggregation:
             message=message,
         )
         try:
-            await asyncio.to_thread(self.board.publish, marker)
+            await self._l3(self.board.publish, marker)
         except Exception as e:  # the decode server waits out its deadline and computes it
             log.warning("publishing handover marker %s failed: %s", room, e)
             status = "failed"
         self.counters["pd_markers_published" if status == "done" else "pd_markers_failed"] += 1
+        if time.monotonic() >= self._next_sweep:  # markers no decode server took: bounded
+            self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+            try:
+                swept = await self._l3(self.board.sweep)
+                self.counters["pd_markers_swept"] += swept
+            except Exception as e:  # the next one, or the fleet evictor, tries again
+                log.debug("sweeping handover markers failed: %s", e)
         return marker
 
     async def _publish_failed(self, reqs: list[dict], rooms: list[int | None], message: str) -> None:

@@ -150,3 +150,16 @@ def test_everything_else_falls_back_and_says_why(tier, marker, reason):
         assert time.monotonic() - t0 >= 0.3  # waited out the deadline
     assert pd.counters["pd_fallbacks"] == 1 and pd.counters["pd_handovers"] == 0
     assert pd.board.read(room) is None
+
+
+def test_a_prefill_server_sweeps_markers_no_decode_server_took(tier):
+    """Without a capped L3 no evictor runs: the prefill server itself bounds the markers."""
+    pd = Disaggregation("prefill", 1.0, tier)
+    stale = _marker(tier, 21, written=time.time() - 2 * pd.board.max_age_s)
+    pd.board.publish(stale)
+    fresh = {"input_ids": prompt(seed=3, pages=2)}
+    asyncio.run(pd._publish(22, fresh, 16, "done"))
+    assert pd.board.read(21) is None and pd.board.read(22) is not None
+    assert pd.counters["pd_markers_swept"] == 1 and pd.counters["pd_markers_published"] == 1
+    asyncio.run(pd._publish(23, fresh, 16, "done"))  # within SWEEP_EVERY_S: no second listing
+    assert pd.counters["pd_markers_swept"] == 1
