@@ -61,6 +61,7 @@ class ServerState:
             "has_tokenizer": engine.tokenizer.has_text,
             "eos_token_ids": list(mc.eos_token_ids),
             "kv_bytes_per_token": engine.runner.kv_bytes_per_token(),  # attention layers, every head
+            "disaggregation_mode": cfg.disaggregation_mode,  # this server's PD role (also /server_info)
         }
         source = None
         if server_cfg.chat_template:
