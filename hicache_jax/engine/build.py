@@ -54,12 +54,14 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
     return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
 
 
-def attach_drafter(cfg: EngineConfig, model: CausalLM) -> None:
+def attach_drafter(cfg: EngineConfig, model: CausalLM, kernels: KernelConfig | None = None) -> None:
     """Give ``model`` the drafter a model-drafting algorithm runs in every step
     (``runtime/mtp_drafts.py``), its KV one more cache layer (``mtp_cache_layers``): NEXTN,
     the model's first MTP block; EAGLE3, the draft at ``speculative_draft_model_path`` in
-    the block's place, reading the residual stream at its three boundaries (``eagle3_aux``).
-    Refuses, naming the flag, a draft that does not fit the model."""
+    the block's place, reading the residual stream at its three boundaries (``eagle3_aux``),
+    its weights split over the model's mesh as a main layer's (``layers/eagle3.py``) and its
+    kernels those of ``kernels`` (default: the config's) on that mesh. Refuses, naming the
+    flag, a draft that does not fit the model, or whose heads ``tp_size`` cannot split."""
     if cfg.speculative_algorithm.upper() != "EAGLE3":
         model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1)
         return
@@ -70,14 +72,17 @@ def attach_drafter(cfg: EngineConfig, model: CausalLM) -> None:
     from hicache_jax.models.layers.eagle3 import cache_mismatch
 
     flag = f"speculative_draft_model_path={cfg.speculative_draft_model_path!r}"
-    if cfg.tp_size > 1 or model.cfg.dsv4 is not None:
+    if model.cfg.dsv4 is not None:
         raise ConfigError(
-            "speculative_algorithm='EAGLE3' is not supported yet "
-            + ("with tp_size > 1" if cfg.tp_size > 1 else "for DeepSeek V4 (residual streams)")
+            "speculative_algorithm='EAGLE3' is not supported yet for DeepSeek V4 (residual streams)"
         )
+    kernels = kernels or KernelConfig(
+        attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret
+    )
+    kernels = dataclasses.replace(kernels, mesh=model.mesh)  # the draft runs where the model does
     path = resolve_model_path(cfg.speculative_draft_model_path)
     try:
-        draft = load_eagle3(path, model.cfg, dtype=model.dtype, kernels=kernel_config(cfg))
+        draft = load_eagle3(path, model.cfg, dtype=model.dtype, kernels=kernels)
     except (CheckpointError, OSError, ValueError) as e:
         raise ConfigError(f"{flag}: {e}") from e
     why = cache_mismatch(draft.cfg, model.cfg)

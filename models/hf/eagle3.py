@@ -12,6 +12,8 @@ safetensors, under the names SGLang and vLLM read:
   (the draft embeds with the target's embedding).
 
 A ``model.`` prefix on the names is accepted. A tensor no parameter reads is refused, named.
+On a tensor-parallel mesh (``kernels.mesh``) each device reads only its own slice of each
+tensor, split as ``layers/eagle3.param_spec`` says (a main layer's split).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from flax import nnx
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
 from hicache_jax.models.kernels.backend import KernelConfig
-from hicache_jax.models.layers.eagle3 import Eagle3Config, Eagle3Draft, draft_targets
+from hicache_jax.models.layers.eagle3 import Eagle3Config, Eagle3Draft, draft_targets, param_sharding
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +136,19 @@ def load_eagle3(path: str, target_cfg: ModelConfig, dtype=jnp.bfloat16, kernels:
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from e
 
+    mesh = kernels.mesh if kernels else None
+
+    def place(kp, leaf, arr: np.ndarray) -> jax.Array:
+        if mesh is None:
+            return jnp.asarray(arr)
+        where = param_sharding(kp, leaf, cfg, mesh)
+        return jax.make_array_from_callback(arr.shape, where, lambda index: arr[index])
+
     def load(kp, leaf):
         key = tuple(k.key for k in kp if isinstance(k, jax.tree_util.DictKey))
         if key == ("targets",):
-            return jnp.asarray(np.arange(cfg.draft_vocab_size) if targets is None else targets, jnp.int32)
+            ids = np.arange(cfg.draft_vocab_size) if targets is None else targets
+            return place(kp, leaf, np.asarray(ids, np.int32))
         name, transposed = TENSORS[key]
         raw = tensor(name)
         if not (np.issubdtype(raw.dtype, np.floating) or raw.dtype == jnp.bfloat16):
@@ -149,6 +160,6 @@ def load_eagle3(path: str, target_cfg: ModelConfig, dtype=jnp.bfloat16, kernels:
             raise CheckpointError(
                 f"{ckpt.file_of(prefixed[name])}: tensor {name} has shape {tuple(raw.shape)}, expected {want}"
             )
-        return jnp.asarray(np.asarray(raw.T if transposed else raw), dtype=dtype)
+        return place(kp, leaf, np.asarray(raw.T if transposed else raw, dtype=jnp.dtype(dtype)))
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(load, abstract))

@@ -19,6 +19,12 @@ LM head (config ``draft_vocab_size`` unset) the draft uses the target's (``unemb
 
 The three hidden states are the target's residual stream (the layer's residual add
 included, before any norm) at three layer boundaries: ``Eagle3Config.aux_boundaries``.
+
+Under tensor parallelism (``models/sharding.py``) the layer splits as a main layer does
+(``param_spec``): q, k, v by head (k and v whole when the KV heads are fewer than the
+devices), ``o_proj`` by rows, the MLP Megatron-style, its own LM head by draft vocabulary;
+``fc`` is replicated (vLLM's ``ReplicatedLinear``), as are the norms and the vocabulary map.
+Its KV heads are the target's (``cache_mismatch``), so its cache entry splits as theirs.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hicache_jax.kinds import LayerKind
 from hicache_jax.models.batch import ForwardBatch
@@ -39,6 +47,8 @@ from hicache_jax.models.layers.attention import Attention
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.mlp import MLP
 from hicache_jax.models.layers.norms import RMSNorm
+from hicache_jax.models.sharding import AXIS, check_tp, tp_size
+from hicache_jax.models.sharding import param_spec as model_param_spec
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SGLang's name, vLLM's alias
 
@@ -222,6 +232,25 @@ def cache_mismatch(cfg: Eagle3Config, target: ModelConfig) -> str | None:
     return None
 
 
+def param_spec(path: tuple, shape: tuple, cfg: Eagle3Config, tp: int) -> P:
+    """The PartitionSpec of one of the draft's parameters, by its path in ``Eagle3Draft``'s
+    state: its attention and MLP as a main layer's (``models/sharding.py``), its LM head by
+    draft vocabulary when that divides, the rest replicated."""
+    p = tuple(str(x) for x in path)
+    if p[0] in ("attn", "mlp"):
+        part = "mixer" if p[0] == "attn" else "mlp"
+        return model_param_spec(("layers", 0, part, *p[1:]), shape, cfg.layer_config, tp)
+    if p == ("head", "kernel"):  # [h, draft_vocab]
+        return P(None, AXIS) if cfg.draft_vocab_size % tp == 0 else P()
+    return P()  # fc [3h, h], the norms, the vocabulary map
+
+
+def param_sharding(keypath, leaf, cfg: Eagle3Config, mesh) -> NamedSharding:
+    """``param_spec`` on ``mesh`` for a leaf of the draft's pure-dict state."""
+    path = tuple(k.key for k in keypath if isinstance(k, jax.tree_util.DictKey))
+    return NamedSharding(mesh, param_spec(path, leaf.shape, cfg, tp_size(mesh)))
+
+
 class VocabMap(nnx.Variable):
     """Draft id -> target id (``[draft_vocab]`` int32): state, not a trained parameter."""
 
@@ -248,6 +277,7 @@ class Eagle3Draft(nnx.Module):
                 f"{cfg.draft_vocab_size} must equal vocab_size {cfg.vocab_size}"
             )
         layer = cfg.layer_config
+        check_tp(layer, tp_size(kernels.mesh))  # its heads and MLP split as a main layer's
         kernels.check_model(layer, jnp.dtype(dtype))
 
         def norm():
