@@ -8,6 +8,8 @@ import logging
 import os
 import tempfile
 
+from jax.sharding import Mesh
+
 from hicache_jax.cache.host_pool import HostPool
 from hicache_jax.cache.pool import IndexPool
 from hicache_jax.cache.prefix import PrefixRules
@@ -54,14 +56,17 @@ def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
     return build_preset(cfg.preset, seed=cfg.random_seed, dtype=dtype, kernels=kernels), Tokenizer(TOKENIZER)
 
 
-def attach_drafter(cfg: EngineConfig, model: CausalLM, kernels: KernelConfig | None = None) -> None:
+def attach_drafter(
+    cfg: EngineConfig, model: CausalLM, kernels: KernelConfig | None = None, shapes_on: Mesh | None = None
+) -> None:
     """Give ``model`` the drafter a model-drafting algorithm runs in every step
     (``runtime/mtp_drafts.py``), its KV one more cache layer (``mtp_cache_layers``): NEXTN,
     the model's first MTP block; EAGLE3, the draft at ``speculative_draft_model_path`` in
     the block's place, reading the residual stream at its three boundaries (``eagle3_aux``),
     its weights split over the model's mesh as a main layer's (``layers/eagle3.py``) and its
-    kernels those of ``kernels`` (default: the config's) on that mesh. Refuses, naming the
-    flag, a draft that does not fit the model, or whose heads ``tp_size`` cannot split."""
+    kernels those of ``kernels`` (default: the config's) on that mesh; ``shapes_on``: its
+    config only, its weights shapes (``load_eagle3``). Refuses, naming the flag, a draft
+    that does not fit the model, or whose heads ``tp_size`` cannot split."""
     if cfg.speculative_algorithm.upper() != "EAGLE3":
         model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1)
         return
@@ -82,7 +87,7 @@ def attach_drafter(cfg: EngineConfig, model: CausalLM, kernels: KernelConfig | N
     kernels = dataclasses.replace(kernels, mesh=model.mesh)  # the draft runs where the model does
     path = resolve_model_path(cfg.speculative_draft_model_path)
     try:
-        draft = load_eagle3(path, model.cfg, dtype=model.dtype, kernels=kernels)
+        draft = load_eagle3(path, model.cfg, dtype=model.dtype, kernels=kernels, shapes_on=shapes_on)
     except (CheckpointError, OSError, ValueError) as e:
         raise ConfigError(f"{flag}: {e}") from e
     why = cache_mismatch(draft.cfg, model.cfg)

@@ -40,7 +40,7 @@ from hicache_jax.models.sharding import abstract_weights, make_mesh
 from hicache_jax.runtime.batch_builder import BatchBuilder
 from hicache_jax.runtime.runner import ModelRunner
 from hicache_jax.runtime.transfer import PageTransfer
-from hicache_jax.speculative.drafters import DRAFT_MODEL_ALGORITHMS, MtpDrafter, make_drafter
+from hicache_jax.speculative.drafters import MtpDrafter, make_drafter
 from hicache_jax.tpu.target import TpuTarget, tracing_for
 
 Select = Callable[[str], bool] | None  # which programs, by name (None: all)
@@ -74,15 +74,12 @@ class AbstractServer:
         with tracing_for(mesh):
             model = nnx.eval_shape(make)
         abstract_weights(model, mesh)
-        # As the engine: its refusals, and for NEXTN the MTP block drafting in every step, its
-        # KV one more cache layer (``Engine.__init__``).
+        # As the engine: its refusals, and for NEXTN the MTP block drafting in every step, for
+        # EAGLE3 the draft (its config.json read, its weights shapes), its KV one more cache
+        # layer (``Engine.__init__``).
         if isinstance(make_drafter(cfg, model_cfg), MtpDrafter):
-            if cfg.speculative_algorithm.upper() in DRAFT_MODEL_ALGORITHMS:
-                raise ValueError(
-                    f"speculative_algorithm={cfg.speculative_algorithm!r}: the TPU compile path "
-                    "does not load draft checkpoints yet"
-                )
-            attach_drafter(cfg, model)
+            with tracing_for(mesh):
+                attach_drafter(cfg, model, kernels, shapes_on=mesh)
             model_cfg = model.cfg
         pools = make_device_pools(cfg, model_cfg)
         runner = make_runner(cfg, model, pools, abstract_on=mesh)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.hf.safetensors_io import Checkpoint, CheckpointError
@@ -69,9 +70,22 @@ def read_config(path: str) -> tuple[Eagle3Config, str]:
         raise CheckpointError(str(e)) from e
 
 
-def load_eagle3(path: str, target_cfg: ModelConfig, dtype=jnp.bfloat16, kernels: KernelConfig | None = None):
+def load_eagle3(
+    path: str,
+    target_cfg: ModelConfig,
+    dtype=jnp.bfloat16,
+    kernels: KernelConfig | None = None,
+    *,
+    shapes_on: Mesh | None = None,
+):
     """The draft in ``path`` (config.json and safetensors) for the target ``target_cfg``:
-    refuses a draft whose hidden size or vocabulary is not the target's, naming both."""
+    refuses a draft whose hidden size or vocabulary is not the target's, naming both.
+
+    ``shapes_on``: read config.json only, and give the draft ``jax.ShapeDtypeStruct``
+    weights placed as loading would place them, on the kernels' mesh (or replicated on
+    this one): what the TPU compile path (``hicache_jax/tpu/abstract.py``) compiles. The
+    draft then has its own LM head, and a vocabulary map unless the vocabularies are equal
+    (what the published drafts ship)."""
     cfg, where = read_config(path)
     for name, got, want in (
         ("hidden_size", cfg.hidden_size, target_cfg.hidden_size),
@@ -86,6 +100,18 @@ def load_eagle3(path: str, target_cfg: ModelConfig, dtype=jnp.bfloat16, kernels:
         cfg.aux_boundaries(target_cfg.num_layers)
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from e
+
+    if shapes_on is not None:
+        mesh = (kernels.mesh if kernels else None) or shapes_on
+        identity = cfg.draft_vocab_size == cfg.vocab_size
+        graphdef, state = nnx.split(
+            nnx.eval_shape(lambda: _build(cfg, where, True, identity, dtype, kernels))
+        )
+
+        def shaped(kp, leaf):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param_sharding(kp, leaf, cfg, mesh))
+
+        return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(shaped, state))
 
     ckpt = Checkpoint(path)
     prefixed = {n.removeprefix("model."): n for n in ckpt.names()}
@@ -130,11 +156,9 @@ def load_eagle3(path: str, target_cfg: ModelConfig, dtype=jnp.bfloat16, kernels:
         raise CheckpointError(f"{path}: {len(left)} tensor(s) no EAGLE-3 parameter reads: {shown}")
 
     identity = targets is None or bool((targets == np.arange(targets.shape[0])).all())
-    build = dict(own_head=own_head, identity_map=identity, dtype=dtype, kernels=kernels)
-    try:
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Eagle3Draft(cfg, rngs=nnx.Rngs(0), **build)))
-    except ValueError as e:
-        raise CheckpointError(f"{where}: {e}") from e
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: _build(cfg, where, own_head, identity, dtype, kernels))
+    )
 
     mesh = kernels.mesh if kernels else None
 
@@ -163,3 +187,12 @@ def load_eagle3(path: str, target_cfg: ModelConfig, dtype=jnp.bfloat16, kernels:
         return place(kp, leaf, np.asarray(raw.T if transposed else raw, dtype=jnp.dtype(dtype)))
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(load, abstract))
+
+
+def _build(cfg: Eagle3Config, where: str, own_head: bool, identity: bool, dtype, kernels) -> Eagle3Draft:
+    try:
+        return Eagle3Draft(
+            cfg, own_head=own_head, identity_map=identity, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0)
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from e

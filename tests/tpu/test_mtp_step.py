@@ -17,14 +17,23 @@ on v5e through ``test_serving_step.py`` and the trail kernels through
 ``test_state_trail.py``. The smallest verify bucket (one sequence, four rows) is compiled:
 the kernels are the same at every bucket. ``HICACHE_TPU_FULL=1`` adds the hybrid on v5e and
 the largest verify bucket (eight sequences).
+
+An EAGLE-3 draft (``--speculative_algorithm EAGLE3``) compiles in the block's place over
+Llama 3 8B cut to four layers, split over v6e's eight chips (its 32 query heads four per
+chip, its 8 KV heads the model's, one per chip): the compile path reads the draft's
+config.json only (``load_eagle3(shapes_on=)``), at the widths of the published EAGLE-3
+drafts for Llama 3.1 8B (one layer, a 32,000-token draft vocabulary).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
+import jax
 import pytest
+from flax import nnx
 
 from hicache_jax.config import ConfigError, EngineConfig
 from hicache_jax.models.config import ModelConfig
@@ -83,3 +92,46 @@ def test_a_model_without_a_block_is_refused_as_the_engine_refuses_it():
     cfg = EngineConfig(tp_size=TP[V5E], speculative_algorithm="NEXTN", **SERVING)
     with pytest.raises(ConfigError, match="speculative_algorithm='NEXTN'.*has none"):
         AbstractServer.build(real_config("deepseek-v3", num_layers=1), cfg, target(V5E))
+
+
+EAGLE3_DRAFT = {  # config.json of a draft for Llama 3.1 8B, at the published drafts' widths
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 1,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "vocab_size": 128256,
+    "draft_vocab_size": 32000,
+}
+
+
+def test_verify_step_with_an_eagle3_draft_compiles_split_over_v6e(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(EAGLE3_DRAFT))
+    model_cfg = real_config("llama-3-8b", num_layers=4)  # default boundaries 2, 2 and 1
+    cfg = EngineConfig(
+        tp_size=TP[V6E],
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=str(tmp_path),
+        speculative_num_steps=DRAFTS,
+        **SERVING,
+    )
+    server = AbstractServer.build(model_cfg, cfg, target(V6E))
+    assert server.runner.draft_steps == DRAFTS
+    assert server.model.cfg.eagle3_aux == (2, 2, 1)
+    assert len(server.runner.cache) == len(model_cfg.layer_kinds) + 1
+    attn = server.model.mtp[0].attn
+    (q,), (k,) = (jax.tree_util.tree_leaves(nnx.state(p)) for p in (attn.q_proj, attn.k_proj))
+    assert q.sharding.shard_shape(q.shape) == (2 * 4096, 32 * 128 // TP[V6E])  # by head
+    assert k.sharding.shard_shape(k.shape) == (2 * 4096, 128)  # one KV head per chip
+    name = "verify step T=4 S=1 top=0"
+    compiled = dict(server.compile(lambda n: n == name))
+    assert set(compiled) == {name}
+    moved = in_vmem(compiled[name], server.kernel_pool_shapes())
+    assert not moved, moved[:4]
+    aliased = compiled[name].memory_analysis().alias_size_in_bytes
+    assert aliased >= server.cache_bytes(), (aliased, server.cache_bytes())
