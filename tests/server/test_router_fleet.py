@@ -10,18 +10,14 @@ Streaming, the OpenAI routes and ``/flush_cache`` pass through. Then one server 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import numpy as np
 import pytest
 
-from hicache_jax.bench.server_process import free_port
 from tests.server.conftest import PAGE_SIZE, TEST_FLAGS, Server
-from tests.waits import wait
+from tests.server.router import Router
 
 pytest.importorskip("sglang_router")
 
@@ -37,58 +33,8 @@ def turn_text(conv: int, turn: int) -> str:
     return f"{conv}: " + " ".join(words[: 40 + 24 * turn])
 
 
-class Router:
-    """``python -m sglang_router.launch_router`` in front of ``workers``, its log in a file."""
-
-    def __init__(self, workers: list[str], log_path: str):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
-        cmd += ["--policy", "cache_aware", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
-        # A dead worker leaves the rotation within seconds; a busy one on a loaded machine does not.
-        cmd += ["--health-check-interval-secs", "1", "--health-failure-threshold", "2"]
-        cmd += ["--health-check-timeout-secs", "20", "--log-level", "info"]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self.client = httpx.Client(base_url=self.url, timeout=wait(300))
-
-    def log_tail(self, n: int = 30) -> str:
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-n:])
-
-    def workers(self) -> dict[str, bool]:
-        """Worker URL -> healthy, as the router sees it."""
-        try:
-            listed = self.client.get("/workers", timeout=10).json()["workers"]
-        except (httpx.TransportError, ValueError, KeyError):
-            return {}
-        return {w["url"]: w["is_healthy"] for w in listed}
-
-    def wait_for(self, healthy: dict[str, bool], timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"router exited:\n{self.log_tail()}"
-            seen = self.workers()
-            if all(seen.get(url) is want for url, want in healthy.items()):
-                return
-            time.sleep(0.3)
-        pytest.fail(f"router never saw {healthy} (saw {self.workers()}):\n{self.log_tail()}")
-
-    def generate(self, text: str) -> dict:
-        r = self.client.post("/generate", json={"text": text, "sampling_params": GEN})
-        assert r.status_code == 200, f"{r.status_code} {r.text}\n{self.log_tail()}"
-        return r.json()["meta_info"]
-
-    def close(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+def generate(router: Router, text: str) -> dict:
+    return router.post("/generate", {"text": text, "sampling_params": GEN})["meta_info"]
 
 
 def counters(server: Server) -> dict:
@@ -126,7 +72,7 @@ def fleet(tmp_path):
             for f in futures:
                 if f.exception() is not None:
                     raise f.exception()
-        router = Router([s.url for s in servers], str(tmp_path / "router.log"))
+        router = Router.fleet([s.url for s in servers], str(tmp_path / "router.log"))
         router.wait_for({s.url: True for s in servers})
         yield servers, router
     finally:
@@ -141,7 +87,7 @@ def test_fleet_behind_sglang_router(fleet):
 
     # Concurrent conversations, each turn after the first back on the server that holds it.
     def converse(conv: int) -> list[dict]:
-        return [router.generate(turn_text(conv, t)) for t in range(TURNS)]
+        return [generate(router, turn_text(conv, t)) for t in range(TURNS)]
 
     with ThreadPoolExecutor(CONVERSATIONS) as pool:
         metas = list(pool.map(converse, range(CONVERSATIONS)))
@@ -184,7 +130,7 @@ def test_fleet_behind_sglang_router(fleet):
     router.wait_for({servers[victim].url: False, survivor.url: True})
     start = counters(survivor)
     with ThreadPoolExecutor(CONVERSATIONS) as pool:
-        last = list(pool.map(lambda conv: router.generate(turn_text(conv, TURNS)), range(CONVERSATIONS)))
+        last = list(pool.map(lambda conv: generate(router, turn_text(conv, TURNS)), range(CONVERSATIONS)))
     print(f"conversations per server {held}; device hits {[m['cached_tokens_device'] for m in before]}")
     moved = 0
     for conv, meta in enumerate(last):
@@ -202,5 +148,5 @@ def test_fleet_behind_sglang_router(fleet):
     # survivor's next repeat comes from L3 rather than device pages.
     r = router.client.post("/flush_cache")
     assert r.status_code == 206 and r.json()["successful"] == [survivor.url], r.text
-    meta = router.generate(turn_text(0, TURNS))
+    meta = generate(router, turn_text(0, TURNS))
     assert meta["cached_tokens_details"]["device"] == 0 and meta["cached_tokens_details"]["storage"] > 0, meta
