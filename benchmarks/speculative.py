@@ -16,8 +16,9 @@ Four parts:
   time) the off and on runs alternate, best of ``--repeats``, after an untimed run of each
   that compiles what they use (the prompts are then in the prefix cache for every timed
   run, on and off alike). Reports the accept length (tokens a verify step yields: accepted
-  draft tokens + 1, from the engine's counters), tokens/s off and on, their ratio, and
-  whether the outputs are identical.
+  draft tokens + 1, from the engine's counters), tokens/s off and on, their ratio, the
+  share of each engine's steps planned ahead of the step in flight (``ahead``: the overlap
+  schedule's look-ahead, ``Engine._can_run_ahead``), and whether the outputs are identical.
 - ``families``: per family preset, on CPU, the runner's time for a verify step of B
   requests each feeding k + 1 tokens (its last and k drafted) against k + 1 decode steps
   of the same B requests; the plans come from the engine's scheduler, the drafts from an
@@ -149,6 +150,13 @@ def spec_counts(stats: dict, before: dict) -> tuple[float, float]:
     return (accepted + n) / n, (stats["spec_draft_tokens"] - before["spec_draft_tokens"]) / n
 
 
+def overlapped(stats: dict, before: dict) -> float:
+    """Since ``before``: the fraction of steps planned ahead of the step in flight (the
+    overlap schedule's look-ahead, ``Engine._can_run_ahead``)."""
+    steps = stats["steps"] - before["steps"]
+    return (stats["overlapped_steps"] - before["overlapped_steps"]) / steps if steps else 0.0
+
+
 def real(args) -> list[dict]:
     """Speculation off against each ``--settings`` entry, per prompt set and batch size (the
     engines hold ``--max_running`` requests; 0: the batch size)."""
@@ -185,7 +193,8 @@ def real(args) -> list[dict]:
                     print(
                         f"{row['setting']:>7} {name:>9} {batch:>3} {max_running:>4} {row['tokens']:>6} "
                         f"{row['accept']:>7.2f} {row['drafted']:>7.2f} {row['off']:>9.1f} {row['on']:>9.1f} "
-                        f"{row['ratio']:>6.2f} {str(row['same']):>6}",
+                        f"{row['ratio']:>6.2f} {row['ahead_off']:>9.2f} {row['ahead_on']:>8.2f} "
+                        f"{str(row['same']):>6}",
                         flush=True,
                     )
             on.close()
@@ -199,12 +208,13 @@ def compare(off, on, ids: list[list[int]], batch: int, new: int, repeats: int) -
     ref, _ = run_prompts(off, ids, batch, new)
     got, _ = run_prompts(on, ids, batch, new)
     times = {"off": [], "on": []}
-    accept, drafted, same = [], [], got == ref
+    accept, drafted, ahead, same = [], [], {"off": [], "on": []}, got == ref
     for _ in range(repeats):
         for mode, llm in (("off", off), ("on", on)):
             before = dict(llm.engine.stats)
             outs, dt = run_prompts(llm, ids, batch, new)
             times[mode].append(dt)
+            ahead[mode].append(overlapped(llm.engine.stats, before))
             if mode == "on":
                 a, d = spec_counts(llm.engine.stats, before)
                 accept.append(a)
@@ -221,6 +231,8 @@ def compare(off, on, ids: list[list[int]], batch: int, new: int, repeats: int) -
         "off": off_tps,
         "on": on_tps,
         "ratio": on_tps / off_tps,
+        "ahead_off": sum(ahead["off"]) / repeats,
+        "ahead_on": sum(ahead["on"]) / repeats,
         "same": same,
     }
 
@@ -410,7 +422,10 @@ def main() -> None:
     print(f"# device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs", flush=True)
     if "real" in parts:
         print(f"\n## {args.model_path}, greedy, at most {args.new} new tokens, best of {args.repeats}")
-        print(" min:W       set   B  run tokens  accept drafted tok/s off  tok/s on  ratio   same")
+        print(
+            " min:W       set   B  run tokens  accept drafted tok/s off  tok/s on  ratio "
+            "ahead off ahead on   same"
+        )
         real(args)
     if "families" in parts:
         print(f"\n## verify step (k={args.k}) vs {args.k + 1} decode steps of the same batch, runner, CPU")

@@ -7,9 +7,12 @@ known: each request carries its unread token as a placeholder (``Req.pending``) 
 device fills in from N's sampled ids. That look-ahead is taken only when nothing in it can
 depend on N's results: no request waiting (no admission), a free page in every pool for
 each running request (no eviction of running state, no retraction), and room below the
-context length. A request that finishes at N (a stop token, a stop string) has then been
-run once more at N+1; that extra token is discarded, so outputs are the same as without
-overlap. ``disable_overlap_schedule`` reads every step before scheduling the next.
+context length. With speculative decoding, step N is no verify step (a verify step is not
+decode-only) and step N+1 would not verify whatever its drafts (``draft_policy.wont_verify``):
+a draft follows a request's last token, so a step planned ahead carries none. A request
+that finishes at N (a stop token, a stop string) has then been run once more at N+1; that
+extra token is discarded, so outputs are the same as without overlap.
+``disable_overlap_schedule`` reads every step before scheduling the next.
 
 A request whose own host-side work fails (packing its row of the step, its postprocessing)
 fails alone: it is dropped from the batch (its pages released, nothing cached) and
@@ -75,7 +78,7 @@ from hicache_jax.runtime import penalties
 from hicache_jax.runtime.batch_builder import RowFailed
 from hicache_jax.runtime.step_inputs import StepInputs
 from hicache_jax.sampling_params import InvalidRequest, QueueFull, SamplingParams
-from hicache_jax.scheduler.draft_policy import worth_verifying
+from hicache_jax.scheduler.draft_policy import wont_verify, worth_verifying
 from hicache_jax.scheduler.drafts import add_drafts
 from hicache_jax.scheduler.l3_prefetch import PrefetchDecisions
 from hicache_jax.scheduler.plan import StepPlan
@@ -122,7 +125,8 @@ class Engine:
         self.drafter = make_drafter(cfg, model.cfg)  # speculative decoding (None: off)
         if isinstance(self.drafter, MtpDrafter):  # its KV: one more layer in every tier
             attach_drafter(cfg, model)
-        self._verify_gate = functools.partial(worth_verifying, overhead_rows=verify_overhead_rows(cfg))
+        self._overhead_rows = verify_overhead_rows(cfg)  # the draft policy's (draft_policy.py)
+        self._verify_gate = functools.partial(worth_verifying, overhead_rows=self._overhead_rows)
         mc = model.cfg
         self.context_len = context_length(cfg, mc)
         pools = make_device_pools(cfg, mc)
@@ -316,15 +320,18 @@ class Engine:
         running = self.scheduler.running
         if self.cfg.disable_overlap_schedule or self.scheduler.waiting or not prev.plan.decode_only:
             return False
-        if self.drafter is not None:  # a draft follows the last token: it must be read first
-            return False
+        if self.drafter is not None and not wont_verify(running, self.cfg.spec_width, self._overhead_rows):
+            return False  # a draft follows the last token: only a step that would not verify goes ahead
         if len(prev.plan.items) != len(running) or any(i.req not in running for i in prev.plan.items):
             return False
         if any(r.seq_len + 1 >= self.context_len for r in running):
             return False
         if any(r.grammar is not None for r in running):  # its next mask needs the token in flight
             return False
-        return self.prefix_cache.has_free_pages(len(running))
+        pages = 1  # per request: its next token's
+        if isinstance(self.drafter, MtpDrafter):  # and its MTP chain's (``reserve_chain``)
+            pages += -(-(self.runner.draft_steps - 1) // self.adapter.P)
+        return self.prefix_cache.has_free_pages(pages * len(running))
 
     def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched | None:
         """Build and dispatch ``plan``'s step; None when every row failed (``_pack``)."""

@@ -33,6 +33,15 @@ steps, which costs at most ``1 / (PROBE_EVERY + 1)`` of the verify step's extra 
 The histories learn from the engine's counters (``Req.spec_verifications``,
 ``Req.spec_accepted_tokens``): the next call sees what the last planned draft earned.
 Nothing here reads a clock: every process of a multi-host engine decides the same.
+
+The overlap schedule plans step N+1 while step N runs (``Engine._can_run_ahead``), before
+N's tokens are read; no draft can follow a token not known yet, so a step planned ahead has
+none. It is planned ahead only when it would not verify whatever its drafts were
+(``wont_verify``): no request would probe, and even full drafts (``width - 1`` tokens each)
+at every request's rate are expected to gain less than ``needed``. Such a step counts, for
+each request, as a step with a draft and no verify step (``planned_ahead``), so a request
+whose drafts stopped counting still probes every ``PROBE_EVERY`` steps: the step that
+would probe is planned after N is read, with its draft.
 """
 
 from __future__ import annotations
@@ -106,3 +115,22 @@ def worth_verifying(
         if drafts[req] and not verify:
             h.idle += 1
     return verify
+
+
+def wont_verify(reqs: list[Req], width: int, overhead_rows: float = OVERHEAD_ROWS) -> bool:
+    """Whether the next step of ``reqs`` (each decoding) would not verify whatever their
+    drafts, by ``worth_verifying``'s rule: none would probe, and full drafts at their rates
+    are expected to gain less than ``needed`` (an upper bound: a draft has at most
+    ``width - 1`` tokens). Reads the histories as the last step left them, changes nothing."""
+    hist = [req.draft_history or DraftHistory() for req in reqs]
+    if any(h.probing for h in hist):
+        return False
+    gain = sum(h.expected(width - 1) for h in hist)
+    return gain == 0 or gain < needed(len(reqs), width, overhead_rows)
+
+
+def planned_ahead(reqs: list[Req]) -> None:
+    """Count a step planned before the last step's tokens were read (so without drafts; only
+    where ``wont_verify``) as a step each of ``reqs`` had a draft and no verify step."""
+    for req in reqs:
+        history(req).idle += 1

@@ -28,7 +28,11 @@ Which requests draft, and how much:
 - only when the pages (and scratch slots) are free without retracting anyone: speculation
   never costs another request its place;
 - only in a step whose drafts are expected to pay for the verify step's extra rows
-  (``draft_policy``: from each request's acceptance so far).
+  (``draft_policy``: from each request's acceptance so far);
+- none in a step planned ahead of the step in flight (the overlap schedule): its requests'
+  last tokens are not known yet (``Req.pending``). The engine plans ahead only a step that
+  would not verify anyway (``draft_policy.wont_verify``), and each request counts it as a
+  step without a verify step (``draft_policy.planned_ahead``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from collections.abc import Callable
 
 from hicache_jax.request import Req
 from hicache_jax.scheduler.cache_adapter import CacheAdapter
-from hicache_jax.scheduler.draft_policy import worth_verifying
+from hicache_jax.scheduler.draft_policy import planned_ahead, worth_verifying
 from hicache_jax.scheduler.plan import StepPlan
 
 Propose = Callable[[Req, int], list[int]]  # (request, most tokens) -> its draft
@@ -45,10 +49,9 @@ Gate = Callable[[dict[Req, list[int]], int, int], bool]  # (drafts, batch, width
 
 
 def draft_room(req: Req, *, width: int, context_len: int, page_size: int, recurrent: bool) -> int:
-    """The most draft tokens ``req`` may feed after its last token in its next step."""
+    """The most draft tokens ``req`` may feed after its last token in its next step (its last
+    token known: not ``pending``)."""
     sp = req.sampling
-    if req.pending:
-        return 0
     end = req.seq_len  # the step feeds the last token, at position end - 1
     room = min(width - 1, context_len - end - 1, sp.max_new_tokens - len(req.output_ids) - 1)
     if recurrent:  # stop short of the next page boundary (a boundary at ``end``: no draft)
@@ -70,10 +73,13 @@ def add_drafts(
     step (``draft_policy``; None: always); returns the draft tokens added."""
     if not plan.items or not plan.decode_only:
         return 0
-    drafts = []
+    drafts, ahead = [], []
     for item in plan.items:
         req = item.req
         if not item.samples:
+            continue
+        if req.pending:  # its last token is still in flight: nothing to draft after
+            ahead.append(req)
             continue
         room = draft_room(
             req, width=width, context_len=context_len, page_size=adapter.P, recurrent=adapter.trails
@@ -82,6 +88,9 @@ def add_drafts(
         if draft and req.grammar is not None:
             draft = req.grammar.valid_draft(draft)
         drafts.append((item, draft))
+    planned_ahead(ahead)
+    if not drafts:
+        return 0
     if gate is not None and not gate({i.req: d for i, d in drafts}, len(plan.items), width):
         return 0
     added = 0

@@ -1,6 +1,8 @@
 """The draft policy: a step verifies only when its drafts are expected to pay for the verify
 step's rows; a request whose drafts are rejected stops counting and probes again later; one
-whose drafts are accepted keeps drafting its full width.
+whose drafts are accepted keeps drafting its full width. A step the overlap schedule plans
+ahead (without drafts: ``wont_verify``) is one that would not have verified, and planning
+ahead moves no probe.
 
 The engine's side is simulated as ``Engine._results`` counts: a request fed a draft in a
 verify step gets one more ``spec_verifications`` and its accepted tokens in
@@ -8,6 +10,7 @@ verify step gets one more ``spec_verifications`` and its accepted tokens in
 
 from __future__ import annotations
 
+import copy
 import math
 import types
 
@@ -17,7 +20,13 @@ from hypothesis import strategies as st
 from hicache_jax.request import Req
 from hicache_jax.sampling_params import SamplingParams
 from hicache_jax.scheduler import draft_policy
-from hicache_jax.scheduler.draft_policy import PROBE_EVERY, needed, worth_verifying
+from hicache_jax.scheduler.draft_policy import (
+    PROBE_EVERY,
+    needed,
+    planned_ahead,
+    wont_verify,
+    worth_verifying,
+)
 from hicache_jax.scheduler.drafts import add_drafts
 from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
@@ -165,6 +174,116 @@ def test_any_trace_probes_within_the_interval_and_averages_what_it_saw(trace):
     worth_verifying({r: [] for r in reqs}, batch, WIDTH)  # takes in the last step's outcome
     for r, rate in zip(reqs, rates):
         assert abs(r.draft_history.rate - rate) < 1e-9
+
+
+def run_ahead(trace, batch: int, width: int = WIDTH) -> tuple[list[bool], list[bool]]:
+    """``run``'s steps as the overlap schedule plans them: a step after one that did not
+    verify is planned ahead, without drafts, where ``wont_verify`` (``Engine._can_run_ahead``).
+    Returns, per step, whether it verified and whether it was planned ahead."""
+    reqs = [new_req(i) for i in range(batch)]
+    verified, ahead = [], []
+    for step in range(len(trace)):
+        if step and not verified[-1] and wont_verify(reqs, width):
+            planned_ahead(reqs)
+            verified.append(False)
+            ahead.append(True)
+            continue
+        verify = worth_verifying({r: [7] * (width - 1) for r in reqs}, batch, width)
+        if verify:
+            for i, r in enumerate(reqs):
+                r.spec_verifications += 1
+                r.spec_accepted_tokens += min(trace[step][i], width - 1)
+        verified.append(verify)
+        ahead.append(False)
+    return verified, ahead
+
+
+@settings(max_examples=60, deadline=None)
+@given(traces)
+def test_planning_ahead_changes_no_verify_decision(trace):
+    """With full drafts every step, the steps planned ahead are ones that would not have
+    verified, and every other step decides as without planning ahead: probes included."""
+    if not trace:
+        return
+    batch = len(trace[0])
+    verified, ahead = run_ahead(trace, batch)
+    assert verified == run(trace, batch)
+    assert not any(a and v for a, v in zip(ahead, verified))
+
+
+def test_rejected_drafts_are_planned_ahead_between_probes():
+    steps = 6 * (PROBE_EVERY + 1)
+    trace = [[0] * 4] * steps
+    verified, ahead = run_ahead(trace, batch=4)
+    assert verified == run(trace, batch=4)
+    later = [s for s in range(8, steps) if verified[s]]
+    assert len(later) >= 4, verified  # probes, once per interval
+    for a, b in zip(later, later[1:]):  # between two probes: the step after the first reads
+        assert ahead[a + 2 : b] == [True] * (b - a - 2) and not ahead[a + 1] and not ahead[b], ahead
+
+
+def test_copying_requests_are_never_planned_ahead():
+    for batch in (1, 4):
+        verified, ahead = run_ahead([[WIDTH - 1] * batch] * 40, batch)
+        assert all(verified) and not any(ahead)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 6).flatmap(
+        lambda batch: st.lists(
+            st.lists(
+                st.tuples(st.integers(0, WIDTH - 1), st.integers(0, WIDTH - 1)),
+                min_size=batch,
+                max_size=batch,
+            ),
+            max_size=80,
+        )
+    )
+)
+def test_a_step_planned_ahead_would_not_have_verified_its_drafts(trace):
+    """Drafts of any length (none included) and any acceptance: where ``wont_verify`` plans a
+    step ahead, ``worth_verifying`` on that step's drafts (on a copy of the requests) says
+    no; and no request goes more than ``PROBE_EVERY`` steps with a draft, or planned ahead,
+    without a verify step."""
+    if not trace:
+        return
+    batch = len(trace[0])
+    reqs = [new_req(i) for i in range(batch)]
+    quiet = [0] * batch
+    verified = True
+    ahead = 0
+    for row in trace:
+        drafts = {r: [7] * n for r, (n, _) in zip(reqs, row)}
+        if not verified and wont_verify(reqs, WIDTH):
+            twins = copy.deepcopy(reqs)
+            assert not worth_verifying({t: drafts[r] for t, r in zip(twins, reqs)}, batch, WIDTH)
+            planned_ahead(reqs)
+            ahead += 1
+            quiet = [q + 1 for q in quiet]
+        else:
+            verified = worth_verifying(drafts, batch, WIDTH)
+            for i, (r, (n, accepted)) in enumerate(zip(reqs, row)):
+                if verified and n:
+                    r.spec_verifications += 1
+                    r.spec_accepted_tokens += min(accepted, n)
+                    quiet[i] = 0
+                elif n:
+                    quiet[i] += 1
+        assert max(quiet) <= PROBE_EVERY, quiet
+
+
+def test_a_new_request_is_not_planned_ahead():
+    """Nothing is known of it yet: its first draft probes."""
+    old = [new_req(i) for i in range(3)]
+    assert not wont_verify(old, WIDTH)
+    for r in old:
+        r.draft_history = draft_policy.DraftHistory(rate=0.0, idle=1)
+    assert wont_verify(old, WIDTH)
+    assert not wont_verify([*old, new_req(3)], WIDTH)
+    assert old[0].draft_history.idle == 1  # it changes nothing
+    planned_ahead(old)
+    assert [r.draft_history.idle for r in old] == [2] * 3
 
 
 def test_the_policy_imports_no_jax():
