@@ -13,6 +13,7 @@ from tests.hf_checkpoints import PAGE, make
 from tests.models.steps import build_step, jit_forward, kv_groups, logits_of, sequence
 
 LENGTH = 40  # > 2 pages; past the first compressed entries of every V4 layer kind
+WIDTH = 34  # every step's tokens, padded
 
 
 def run(model, ids_a, ids_b):
@@ -22,15 +23,16 @@ def run(model, ids_a, ids_b):
     a = sequence(ids_a, pages=range(1, n + 1), state_slot=0)  # page 0 unused (NaN)
     b = sequence(ids_b, pages=range(n + 1, 2 * n + 1), state_slot=1)
     groups, out = kv_groups(model), []
-    # a: a chunk of 33 tokens; then a decodes its 34th while b prefills 20; then both go on.
-    # The two mixed steps pad to one width (as the engine's buckets do): one program for both.
-    for work, width in (
-        ([(a, 0, 33)], None),
-        ([(a, 33, 34), (b, 0, 20)], 24),
-        ([(b, 20, 21), (a, 34, 40)], 24),
+    # a: a chunk of 33 tokens beside b's first; then a decodes its 34th while b prefills 19;
+    # then both go on. Every step pads to the first's width (as the engine's buckets do) and
+    # holds both sequences: one program (each costs tens of seconds in interpret mode).
+    for work in (
+        [(a, 0, 33), (b, 0, 1)],
+        [(a, 33, 34), (b, 1, 20)],
+        [(b, 20, 21), (a, 34, 40)],
     ):
         batch, rows = build_step(
-            work, groups=groups, page_size=PAGE, max_pages=n, num_tokens=width, all_logits=True
+            work, groups=groups, page_size=PAGE, max_pages=n, num_tokens=WIDTH, all_logits=True
         )
         cache, logits = step(params, cache, batch)
         out.append(logits_of(logits, rows))
@@ -38,8 +40,8 @@ def run(model, ids_a, ids_b):
 
 
 @pytest.mark.parametrize("family, overrides", [("deepseek_v4", None), ("glm_moe_dsa", {"index_topk": 8})])
-def test_pallas_rows_match_xla(tmp_path, family, overrides):
-    path = make(family, str(tmp_path), overrides=overrides)
+def test_pallas_rows_match_xla(tmp_path, checkpoint_dir, family, overrides):
+    path = make(family, str(tmp_path), overrides=overrides) if overrides else checkpoint_dir(family)
     rng = np.random.RandomState(3)
     xla = load_hf(path, kernels=KernelConfig(attention="xla"))
     ids_a, ids_b = (rng.randint(0, xla.cfg.vocab_size, LENGTH) for _ in range(2))

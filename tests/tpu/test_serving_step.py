@@ -1,8 +1,9 @@
 """The serving step and the L2 page copies of every family, compiled for TPU slices with the
 Pallas backends: built from shapes by the engine's own code (``hicache_jax/tpu/abstract.py``),
 at real widths, cut to one layer of each kind the model has to bound compile time (DeepSeek
-V4 Flash to its first four: its first three route by token id), at page size 16 (128 where
-pages must hold whole compressed entries).
+V4 Flash's window, CSA and HCA layers, the last routed by its gate as its 4th is: its first
+three route by token id), at page size 16 (128 where pages must hold whole compressed
+entries).
 
 Each family compiles a step program on both slices (v5e:2x2 at tp 4, v6e:2x4 at tp 8): its
 largest decode bucket on one and its largest prefill bucket (mixed batches run it) on the
@@ -27,6 +28,7 @@ hicache_jax.plan``) compiles the real flags at full depth.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -61,9 +63,6 @@ STEPS = {
     # (top 512) and HCA's every entry, 4 mHC streams, 256 experts (hash-routed, then top 6).
     "deepseek-v4-flash": {V5E: "decode", V6E: "prefill"},
 }
-# Deeper cuts than one layer per kind: DeepSeek V4 Flash's first 3 layers are hash-routed, so
-# its 4th (window, window, CSA, HCA) is the one whose experts the router picks.
-NUM_LAYERS = {"deepseek-v4-flash": 4}
 # Gated DeltaNet families compile the xla GDN kernel beside Pallas attention until the GDN
 # Pallas kernels land (their own branch); the xla chunked scan makes the prefill programs
 # the slowest here (60-80 s).
@@ -106,7 +105,10 @@ def copy_names(server: AbstractServer) -> set[str]:
 
 def compile_chosen(family: str, topology: str):
     gdn = {} if GDN_PALLAS or family not in GDN_FAMILIES else {"ssd_backend": "xla"}
-    model_cfg = real_config(family, num_layers=NUM_LAYERS.get(family, 1))
+    model_cfg = real_config(family, num_layers=1)
+    if model_cfg.dsv4 is not None:  # its 3 layers are all hash-routed ones: the last by its gate
+        dsv4 = dataclasses.replace(model_cfg.dsv4, hash_layers=model_cfg.dsv4.hash_layers[:-1])
+        model_cfg = dataclasses.replace(model_cfg, dsv4=dsv4)
     # Pages hold whole compressed entries (DeepSeek V4: a multiple of 128).
     page_size = math.lcm(SERVING["page_size"], model_cfg.page_multiple)
     cfg = EngineConfig(tp_size=TP[topology], **(SERVING | {"page_size": page_size}), **gdn)
