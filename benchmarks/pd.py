@@ -21,7 +21,8 @@ the phase runs. Reported per fleet: TTFT and ITL p50/p99 at the client (ITL: the
 streamed tokens), for all requests and per class. For PD, per request the decode server
 reports its handover (``meta_info.disaggregation``: status, the wait for the marker) and its
 TTFT from the request's arrival at its engine, which is right after the marker was read:
-the handover time (marker seen -> first token). Its floor is the bytes the prompt's pages
+the handover time (marker seen -> first token); ``admitted`` is the part of it until the
+engine admitted the request (its L3 read landed). Its floor is the bytes the prompt's pages
 take in L3 (storage-hit pages x the store's bytes per page: every file of a page, so for a
 sliding-window model, whose hit reads only the window's sliding pages, an upper bound) over
 the read bandwidth of those page files measured in the same run: a plain read of every page
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shlex
@@ -235,7 +237,8 @@ def read_bandwidth(files: list[Path], repeats: int = 3) -> dict[str, float]:
         os.close(fd)
     nbytes, cold = timed()
     warm = min(timed()[1] for _ in range(repeats))
-    return {"bytes": nbytes, "cold": nbytes / cold, "warm": nbytes / warm}
+    suffixes = sorted({p.suffix[1:] for p in files})
+    return {"bytes": nbytes, "cold": nbytes / cold, "warm": nbytes / warm, "suffixes": suffixes}
 
 
 # ---------------------------------------------------------------- report
@@ -265,14 +268,15 @@ def handover_report(outs: list[dict], page: int, page_bytes: float, bw: dict) ->
     handover time against its floor."""
     best = max(bw["cold"], bw["warm"])
     lines = [
-        f"L3 files a hit reads whole ({', '.join(sorted(EVERY_PAGE))}): {page_bytes / 1024:,.1f} KiB a page; "
+        f"L3 files a hit reads whole (.{', .'.join(bw['suffixes'])}): {page_bytes / 1024:,.1f} KiB a page; "
         f"read {bw['bytes'] / 2**20:,.1f} MiB at "
         f"{bw['cold'] / 1e9:.2f} GB/s cold-ish, {bw['warm'] / 1e9:.2f} GB/s warm ({READ_THREADS} threads, "
         "best of 3); the floor is the storage-hit pages' bytes at the faster",
         "",
         "| class | handovers | fallbacks | storage-hit tokens | L3 MiB | wait for marker p50 ms "
-        "| handover p50 ms | handover p99 ms | server l3_read p50 ms | floor ms | handover p50 / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| handover p50 ms | handover p99 ms | admitted p50 ms | server l3_read p50 ms | floor ms "
+        "| handover p50 / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cls in ("long", "chat"):
         sel = [o for o in outs if o["error"] is None and o["cls"] == cls]
@@ -280,15 +284,17 @@ def handover_report(outs: list[dict], page: int, page_bytes: float, bw: dict) ->
         done = [o for o, d in zip(sel, pd) if d.get("status") == "handover"]
         falls = sum(d.get("status") == "fallback" for d in pd)
         if not done:
-            lines.append(f"| {cls} | 0 | {falls} | - | - | - | - | - | - | - | - |")
+            lines.append(f"| {cls} | 0 | {falls} |" + " - |" * 9)
             continue
         hit = int(np.median([(o["meta"].get("cached_tokens_details") or {}).get("storage", 0) for o in done]))
         nbytes = hit // page * page_bytes
         floor = nbytes / best
         handover = [o["meta"]["ttft"] for o in done]
         wait = [(o["meta"]["disaggregation"]).get("wait_s", 0.0) for o in done]
-        l3_read = [(o["meta"].get("timing") or {}).get("l3_read_s", 0.0) for o in done]
-        cells = [q(wait, 50), q(handover, 50), q(handover, 99), q(l3_read, 50), 1000 * floor]
+        timing = [o["meta"].get("timing") or {} for o in done]
+        admitted = [t.get("admitted_s", 0.0) for t in timing]
+        l3_read = [t.get("l3_read_s", 0.0) for t in timing]
+        cells = [q(wait, 50), q(handover, 50), q(handover, 99), q(admitted, 50), q(l3_read, 50), 1000 * floor]
         ratio = np.median(handover) / floor if floor else float("inf")
         lines.append(
             f"| {cls} | {len(done)} | {falls} | {hit:,} | {nbytes / 2**20:,.2f} | "
@@ -302,57 +308,64 @@ def handover_report(outs: list[dict], page: int, page_bytes: float, bw: dict) ->
 
 
 def tpu_part(args, long_tokens: int) -> None:
-    """What the planner predicts for ``--tpu_model`` on ``--tpu_topology``: a prefill slice
-    runs only prefill chunks, a decode slice only decode steps (one plan: both slices alike)."""
-    import jax.numpy as jnp
+    """What the planner predicts for ``--tpu_model`` on ``--tpu_topology`` (or, with
+    ``--tpu_plan_json``, what a ``python -m hicache_jax.plan --json`` run wrote)."""
+    if args.tpu_plan_json:
+        with open(args.tpu_plan_json) as f:
+            plan = json.load(f)
+        where = f"{plan['topology']}, tp {plan['tp_size']}; {args.tpu_plan_json}"
+    else:
+        import jax.numpy as jnp
 
-    from hicache_jax.config import EngineConfig
-    from hicache_jax.tpu import planner
-    from hicache_jax.tpu.configs import real_config
-    from hicache_jax.tpu.target import target
+        from hicache_jax.config import EngineConfig
+        from hicache_jax.tpu import planner
+        from hicache_jax.tpu.configs import real_config
+        from hicache_jax.tpu.target import target
 
-    model = real_config(args.tpu_model)
-    cfg = EngineConfig(
-        dtype="bfloat16",
-        tp_size=args.tpu_tp,
-        page_size=16,
-        chunked_prefill_size=args.tpu_chunk,
-        max_running_requests=64,
-        max_total_tokens=65536,
+        model = real_config(args.tpu_model)
+        cfg = EngineConfig(
+            dtype="bfloat16",
+            tp_size=args.tpu_tp,
+            page_size=16,
+            chunked_prefill_size=args.tpu_chunk,
+            max_running_requests=64,
+            max_total_tokens=65536,
+        )
+        tgt = target(args.tpu_topology)
+        quiet = (lambda line: print(f"#   {line}", flush=True)) if args.verbose else (lambda line: None)
+        memo = os.path.expanduser(args.tpu_memo) if args.tpu_memo else None
+        p = planner.plan(model, cfg, tgt, dtype=jnp.bfloat16, depths="auto", progress=quiet, memo=memo)
+        print("```")
+        print(planner.format_plan(p, model, cfg, tgt))
+        print("```")
+        plan, where = p.to_json(), f"{args.tpu_topology}, tp {args.tpu_tp}"
+    print("\n".join(slice_lines(plan, long_tokens, where)))
+
+
+def slice_lines(plan: dict, long_tokens: int, where: str) -> list[str]:
+    """A plan's figures (``Plan.to_json``) read for PD: a prefill slice runs only prefill
+    chunks, a decode slice only decode steps (both slices as the plan's configuration)."""
+    steps = list(plan["steps"].values())
+    prefill = next(s for s in steps if s["name"].startswith("prefill"))
+    chunk_ms = 1e3 * prefill["roofline_s"]
+    long_ms = 1e3 * long_tokens / prefill["tokens_per_s"]
+    per_token = plan["l3_read_bytes_per_token"]
+    nbytes = long_tokens * per_token
+    decode = ", ".join(
+        f"x{s['tokens']}: {1e3 * s['roofline_s']:.2f} ms" for s in steps if s["name"].startswith("decode")
     )
-    tgt = target(args.tpu_topology)
-    quiet = (lambda line: print(f"#   {line}", flush=True)) if args.verbose else (lambda line: None)
-    memo = os.path.expanduser(args.tpu_memo) if args.tpu_memo else None
-    p = planner.plan(model, cfg, tgt, dtype=jnp.bfloat16, depths="auto", progress=quiet, memo=memo)
-    print("```")
-    print(planner.format_plan(p, model, cfg, tgt))
-    print("```")
-    steps = {s.name: s for s in p.steps}
-    prefill = p.steps[-1]
-    chunk_ms = 1e3 * prefill.roofline_s
-    long_ms = 1e3 * long_tokens / prefill.tokens_per_s
-    nbytes = long_tokens * p.l3_read_bytes_per_token
-    print(
-        f"\nPrefill slice ({args.tpu_topology}, tp {args.tpu_tp}): a {long_tokens:,}-token prompt at "
-        f"{prefill.tokens_per_s:,.0f} tokens/s is {long_ms:,.1f} ms of prefill chunks ({chunk_ms:.2f} ms "
-        f"each); its pages are {nbytes / 2**20:,.1f} MiB in L3 "
-        f"({p.l3_read_bytes_per_token / 1024:,.0f} KiB a token, an upper bound for window kinds)."
-    )
-    even = nbytes / (long_ms / 1e3)
-    print(
-        f"Handover: reading them takes as long as computing them at {even / 1e9:.2f} GB/s "
-        "of L3 read bandwidth; the planner knows no store's bandwidth, so the handover's own time on a "
-        "TPU host is not predicted here."
-    )
-    line = ", ".join(
-        f"x{s.tokens}: {1e3 * s.roofline_s:.2f} ms" for s in steps.values() if s.name.startswith("decode")
-    )
-    print(f"Decode slice: a decode step (the ITL floor) at batch {line}.")
-    print(
-        f"Unified: a step that carries a prefill chunk computes at least that chunk, so the decodes in "
-        f"it wait at least {chunk_ms:.2f} ms (the planner compiles no mixed step: this bound is ours); "
-        "on a decode slice no step carries a chunk."
-    )
+    return [
+        f"Prefill slice ({where}): a {long_tokens:,}-token prompt at {prefill['tokens_per_s']:,.0f} "
+        f"tokens/s is {long_ms:,.1f} ms of prefill chunks ({chunk_ms:.2f} ms each); its pages are "
+        f"{nbytes / 2**20:,.1f} MiB in L3 ({per_token / 1024:,.0f} KiB a token, at most: window kinds less).",
+        f"Handover: reading them takes as long as computing them at {nbytes / long_ms / 1e6:.2f} GB/s "
+        "of L3 read bandwidth. The planner knows no store's bandwidth: the handover's time on a TPU host "
+        "is not predicted.",
+        f"Decode slice: a decode step (the ITL floor) at batch {decode}.",
+        f"Unified: a step that carries a prefill chunk computes at least that chunk, so the decodes in it "
+        f"wait at least {chunk_ms:.2f} ms (the planner compiles no mixed step: this bound is ours); on a "
+        "decode slice no step carries a chunk.",
+    ]
 
 
 # ---------------------------------------------------------------- main
@@ -443,6 +456,11 @@ def main() -> None:
     p.add_argument(
         "--tpu_memo", default="~/.cache/hicache-jax-plan/pd.json", help="planner memo ('' for none)"
     )
+    p.add_argument(
+        "--tpu_plan_json",
+        default=None,
+        help="read the plan from this file (python -m hicache_jax.plan --json) instead of planning",
+    )
     p.add_argument("--verbose", action="store_true", help="print the planner's progress")
     args = p.parse_args()
     parts = args.parts.split(",")
@@ -450,8 +468,9 @@ def main() -> None:
     if "measure" in parts:
         long_tokens = measure(args)
     if "tpu" in parts:
-        print(f"\n## The planner: {args.tpu_model} on {args.tpu_topology} (no chip; rooflines)\n")
-        if args.tpu_memo:
+        name = args.tpu_plan_json or f"{args.tpu_model} on {args.tpu_topology}"
+        print(f"\n## The planner: {name} (no chip; rooflines)\n")
+        if args.tpu_memo and not args.tpu_plan_json:
             os.makedirs(os.path.dirname(os.path.expanduser(args.tpu_memo)), exist_ok=True)
         tpu_part(args, long_tokens)
 
