@@ -94,7 +94,9 @@ def test_contradictions_are_refused(tmp_path):
 def test_disaggregation_needs_a_shared_l3_and_write_through_prefill():
     with pytest.raises(ConfigError, match=r"disaggregation_mode prefill or decode hands KV over through L3"):
         EngineConfig(disaggregation_mode="decode")
-    l3 = dict(enable_hierarchical_cache=True, hicache_storage_backend="tensorstore", hicache_storage_spec="/tmp/x")
+    l3 = dict(
+        enable_hierarchical_cache=True, hicache_storage_backend="tensorstore", hicache_storage_spec="/tmp/x"
+    )
     EngineConfig(disaggregation_mode="decode", hicache_write_policy="write_back", **l3)
     with pytest.raises(ConfigError, match=r"^disaggregation_mode='prefill': must.*write_through"):
         EngineConfig(disaggregation_mode="prefill", hicache_write_policy="write_back", **l3)
