@@ -13,6 +13,11 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+# --kv_cache_dtype (``models/kv_quant.py``: what each means; the peers' names are aliases).
+KV_CACHE_DTYPES = (
+    *("auto", "bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8"),
+    *("fp8", "fp8_e4m3", "fp8_e5m2", "bf16"),
+)
 
 
 class ConfigError(ValueError):
@@ -128,6 +133,19 @@ class EngineConfig:
             lambda v, c: v in ("auto", "float32", "bfloat16", "float16"),
             "must be auto, float32, bfloat16 or float16",
         ),
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV page dtype in every tier (L1, L2, L3): auto (the model's), bfloat16, float16, float32, "
+        "float8_e4m3fn, float8_e5m2 or int8 (8-bit: half bfloat16's bytes; one scale per layer "
+        "and tensor: 1 for fp8, calibrated at start-up for int8). SGLang's and vLLM's names fp8, "
+        "fp8_e4m3, fp8_e5m2 and bf16 are accepted (docs/kv_quantization.md).",
+        (
+            lambda v, c: v not in ("fp4_e2m1", "fp8_inc", "fp8_ds_mla"),
+            "is not supported (4-bit KV, Gaudi's fp8 and DeepSeek's packed fp8 MLA layout); "
+            "use fp8_e4m3, fp8_e5m2 or int8",
+        ),
+        (lambda v, c: v in KV_CACHE_DTYPES, "must be one of " + ", ".join(KV_CACHE_DTYPES)),
     )
     page_size: int = setting(
         16,

@@ -203,6 +203,7 @@ def allocate_cache(
     page_size: int,
     num_state_slots: int = 0,
     dtype=jnp.float32,
+    kv_dtype=None,
     fill: float = 0.0,
     kv_heads: int | None = None,
 ) -> tuple:
@@ -211,7 +212,10 @@ def allocate_cache(
 
     ``num_pages`` is per cache kind or one number for all. ``kv_heads`` (default the
     model's) is more under tensor parallelism with replicated KV heads (``models/sharding.py``).
+    ``kv_dtype`` (default ``dtype``) is the pages' (``--kv_cache_dtype``, ``kv_quant.py``);
+    recurrent state and a kind with its own dtype keep theirs.
     """
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     entries = []
     for kind in cfg.cache_layer_kinds:
         if kind in RECURRENT:
@@ -225,7 +229,7 @@ def allocate_cache(
         for s in specs:
             n = num_pages if isinstance(num_pages, int) else num_pages[s.kind]
             shape = s.shape(n, page_size, kv_heads)
-            dt = dtype if s.dtype is None else jnp.dtype(s.dtype)
+            dt = kv_dtype if s.dtype is None else jnp.dtype(s.dtype)
             made.append(s.entry(*(jnp.full(shape, fill, dt) for _ in s.entry._fields)))
         entries.append(join(made, specs))
     return tuple(entries)

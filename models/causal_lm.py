@@ -123,11 +123,14 @@ class CausalLM(nnx.Module):
         dtype=jnp.float32,
         rngs: nnx.Rngs | None = None,
         kernels: KernelConfig | None = None,
+        kv_dtype=None,
     ):
         rngs = rngs or nnx.Rngs(0)
         kernels = kernels or KernelConfig()
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
+        # The pages' dtype (``--kv_cache_dtype``, ``kv_quant.py``): the model's unless set.
+        self.kv_dtype = self.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
         self.mesh = kernels.mesh  # tensor-parallel mesh, or None (see models/sharding.py)
         check_tp(cfg, tp_size(self.mesh))
         kernels.check_model(cfg, self.dtype)
@@ -273,6 +276,7 @@ class CausalLM(nnx.Module):
     def allocate_cache(self, **kwargs) -> tuple:
         """Zeroed cache arrays, split over the mesh like ``cache_shardings`` says."""
         kwargs.setdefault("dtype", self.dtype)
+        kwargs.setdefault("kv_dtype", self.kv_dtype)
         if self.mesh is None:
             return allocate_cache(self.cfg, **kwargs)
         kwargs["kv_heads"] = kv_heads_on_device(self.cfg, tp_size(self.mesh))
@@ -284,6 +288,7 @@ class CausalLM(nnx.Module):
         """``allocate_cache``'s arrays as ``jax.ShapeDtypeStruct``s with their shardings (on
         the model's mesh, or replicated on ``placement``); nothing is allocated."""
         kwargs.setdefault("dtype", self.dtype)
+        kwargs.setdefault("kv_dtype", self.kv_dtype)
         tp = tp_size(self.mesh)
         if self.mesh is not None:
             kwargs["kv_heads"] = kv_heads_on_device(self.cfg, tp)

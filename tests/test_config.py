@@ -16,6 +16,7 @@ BAD = {  # one value per field that its rule must refuse (the other fields at th
     "max_total_tokens": 1,
     "swa_full_tokens_ratio": 0.0,
     "dtype": "int8",
+    "kv_cache_dtype": "float64",
     "attention_backend": "cuda",
     "ssd_backend": "triton",
     "tp_size": 0,
@@ -67,6 +68,18 @@ def test_messages_fill_in_the_bound_they_checked():
         EngineConfig(page_size=32, chunked_prefill_size=48)
     with pytest.raises(ConfigError, match=r"dist_coordinator=None: must be set"):
         EngineConfig(dist_num_processes=2, dist_process_id=1)
+
+
+def test_kv_cache_dtype_takes_the_peers_names_and_refuses_4_bit_as_not_supported():
+    from hicache_jax.config import KV_CACHE_DTYPES
+    from hicache_jax.models import kv_quant
+
+    assert set(KV_CACHE_DTYPES) == set(kv_quant.CHOICES)  # the flag's and the model side's
+    for peer in ("fp8_e4m3", "fp8_e5m2", "fp8", "bf16"):
+        EngineConfig(kv_cache_dtype=peer)
+    for name in kv_quant.NOT_SUPPORTED:
+        with pytest.raises(ConfigError, match=rf"^kv_cache_dtype={name!r}: is not supported"):
+            EngineConfig(kv_cache_dtype=name)
 
 
 def test_layerwise_loads_are_refused_over_several_processes():

@@ -98,6 +98,17 @@ def attach_drafter(
     model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1, eagle3_aux=aux)
 
 
+def set_kv_dtype(cfg: EngineConfig, model: CausalLM) -> None:
+    """Give ``model`` the pages' dtype ``--kv_cache_dtype`` names (``models/kv_quant.py``);
+    its cache is allocated in it, on the device, in L2 and in L3."""
+    from hicache_jax.models import kv_quant
+
+    try:
+        model.kv_dtype = kv_quant.resolve(cfg.kv_cache_dtype, model.dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def verify_overhead_rows(cfg: EngineConfig, platform: str | None = None) -> float:
     """``--speculative_verify_overhead_rows`` resolved for ``platform`` (default: JAX's)."""
     import jax
@@ -241,7 +252,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
             log.warning("L3: the page-auth key file %s is readable by other users (chmod 600 it)", path)
     namespace = Namespace(
         model_fingerprint=fp,
-        kv_dtype=str(model.dtype),
+        kv_dtype=str(model.kv_dtype),  # the pages' (--kv_cache_dtype)
         page_size=cfg.page_size,
         layout_version=1,
         # Pages are stored whole at every tp_size (see runtime/transfer.py): the namespace names the

@@ -54,6 +54,7 @@ from hicache_jax.engine.build import (
     make_device_pools,
     make_runner,
     prefix_rules,
+    set_kv_dtype,
     verify_overhead_rows,
 )
 from hicache_jax.engine.failures import EngineStalled, StepFailed
@@ -125,6 +126,7 @@ class Engine:
         self.drafter = make_drafter(cfg, model.cfg)  # speculative decoding (None: off)
         if isinstance(self.drafter, MtpDrafter):  # its KV: one more layer in every tier
             attach_drafter(cfg, model)
+        set_kv_dtype(cfg, model)  # before anything allocates pages
         self._overhead_rows = verify_overhead_rows(cfg)  # the draft policy's (draft_policy.py)
         self._verify_gate = functools.partial(worth_verifying, overhead_rows=self._overhead_rows)
         mc = model.cfg

@@ -31,6 +31,7 @@ from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import IndexPages, LatentPages, join, paged_specs, parts
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend, sharded
+from hicache_jax.models.kv_quant import store
 from hicache_jax.models.layers.attention import PREFILL_Q_BLOCK
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import LayerNorm, RMSNorm
@@ -57,7 +58,7 @@ def write_rows(pages: jax.Array, rows: jax.Array, slot_mapping: jax.Array) -> ja
     n, P = pages.shape[:2]
     flat = pages.reshape(n * P, *pages.shape[2:])
     slots = jnp.where(slot_mapping < 0, n * P, slot_mapping)  # past the pool: dropped
-    return flat.at[slots].set(rows.astype(pages.dtype), mode="drop").reshape(pages.shape)
+    return flat.at[slots].set(store(rows, pages.dtype), mode="drop").reshape(pages.shape)
 
 
 def attend_picked(q: jax.Array, pages: jax.Array, table: jax.Array, batch: ForwardBatch, picks, scale: float):

@@ -25,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from hicache_jax.models.kernels import vmem
 from hicache_jax.models.kernels.ragged_paged_attention import reference
+from hicache_jax.models.kv_quant import store
 
 
 def _write_kv_kernel(
@@ -118,8 +119,8 @@ def write_kv(
         interpret=interpret,
     )(
         slot_mapping.astype(jnp.int32),
-        k.astype(k_pages.dtype),
-        v.astype(v_pages.dtype),
+        store(k, k_pages.dtype),
+        store(v, v_pages.dtype),
         vmem.in_hbm(k_pages, interpret),
         vmem.in_hbm(v_pages, interpret),
     )

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hicache_jax.models.kv_quant import store
+
 NEG_INF = float("-inf")
 
 
@@ -235,6 +237,6 @@ def write_kv(
 
     def put(pages, x):
         flat = pages.reshape(n, *shape[2:])
-        return flat.at[idx].set(x.astype(pages.dtype), mode="drop").reshape(shape)
+        return flat.at[idx].set(store(x, pages.dtype), mode="drop").reshape(shape)
 
     return put(k_pages, k), put(v_pages, v)
