@@ -322,7 +322,10 @@ class Engine:
         running = self.scheduler.running
         if self.cfg.disable_overlap_schedule or self.scheduler.waiting or not prev.plan.decode_only:
             return False
-        if self.drafter is not None and not wont_verify(running, self.cfg.spec_width, self._overhead_rows):
+        drafter = self.drafter
+        if drafter is not None and not wont_verify(
+            running, self.cfg.spec_width, self._overhead_rows, may_draft=drafter.may_draft_next
+        ):
             return False  # a draft follows the last token: only a step that would not verify goes ahead
         if len(prev.plan.items) != len(running) or any(i.req not in running for i in prev.plan.items):
             return False

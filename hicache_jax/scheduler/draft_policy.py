@@ -47,6 +47,7 @@ would probe is planned after N is read, with its draft.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from hicache_jax.request import Req
 
@@ -117,12 +118,19 @@ def worth_verifying(
     return verify
 
 
-def wont_verify(reqs: list[Req], width: int, overhead_rows: float = OVERHEAD_ROWS) -> bool:
+def wont_verify(
+    reqs: list[Req],
+    width: int,
+    overhead_rows: float = OVERHEAD_ROWS,
+    may_draft: Callable[[Req], bool] | None = None,
+) -> bool:
     """Whether the next step of ``reqs`` (each decoding) would not verify whatever their
     drafts, by ``worth_verifying``'s rule: none would probe, and full drafts at their rates
     are expected to gain less than ``needed`` (an upper bound: a draft has at most
-    ``width - 1`` tokens). Reads the histories as the last step left them, changes nothing."""
-    hist = [req.draft_history or DraftHistory() for req in reqs]
+    ``width - 1`` tokens). ``may_draft(req)``: False only where no draft can follow the
+    request's next token (the drafter proves it: ``NgramIndex.can_follow``); such a request
+    neither probes nor gains. Reads the histories as the last step left them, changes nothing."""
+    hist = [req.draft_history or DraftHistory() for req in reqs if may_draft is None or may_draft(req)]
     if any(h.probing for h in hist):
         return False
     gain = sum(h.expected(width - 1) for h in hist)

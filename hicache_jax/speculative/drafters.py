@@ -20,6 +20,12 @@ class NgramDrafter:
             req.drafter_state = NgramIndex(self.config)
         return req.drafter_state.propose(req.input_ids + req.output_ids, k)
 
+    def may_draft_next(self, req: Req) -> bool:
+        """Whether ``req`` could draft after one more token, whichever it is (its tokens so
+        far known; ``NgramIndex.can_follow``)."""
+        self(req, 0)  # brings its index up to its tokens
+        return req.drafter_state.can_follow()
+
 
 class MtpDrafter:
     """The drafts the model's multi-token-prediction block (or an EAGLE-3 draft in its
@@ -28,6 +34,9 @@ class MtpDrafter:
 
     def __call__(self, req: Req, k: int) -> list[int]:
         return list(req.drafter_state or ())[:k]
+
+    def may_draft_next(self, req: Req) -> bool:
+        return True  # its block proposes after every token
 
 
 MTP_ALGORITHMS = ("NEXTN", "EAGLE")  # SGLang's names for drafting with the model's MTP blocks

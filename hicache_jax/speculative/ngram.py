@@ -68,9 +68,11 @@ class NgramIndex:
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
         self._tokens: list[int] = []  # the indexed tokens, as ints
-        # _ends[n - min_match]: hash(tuple of n tokens) -> latest exclusive end of that n-gram,
+        # The lengths indexed: min_match - 1 too (``can_follow``), none shorter than 1.
+        self._lo = max(1, config.min_match - 1)
+        # _ends[n - _lo]: hash(tuple of n tokens) -> latest exclusive end of that n-gram,
         # over the ends indexed so far: 1 <= end < _next_end.
-        self._ends: list[dict[int, int]] = [{} for _ in range(config.min_match, config.max_match + 1)]
+        self._ends: list[dict[int, int]] = [{} for _ in range(self._lo, config.max_match + 1)]
         self._next_end = 1
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
@@ -87,6 +89,19 @@ class NgramIndex:
         # Ends up to size - 1: an occurrence ending at size is the suffix itself.
         self._index(size)
         return self._lookup(k) if k > 0 else []
+
+    def can_follow(self) -> bool:
+        """Whether one more token, whichever, could give a draft (after ``propose`` brought
+        the index up to the tokens). A suffix n-gram of ``t[0:L+1]`` that occurred before
+        ends, one token earlier, in the last ``n - 1`` known tokens occurring before: so with
+        ``min_match >= 2`` none can follow when the last ``min_match - 1`` tokens occur
+        nowhere earlier. With ``min_match`` 1 any token seen before matches."""
+        n, toks = self.config.min_match - 1, self._tokens
+        if n == 0 or len(toks) <= n:
+            return len(toks) >= 1 if n == 0 else False
+        gram = tuple(toks[len(toks) - n :])
+        end = self._ends[n - self._lo].get(hash(gram))
+        return end is not None and tuple(toks[end - n : end]) == gram
 
     def _extended_by(self, tokens: Sequence[int], size: int) -> bool:
         indexed = len(self._tokens)
@@ -106,7 +121,7 @@ class NgramIndex:
 
     def _index(self, stop: int) -> None:
         """Record every n-gram ending at ``end`` for ``_next_end <= end < stop``."""
-        lo, hi = self.config.min_match, self.config.max_match
+        lo, hi = self._lo, self.config.max_match
         toks, ends = self._tokens, self._ends
         for end in range(self._next_end, stop):
             window = tuple(toks[max(0, end - hi) : end])  # the up-to-hi tokens before end
@@ -123,7 +138,7 @@ class NgramIndex:
         m = len(suffix)
         for n in range(min(hi, m), lo - 1, -1):
             gram = suffix[m - n :]
-            end = self._ends[n - lo].get(hash(gram))
+            end = self._ends[n - self._lo].get(hash(gram))
             if end is not None and tuple(toks[end - n : end]) == gram:
                 return toks[end : end + k]
         return []

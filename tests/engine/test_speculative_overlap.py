@@ -127,3 +127,18 @@ def test_steps_that_would_not_verify_run_ahead_and_outputs_equal_no_speculation(
     assert st["overlapped_steps"] == watch.ahead > 20, (st, watch.ahead)
     assert watch.probes > 0, "no verify step came after a step planned ahead"
     assert 0 < watch.most <= PROBE_EVERY, watch.quiet
+
+
+def test_at_the_default_min_match_requests_that_cannot_draft_next_run_ahead():
+    """SGLang's default n-gram window (3 tokens) on prompts that repeat nothing: a request
+    whose last two tokens occur nowhere earlier can draft after no next token
+    (``NgramIndex.can_follow``), so it is not due to probe, and its steps go ahead from the
+    first; outputs are those of decoding without speculation."""
+    rng = np.random.RandomState(2)
+    ids = [rng.permutation(np.arange(3, 500))[:40].tolist() for _ in range(2)]  # no token twice
+    want = run(Engine(EngineConfig(**BASE)), ids)
+    engine = Engine(EngineConfig(**BASE, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4))
+    assert engine.cfg.speculative_ngram_min_match_window_size == 3
+    got = run(engine, ids)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert engine.stats["overlapped_steps"] > 10, engine.stats

@@ -286,6 +286,22 @@ def test_a_new_request_is_not_planned_ahead():
     assert [r.draft_history.idle for r in old] == [2] * 3
 
 
+def test_a_new_request_that_cannot_draft_next_does_not_stop_the_step_going_ahead():
+    """The drafter proves no draft can follow its next token (``may_draft``): it neither
+    probes nor gains; one that may draft still probes."""
+    old = [new_req(i) for i in range(3)]
+    for r in old:
+        r.draft_history = draft_policy.DraftHistory(rate=0.0, idle=1)
+    fresh = new_req(3)
+    assert not wont_verify([*old, fresh], WIDTH, may_draft=lambda r: True)
+    assert wont_verify([*old, fresh], WIDTH, may_draft=lambda r: r is not fresh)
+    assert fresh.draft_history is None  # it changes nothing
+    good = draft_policy.DraftHistory(rate=1.0, idle=0)
+    fresh.draft_history = good  # drafts that were all accepted: its gain alone pays at batch 1
+    assert not wont_verify([fresh], WIDTH, may_draft=lambda r: True)
+    assert wont_verify([fresh], WIDTH, may_draft=lambda r: False)
+
+
 def test_the_policy_imports_no_jax():
     assert not any(
         isinstance(v, types.ModuleType) and v.__name__.startswith("jax") for v in vars(draft_policy).values()

@@ -46,6 +46,17 @@ def token_lists(max_size: int = 60):
 
 
 @SETTINGS
+@given(config=configs(), tokens=token_lists(), k=st.integers(1, 9))
+def test_can_follow_says_whether_some_next_token_gives_a_draft(config, tokens, k):
+    """Over every next token the alphabet has, and one never seen: a draft follows one of
+    them exactly when ``can_follow`` says so (it is what lets a step be planned ahead)."""
+    index = NgramIndex(config)
+    index.propose(tokens, 0)
+    nexts = range(max(tokens, default=0) + 2)
+    assert index.can_follow() == any(reference([*tokens, x], k, config) for x in nexts)
+
+
+@SETTINGS
 @given(config=configs(), tokens=token_lists(), k=st.integers(-2, 9))
 def test_a_fresh_index_proposes_as_the_definition(config, tokens, k):
     assert NgramIndex(config).propose(tokens, k) == reference(tokens, k, config)
