@@ -39,6 +39,7 @@ the queries, down to 8 rows; KV, down to one page) until ``vmem_bytes`` (tile-pa
 ``vmem.tile_budget()``; ``vmem.compiler_params`` declares the budget as the limit::
 
     2 (K, V) x 2 (double buffer) x C x Hkv x D x kv_bytes      the copied pages
+  + 2 (K, V) x C x Hkv x D x 4                                8-bit pages widened (``_stage``)
   + 2 (q, out) x 2 (Pallas double-buffers blocks) x Hkv x R x D x q_bytes
   + Hkv x R x (D + 2 x 128) x 4                               f32 acc, m and l scratch
   + 2 x R x C x 4                                             one head's scores, probabilities
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -65,6 +67,7 @@ KV_TOKENS = (128, 1024)  # ... but within these many tokens per step
 SCORE_TILE = 128 * 1024  # and at most this many f32 scores [R, C] per head and step
 TABLE_SMEM_SHARE = 0.5  # of SMEM, the most a scalar-prefetched page table may take
 DTYPES = ("float32", "bfloat16")
+QUANTIZED = ("float8_e4m3fn", "float8_e5m2", "int8")  # 8-bit pages, widened in VMEM (``_stage``)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -75,11 +78,21 @@ def _pow2_floor(x: int) -> int:
     return 1 << (x.bit_length() - 1)
 
 
+def _quantized(dtype) -> bool:
+    return jnp.dtype(dtype).name in QUANTIZED
+
+
+def _staged(dtype):
+    """The dtype a step's K and V are read in: 8-bit pages are widened to float32 in VMEM
+    once per KV step (``_stage``), then read as float32 pages are."""
+    return jnp.dtype(jnp.float32) if _quantized(dtype) else jnp.dtype(dtype)
+
+
 def _units(num_kv_heads: int, head_dim: int, dtype) -> tuple[int, int]:
     """``(U, W)``: a token's K (or V) is ``U`` rows of ``W`` lanes in the copied pages."""
-    if head_dim % LANES or (num_kv_heads == 1 and jnp.dtype(dtype).itemsize == 2):
-        # D <= 128: a row per head. One bf16 head of D = 128n: TPUs store [page_size, D]
-        # tiled on (token, D) rows, which the kernel reads whole (no strided load).
+    if head_dim % LANES or (num_kv_heads == 1 and jnp.dtype(dtype).itemsize <= 2):
+        # D <= 128: a row per head. One bf16 or 8-bit head of D = 128n: TPUs store
+        # [page_size, D] tiled on (token, D) rows, which the kernel reads whole (no strided load).
         return num_kv_heads, head_dim
     return num_kv_heads * (head_dim // LANES), LANES
 
@@ -97,15 +110,16 @@ def _page_rows(pages: jax.Array) -> jax.Array:
 def unsupported_reason(*, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype) -> str | None:
     """Why Mosaic cannot compile the kernel for these per-shard shapes (None: it can).
 
-    ``dtype`` is the KV pages' (and the queries'). Rules: float32 or bfloat16; query heads
+    ``dtype`` is the KV pages'. Rules: float32 or bfloat16, or an 8-bit dtype (which chips
+    compile it: ``models/kernels/kv_dtypes.py``); query heads
     group evenly over KV heads; ``head_dim`` at most 128 or a multiple of 128 (strided loads
     take rows of <= 128 lanes), unless there is one KV head, whose rows are read whole (an
     MLA latent: 512 + 64); bfloat16 with one KV head or an even number, since it picks a
     head's rows by 32-bit loads of head pairs (Mosaic has no 16-bit strided load).
     """
     name = jnp.dtype(dtype).name
-    if name not in DTYPES:
-        return f"dtype={name}: the kernel takes {' or '.join(DTYPES)} KV pages"
+    if name not in DTYPES + QUANTIZED:
+        return f"dtype={name}: the kernel takes {', '.join(DTYPES + QUANTIZED)} KV pages"
     if num_q_heads % num_kv_heads:
         return f"num_q_heads={num_q_heads} do not group over num_kv_heads={num_kv_heads}"
     if head_dim > LANES and head_dim % LANES and num_kv_heads > 1:
@@ -166,6 +180,8 @@ def vmem_bytes(shapes: Shapes, q_block: int, kv_block_pages: int) -> int:
     qo = 2 * 2 * s.num_kv_heads * _round_up(R, 32 // q_item) * D * q_item
     f32 = s.num_kv_heads * _round_up(R, 8) * (D + 2 * LANES) * 4
     work = 2 * _round_up(R, 8) * _round_up(C, LANES) * 4
+    if _quantized(s.kv_dtype):  # one step's K and V widened to float32 (``_stage``)
+        kv += 2 * C * U * _round_up(W, LANES) * 4
     return kv + qo + f32 + work
 
 
@@ -299,6 +315,26 @@ def _head_tiles(buf, C: int, num_kv_heads: int, j) -> list:
     return [join([buf[pl.ds(c * num_kv_heads + j, C, stride=U), :] for c in range(nc)])]
 
 
+STAGE_ROWS = 256  # 8-bit rows widened per loop step (32 float32 vregs at 128 lanes)
+
+
+def _stage(buf, wide, page_rows: int, n_pages):
+    """Widen the rows of the first ``n_pages`` pages (``page_rows`` rows each) of an 8-bit
+    step buffer ``buf`` ``[kbp * page_rows, W]`` into ``wide`` (float32, same shape): the
+    dequantization, in VMEM, after the page DMA (the scale is the caller's, folded outside
+    the kernel). Chunks start at multiples of 32 rows (an 8-bit tile), so the last may
+    widen stale rows past the pages: those, like the buffer's own, are masked."""
+    total = buf.shape[0]
+    chunk = math.gcd(total, STAGE_ROWS)
+
+    def body(i, carry):
+        rows = pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+        wide[rows, :] = buf[rows, :].astype(jnp.float32)
+        return carry
+
+    lax.fori_loop(0, (n_pages * page_rows + chunk - 1) // chunk, body, 0)
+
+
 def _attention_kernel(
     *refs,
     sm_scale: float,
@@ -334,11 +370,12 @@ def _attention_kernel(
     # sink_ref (with sinks): [Hkv, R, 1] f32 VMEM, each row's head's sink logit.
     # k_buf, v_buf: [2, kbp * page_size * U, W] VMEM double buffers; sems: [2] DMA, one per
     # slot; m_ref, l_ref: [Hkv, R, 1] f32 running max and denominator; acc_ref: [Hkv, R, D].
-    k_buf, v_buf, sems, m_ref, l_ref, acc_ref = scratch
+    # k_wide, v_wide (8-bit pages): [kbp * page_size * U, W] float32, one step's K and V.
+    k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *wide = scratch
     R = q_ref.shape[2]
     C = kbp * page_size  # KV tokens per inner step
     page_rows = k_hbm.shape[1]
-    heads_per_load = _heads_per_load(page_rows // page_size, num_kv_heads, k_buf.dtype)
+    heads_per_load = _heads_per_load(page_rows // page_size, num_kv_heads, _staged(k_buf.dtype))
     b = pl.program_id(0)
     n_rows = blk_rows_ref[b]
 
@@ -415,6 +452,11 @@ def _attention_kernel(
                 for_needed_pages(kv_blk + 1, 1 - slot, lambda c: c.start())
 
             for_needed_pages(kv_blk, slot, lambda c: c.wait())
+            if wide:
+                n_pages = jnp.minimum(kbp, p_hi - (p_lo + kv_blk * kbp))
+                _stage(k_buf.at[slot], wide[0], page_rows, n_pages)
+                _stage(v_buf.at[slot], wide[1], page_rows, n_pages)
+            k_src, v_src = (wide[0], wide[1]) if wide else (k_buf.at[slot], v_buf.at[slot])
 
             base = (p_lo + kv_blk * kbp) * page_size  # KV position of column 0
 
@@ -434,6 +476,8 @@ def _attention_kernel(
                 v = jnp.where((v_pos >= lo) & (v_pos < hi), v, jnp.zeros_like(v))
 
                 q = q_ref[0, h]  # [R, D]
+                # Widened 8-bit values are exact in bfloat16 (at most 8 significant bits).
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
                 # Explicit, so jax_default_matmul_precision=highest (the tests') cannot ask
                 # Mosaic for an f32 contraction of bf16 operands, which it refuses.
                 f32 = q.dtype == jnp.float32
@@ -467,8 +511,8 @@ def _attention_kernel(
                 m_ref[h] = m_new
 
             def heads(j, carry):
-                ks = _head_tiles(k_buf.at[slot], C, num_kv_heads, j)
-                vs = _head_tiles(v_buf.at[slot], C, num_kv_heads, j)
+                ks = _head_tiles(k_src, C, num_kv_heads, j)
+                vs = _head_tiles(v_src, C, num_kv_heads, j)
                 for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
                     attend(j * len(ks) + i, k, v)
                 return carry
@@ -572,6 +616,8 @@ def ragged_paged_attention(
         pltpu.VMEM((Hkv, R, 1), jnp.float32),
         pltpu.VMEM((Hkv, R, D), jnp.float32),
     ]
+    if _quantized(k_pages.dtype):  # one step's K and V widened to float32 (``_stage``)
+        scratch += [pltpu.VMEM(buf_shape[1:], jnp.float32)] * 2
     prefetch, inputs = (seq, rows, pos0), [qb, vmem.in_hbm(k_rows, interpret), vmem.in_hbm(v_rows, interpret)]
     in_specs = [block, any_space, any_space]
     if L is None:

@@ -3,7 +3,7 @@ slot by DMA, in place (the pages are aliased in and out). Reference: ``reference
 
 The kernel DMAs a token's ``[Hkv, D]`` slab into ``[num_pages, page_size, Hkv, D]``, so it
 needs the pages row-major, tiled on ``(Hkv, D)``. XLA:TPU stores a pool with one bfloat16
-KV head (per shard: every model at a tensor-parallel size equal to its KV head count) tiled
+(or 8-bit) KV head (per shard: every model at a tensor-parallel size equal to its KV head count) tiled
 on ``(page_size, D)`` instead, the size-1 head axis moved out of the tile. A Pallas operand
 there makes XLA copy the whole pool to row-major and back, every layer of every step (three
 times the pool in temporaries for Gemma-3-4B at tp 4), so that write is XLA's own scatter,
@@ -75,7 +75,7 @@ def _write_kv_kernel(
 def scatter_in_place(num_kv_heads: int, head_dim: int, dtype) -> bool:
     """Whether XLA's scatter writes these per-shard pages in place where the kernel would
     make XLA relayout the pool (the module docstring; ``tests/tpu`` checks both sides)."""
-    return num_kv_heads == 1 and head_dim % 128 == 0 and jnp.dtype(dtype).itemsize == 2
+    return num_kv_heads == 1 and head_dim % 128 == 0 and jnp.dtype(dtype).itemsize <= 2
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
