@@ -131,6 +131,7 @@ class CausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         # The pages' dtype (``--kv_cache_dtype``, ``kv_quant.py``): the model's unless set.
         self.kv_dtype = self.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
+        self.kv_scales = None  # the pages' per-tensor scales (``set_kv_scales``); None: 1.0
         self.mesh = kernels.mesh  # tensor-parallel mesh, or None (see models/sharding.py)
         check_tp(cfg, tp_size(self.mesh))
         kernels.check_model(cfg, self.dtype)
@@ -250,13 +251,29 @@ class CausalLM(nnx.Module):
         """The LM head (the tied embedding, or ``lm_head``): ``[R, hidden]`` -> ``[R, vocab]``."""
         return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 
-    def forward_full(self, input_ids: jax.Array) -> jax.Array:
-        """Whole sequences from an empty cache: ``[B, T]`` ids -> ``[B, T, vocab]`` logits."""
+    def set_kv_scales(self, scales) -> None:
+        """Give every layer that writes pages (a drafting block's too) its per-tensor scales
+        (``kv_quant.KVScales``, ``cache_layer_kinds`` order; None: 1.0). Static numbers in
+        the layers' programs: set before the runner splits the model."""
+        self.kv_scales = scales
+        mixers = [layer.mixer for layer in self.layers]
+        if self.cfg.mtp_cache_layers and self.mtp is not None:
+            # Every block writes the one drafting cache entry (only the first drafts).
+            mixers += [[b.attn if hasattr(b, "attn") else b.layer.mixer for b in self.mtp]]
+        for i, mixer in enumerate(mixers):
+            layer = None if scales is None else scales.per_layer[i]
+            for m in mixer if isinstance(mixer, list) else [mixer]:
+                if hasattr(m, "kv_scales"):  # recurrent layers page nothing
+                    m.kv_scales = layer
+
+    def full_batch(self, input_ids: jax.Array, **cache_kwargs) -> tuple[tuple, ForwardBatch]:
+        """An empty cache (``allocate_cache(**cache_kwargs)``) and the step that runs whole
+        sequences ``[B, T]`` of ids from it, every row's logits."""
         Bsz, T = input_ids.shape
         P = -(-T // self.cfg.page_multiple) * self.cfg.page_multiple  # pages hold whole entries
-        cache = self.allocate_cache(num_pages=Bsz, page_size=P, num_state_slots=Bsz)
+        cache = self.allocate_cache(num_pages=Bsz, page_size=P, num_state_slots=Bsz, **cache_kwargs)
         seqs = jnp.arange(Bsz, dtype=jnp.int32)
-        groups = page_groups(self.cfg.layer_kinds)
+        groups = page_groups(self.cfg.cache_layer_kinds)
         slots = (seqs[:, None] * P + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(-1)
         batch = ForwardBatch(
             input_ids=input_ids.reshape(-1).astype(jnp.int32),
@@ -270,8 +287,12 @@ class CausalLM(nnx.Module):
             has_initial_state=jnp.zeros((Bsz,), bool),
             logits_indices=jnp.arange(Bsz * T, dtype=jnp.int32),
         )
-        _, logits = self(cache, batch)
-        return logits.reshape(Bsz, T, -1)
+        return cache, batch
+
+    def forward_full(self, input_ids: jax.Array) -> jax.Array:
+        """Whole sequences from an empty cache: ``[B, T]`` ids -> ``[B, T, vocab]`` logits."""
+        _, logits = self(*self.full_batch(input_ids))
+        return logits.reshape(*input_ids.shape, -1)
 
     def allocate_cache(self, **kwargs) -> tuple:
         """Zeroed cache arrays, split over the mesh like ``cache_shardings`` says."""

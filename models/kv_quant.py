@@ -74,11 +74,31 @@ def store(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+def unscale(x: jax.Array, scale: float = 1.0) -> jax.Array:
+    """``x / scale`` in float32, what a layer hands its page write (which ``store``s it);
+    ``x`` itself at scale 1, so a unit scale adds no op to the program."""
+    if scale == 1.0:
+        return x
+    return x.astype(jnp.float32) * (1.0 / scale)
+
+
 def quantize(x: jax.Array, dtype, scale: float = 1.0) -> jax.Array:
     """Computed rows to page values: divided by the tensor's scale, then ``store``."""
-    if scale != 1.0:
-        x = x.astype(jnp.float32) * (1.0 / scale)
-    return store(x, dtype)
+    return store(unscale(x, scale), dtype)
+
+
+def rescale(x: jax.Array, scale: float = 1.0) -> jax.Array:
+    """``x * scale`` (an attention output over scaled values, or scores over scaled keys);
+    ``x`` itself at scale 1."""
+    return x if scale == 1.0 else x * scale
+
+
+def field_scales(layer_scales, spec: int, fields: int) -> tuple[float, ...]:
+    """A layer's scales (``layer_scales``: its ``kv_scales``, per paged spec per field, or
+    None) for its ``spec``-th paged spec: one per field, 1.0 where unset."""
+    if layer_scales is None:
+        return (1.0,) * fields
+    return tuple(float(s) for s in layer_scales[spec])
 
 
 def dequantize(pages: jax.Array, scale: float = 1.0, dtype=jnp.float32) -> jax.Array:

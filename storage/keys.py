@@ -28,7 +28,9 @@ KINDS = tuple(L3_SUFFIX.values())  # object suffixes: full-attention KV, sliding
 _U32_LIMIT = 2**32
 _HEX_ID = re.compile(r"^[0-9a-f]{16}$")
 # Namespace fields added after stores existed: left out of the digest while None.
-LATER_FIELDS = ("auth_id", "mtp_cache_layers")
+LATER_FIELDS = ("auth_id", "mtp_cache_layers", "kv_scales")
+# A scale scheme's name: shown in the namespace's directory (``layout._SAFE``).
+_SCHEME = re.compile(r"^[A-Za-z0-9._+-]{1,40}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,11 @@ class Namespace:
     # it never share a key. 0 is stored as None: the digest and directory of a server
     # without it are those of a store from before the field.
     mtp_cache_layers: int | None = None
+    # What quantized pages' numbers mean beyond their dtype (``models/kv_quant.scheme``:
+    # "tensor-1" for unit per-tensor scales, "tensor-<digest>" for calibrated ones), so
+    # servers with other scales never share a page. None for unquantized pages: the digest
+    # and directory of a store from before the field.
+    kv_scales: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -77,6 +84,13 @@ class Namespace:
             raise ValueError(f"Namespace.mtp_cache_layers must be an int >= 0 or None, got {extra!r}")
         if extra == 0:
             object.__setattr__(self, "mtp_cache_layers", None)
+        if self.kv_scales is not None and not (
+            isinstance(self.kv_scales, str) and _SCHEME.match(self.kv_scales)
+        ):
+            raise ValueError(
+                "Namespace.kv_scales must be None or 1-40 characters of [A-Za-z0-9._+-], "
+                f"got {self.kv_scales!r}"
+            )
 
     def canonical_bytes(self) -> bytes:
         """A stable, unambiguous encoding of all fields (sorted-key JSON, ASCII only)."""

@@ -100,13 +100,22 @@ def attach_drafter(
 
 def set_kv_dtype(cfg: EngineConfig, model: CausalLM) -> None:
     """Give ``model`` the pages' dtype ``--kv_cache_dtype`` names (``models/kv_quant.py``);
-    its cache is allocated in it, on the device, in L2 and in L3."""
+    its cache is allocated in it, on the device, in L2 and in L3. int8 pages get per-tensor
+    scales from a calibration pass (``models/kv_calibrate.py``); 8-bit floats and wide
+    dtypes scale by 1."""
     from hicache_jax.models import kv_quant
 
     try:
         model.kv_dtype = kv_quant.resolve(cfg.kv_cache_dtype, model.dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    scales = None
+    if model.kv_dtype.name == "int8":
+        from hicache_jax.models.kv_calibrate import calibrate
+
+        scales = calibrate(model)
+        log.info("KV pages int8: per-tensor scales calibrated (%s)", kv_quant.scheme(model.kv_dtype, scales))
+    model.set_kv_scales(scales)
 
 
 def verify_overhead_rows(cfg: EngineConfig, platform: str | None = None) -> float:
@@ -228,6 +237,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
     import jax
 
     from hicache_jax.cache.storage_tier import StorageTier
+    from hicache_jax.models import kv_quant
     from hicache_jax.models.fingerprint import params_fingerprint
     from hicache_jax.models.loader import model_fingerprint
     from hicache_jax.storage.auth import BadAuthKey, key_id, read_auth_key
@@ -261,6 +271,7 @@ def make_storage_tier(cfg: EngineConfig, model: CausalLM, params, prefix_cache: 
         tp_size=1,
         auth_id=None if auth_key is None else key_id(auth_key),
         mtp_cache_layers=model.cfg.mtp_cache_layers,  # the drafting block's KV in every page
+        kv_scales=kv_quant.scheme(model.kv_dtype, model.kv_scales),  # what quantized pages mean
     )
     spec = cfg.hicache_storage_spec or os.path.join(tempfile.gettempdir(), "hicache_jax_l3")
     store = make_store(cfg.hicache_storage_backend, spec, timeout_s=cfg.hicache_storage_timeout_s)

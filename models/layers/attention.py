@@ -10,6 +10,7 @@ from hicache_jax.models.batch import ForwardBatch, page_group
 from hicache_jax.models.cache import KVPages
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend, sharded
+from hicache_jax.models.kv_quant import field_scales, rescale, unscale
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import RMSNorm
 from hicache_jax.models.layers.rope import apply_rope, rope_frequencies
@@ -39,6 +40,9 @@ class Attention(nnx.Module):
         self.scale = cfg.attn_scale
         self.soft_cap = cfg.attn_logit_softcap
         self.kernels = kernels
+        # Per-tensor scales of the pages (``kv_quant.py``): ((k, v),), or None (1.0). Static
+        # numbers set once the model is built (``CausalLM.set_kv_scales``).
+        self.kv_scales = None
         # Fewer KV heads than shards: each shard stores a copy of the head it reads.
         self.kv_repeat = kv_heads_on_device(cfg, tp_size(kernels.mesh)) // Hkv
         bias = cfg.attention_bias
@@ -81,12 +85,16 @@ class Attention(nnx.Module):
             k, v = jnp.repeat(k, self.kv_repeat, axis=1), jnp.repeat(v, self.kv_repeat, axis=1)
         name, interpret, mesh = self.kernels.attention_backend, self.kernels.interpret, self.kernels.mesh
         write = sharded.kv_write(backend.kv_write_fn(name, interpret), mesh)
+        k_scale, v_scale = field_scales(self.kv_scales, 0, 2)
         with jax.named_scope("kv_write"):
+            k, v = unscale(k, k_scale), unscale(v, v_scale)  # the write stores them
             k_pages, v_pages = write(kv.k, kv.v, k, v, batch.slot_mappings[self.group])
+        # Scaled pages: the key scale folds into the softmax scale (the soft cap and the sinks
+        # see the true logits), the value scale multiplies the output.
         attend = sharded.attention(
             backend.attention_fn(name, interpret),
             mesh,
-            sm_scale=self.scale,
+            sm_scale=self.scale * k_scale,
             sliding_window=self.window,
             soft_cap=self.soft_cap,
             q_block=1 if batch.decode_only else PREFILL_Q_BLOCK[name],
@@ -103,6 +111,7 @@ class Attention(nnx.Module):
             batch.num_seqs,
             *sinks,
         )
+        o = rescale(o, v_scale)
         if gate is not None:
             o = o.astype(x.dtype) * jax.nn.sigmoid(gate)
         return KVPages(k_pages, v_pages), self.o_proj(o.reshape(T, -1))

@@ -44,6 +44,7 @@ from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend, sharded
 from hicache_jax.models.kernels.backend import KernelConfig
 from hicache_jax.models.kernels.paged_row_attention.reference import merge as merge_sources
+from hicache_jax.models.kv_quant import dequantize, field_scales, rescale, unscale
 from hicache_jax.models.layers.attention import PREFILL_Q_BLOCK
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.mla import _token_seqs, top_k_rows, write_rows
@@ -298,6 +299,15 @@ class Dsv4Attention(nnx.Module):
             Linear(h, v.index_n_heads, bias=False, dtype=dtype, rngs=rngs) if sparse else None
         )
         self.index_heads, self.index_dim, self.topk = v.index_n_heads, d, v.index_topk
+        # Per-tensor scales of the pages (``kv_quant.py``), per paged spec per field (the
+        # window's rows, the entries, the indexer's keys, the state: 1.0); None: 1.0.
+        # Static, set once the model is built (``CausalLM.set_kv_scales``).
+        self.kv_scales = None
+
+    def _scale(self, kind: CacheKind) -> float:
+        """The scale of the one-field paged spec of ``kind`` (a K=V row or an indexer key)."""
+        i = [s.kind for s in self.specs].index(kind)
+        return field_scales(self.kv_scales, i, 1)[0]
 
     def _rope(self, x, positions):
         return rope_tail(x, positions, self.inv_freq, self.rope_scale)
@@ -312,7 +322,10 @@ class Dsv4Attention(nnx.Module):
         q = self._rope(rms_normalize(q, self.eps).astype(x.dtype), pos)
         kv = self._rope(self.kv_norm(self.kv_proj(x)), pos)
         window = pages[CacheKind.SWA]
-        window = SharedKVPages(write_rows(window.kv, kv, batch.slot_mappings[CacheKind.SWA]))
+        w_scale = self._scale(CacheKind.SWA)
+        window = SharedKVPages(
+            write_rows(window.kv, unscale(kv, w_scale), batch.slot_mappings[CacheKind.SWA])
+        )
         new = {CacheKind.SWA: window}
         P = window.kv.shape[1]
         table = batch.page_tables[CacheKind.SWA]
@@ -321,11 +334,13 @@ class Dsv4Attention(nnx.Module):
         # The window: positions pos - window + 1 .. pos of the token's sequence.
         back = jnp.arange(self.window, dtype=jnp.int32)[::-1]
         wpos = pos[:, None] - back[None, :]
-        sources = [(window.kv, table)]  # each token's rows: (pages, table) at indices idx
+        # Each token's rows: (pages, table, the pages' scale) at indices idx.
+        sources = [(window.kv, table, w_scale)]
         idx, valid = [wpos], [(wpos >= 0) & steps.live[:, None]]
         if self.compressor is not None:
             c_pages, c_table, c_idx, c_valid = self._compressed(pages, new, x, q_resid, batch, steps)
-            sources.append((c_pages, c_table))
+            c_kind = CacheKind.CSA if self.kind == LayerKind.CSA else CacheKind.HCA
+            sources.append((c_pages, c_table, self._scale(c_kind)))
             idx.append(c_idx)
             valid.append(c_valid)
         sinks = self.sinks[...]
@@ -345,7 +360,9 @@ class Dsv4Attention(nnx.Module):
 
         def attend(q, seq, *idx_valid):
             n = len(sources)
-            rows = [gather_rows(kv, t, seq, i) for (kv, t), i in zip(sources, idx_valid[:n])]
+            # Rows of scaled pages back to numbers (one softmax spans the sources).
+            rows = [gather_rows(kv, t, seq, i) for (kv, t, _), i in zip(sources, idx_valid[:n])]
+            rows = [r if s == 1.0 else dequantize(r, s) for r, (_, _, s) in zip(rows, sources)]
             ok = jnp.concatenate(idx_valid[n:], axis=1)
             return attend_rows(q, jnp.concatenate(rows, axis=1), ok, sinks, D**-0.5)
 
@@ -362,23 +379,26 @@ class Dsv4Attention(nnx.Module):
         whole pages once per block of queries; the compressed entries (``idx``, ``valid``:
         a list per token) to the row kernel, which copies each listed row."""
         kernels, scale = self.kernels, self.head_dim**-0.5
-        window, table = sources[0]
+        # A source's scale folds into its softmax scale (its log-sum-exp is then the true
+        # one) and multiplies its output, before the merge.
+        window, table, w_scale = sources[0]
         rows = window[:, :, None, :]  # [pages, page_size, 1, D]: one K=V head, a bitcast
         attend = sharded.latent_attention(
             backend.attention_fn("pallas", kernels.interpret),
             kernels.mesh,
-            sm_scale=scale,
+            sm_scale=scale * w_scale,
             sliding_window=self.window,
             q_block=1 if batch.decode_only else PREFILL_Q_BLOCK["pallas"],
             return_lse=True,
         )
         o, lse = attend(q, rows, rows, batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs)
-        parts = [(o.astype(jnp.float32), lse)]
-        attend = sharded.row_attention(
-            backend.row_attention_fn("pallas", kernels.interpret), kernels.mesh, sm_scale=scale
-        )
-        for (pages, table), i, ok in zip(sources[1:], idx, valid, strict=True):
-            parts.append(attend(q, pages, table, seq, jnp.where(ok, i, -1)))
+        parts = [(rescale(o.astype(jnp.float32), w_scale), lse)]
+        for (pages, table, s), i, ok in zip(sources[1:], idx, valid, strict=True):
+            attend = sharded.row_attention(
+                backend.row_attention_fn("pallas", kernels.interpret), kernels.mesh, sm_scale=scale * s
+            )
+            o, lse = attend(q, pages, table, seq, jnp.where(ok, i, -1))
+            parts.append((rescale(o, s), lse))
         return constrain(merge_sources(parts, sinks), self.heads_split)
 
     def _compressed(self, pages, new, x, q_resid, batch: ForwardBatch, steps: Steps):
@@ -398,6 +418,7 @@ class Dsv4Attention(nnx.Module):
         entries = self._rope(self.compressor.kv_norm(means[:, :D]), starts)
         slots = batch.slot_mappings[entry_kind]
         rows_at = jnp.where(ends & (slots >= 0), slots // r, -1)
+        entries = unscale(entries, self._scale(entry_kind))
         stored = SharedKVPages(write_rows(pages[entry_kind].kv, entries, rows_at))
         new[entry_kind] = stored
         table = batch.page_tables[entry_kind]
@@ -410,7 +431,8 @@ class Dsv4Attention(nnx.Module):
             )
             valid = (idx < visible[:, None]) & steps.live[:, None]
             return stored.kv, table, idx, valid
-        keys = self._rope(self.indexer.kv_norm(means[:, D:]), starts)
+        k_scale = self._scale(CacheKind.INDEX)
+        keys = unscale(self._rope(self.indexer.kv_norm(means[:, D:]), starts), k_scale)
         # The indexer's keys go to its own pool's pages: their indices match the entries'
         # only while every pool allocates alike (L2 loads and evictions are per cache kind).
         key_slots = batch.slot_mappings[CacheKind.INDEX]
@@ -421,6 +443,7 @@ class Dsv4Attention(nnx.Module):
         T = x.shape[0]
         iq = self._rope(self.index_q_b_proj(q_resid).reshape(T, self.index_heads, self.index_dim), pos)
         w = self.index_weights_proj(x).astype(jnp.float32) * self.index_heads**-0.5
+        w = rescale(w, k_scale)  # the keys' scale (relu is positively homogeneous)
         K = min(self.topk, table.shape[1] * per_page)
         index_table = batch.page_tables[CacheKind.INDEX]
         idx = top_k_rows(iq, w, keys.k, index_table, batch, visible - 1, K, self.kernels)

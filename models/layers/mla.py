@@ -31,7 +31,7 @@ from hicache_jax.models.batch import ForwardBatch
 from hicache_jax.models.cache import IndexPages, LatentPages, join, paged_specs, parts
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend, sharded
-from hicache_jax.models.kv_quant import store
+from hicache_jax.models.kv_quant import field_scales, rescale, store, unscale
 from hicache_jax.models.layers.attention import PREFILL_Q_BLOCK
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import LayerNorm, RMSNorm
@@ -109,12 +109,23 @@ class Indexer(nnx.Module):
         return self._rope(self.k_norm(self.wk(x))[:, None, :], positions, rope)[:, 0]
 
     def picks(
-        self, x, q_resid, keys: IndexPages, batch: ForwardBatch, rope: dict, max_kv: int, kernels=None
+        self,
+        x,
+        q_resid,
+        keys: IndexPages,
+        batch: ForwardBatch,
+        rope: dict,
+        max_kv: int,
+        kernels=None,
+        key_scale: float = 1.0,
     ) -> jax.Array:
-        """``[T, K]`` int32: the positions each token attends to (-1: none)."""
+        """``[T, K]`` int32: the positions each token attends to (-1: none). ``key_scale``:
+        the stored keys' (``kv_quant.py``); ``relu`` is positively homogeneous, so it scales
+        each head's weight."""
         T = x.shape[0]
         q = self._rope(self.wq_b(q_resid).reshape(T, self.n_heads, self.head_dim), batch.positions, rope)
         w = self.weights_proj(x).astype(jnp.float32) * self.n_heads**-0.5  # [T, heads]
+        w = rescale(w, key_scale)
         table = batch.page_tables[CacheKind.INDEX]
         return top_k_rows(q, w, keys.k, table, batch, batch.positions, min(self.topk, max_kv), kernels)
 
@@ -202,6 +213,9 @@ class MLA(nnx.Module):
         )
         self.o_proj = Linear(H * m.v_head_dim, h, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if self.kind == LayerKind.DSA else None
+        # Per-tensor scales of the pages (``kv_quant.py``): ((latent,), (index keys,)) or
+        # ((latent,),); None: 1.0. Static, set once the model is built.
+        self.kv_scales = None
 
     @property
     def rope(self) -> dict:
@@ -229,20 +243,26 @@ class MLA(nnx.Module):
         k_rope = self._rope(kv[:, None, self.rank :], batch.positions)[:, 0]
         pages = dict(zip((s.kind for s in self.specs), parts(entry, self.specs)))
         row = jnp.concatenate([c, k_rope], axis=-1)
+        # One scale for the whole row, a key and a value alike: it folds into the softmax
+        # scale and multiplies the output.
+        (s,) = field_scales(self.kv_scales, 0, 1)
         latent = LatentPages(
-            write_rows(pages[CacheKind.LATENT].c, row, batch.slot_mappings[CacheKind.LATENT])
+            write_rows(pages[CacheKind.LATENT].c, unscale(row, s), batch.slot_mappings[CacheKind.LATENT])
         )
         new = [latent]
         max_kv = batch.page_tables[CacheKind.LATENT].shape[1] * latent.c.shape[1]
         if self.indexer is not None:
-            keys = self.indexer.keys(x, batch.positions, self.rope)
+            (ks,) = field_scales(self.kv_scales, 1, 1)
+            keys = unscale(self.indexer.keys(x, batch.positions, self.rope), ks)
             keys = IndexPages(
                 write_rows(pages[CacheKind.INDEX].k, keys, batch.slot_mappings[CacheKind.INDEX])
             )
             new.append(keys)
             picks = None
             if self.indexer.topk < max_kv:  # else every visible position is picked: dense
-                picks = self.indexer.picks(x, q_resid, keys, batch, self.rope, max_kv, self.kernels)
+                picks = self.indexer.picks(
+                    x, q_resid, keys, batch, self.rope, max_kv, self.kernels, key_scale=ks
+                )
         q_lat = jnp.einsum("thn,hnl->thl", q_nope, self.w_uk[...])
         # One KV "head" every query head shares: keys are whole rows (latent, rope key),
         # values the rows too, of which the output keeps the latent part.
@@ -252,16 +272,17 @@ class MLA(nnx.Module):
             name = self.kernels.attention_backend
             q_block = 1 if batch.decode_only else PREFILL_Q_BLOCK[name]
             fn = backend.attention_fn(name, self.kernels.interpret)
-            attend = sharded.latent_attention(fn, self.kernels.mesh, sm_scale=self.scale, q_block=q_block)
+            attend = sharded.latent_attention(fn, self.kernels.mesh, sm_scale=self.scale * s, q_block=q_block)
             rows = latent.c[:, :, None, :]  # [pages, page_size, 1, L + R]: a bitcast of the pool
             o = attend(q, rows, rows, batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs)
         elif self.kernels.attention_backend == "pallas":  # the picked rows by DMA, per token
             fn = backend.row_attention_fn("pallas", self.kernels.interpret)
-            attend = sharded.row_attention(fn, self.kernels.mesh, sm_scale=self.scale)
+            attend = sharded.row_attention(fn, self.kernels.mesh, sm_scale=self.scale * s)
             live = (jnp.arange(T) < batch.cu_q_lens[batch.num_seqs])[:, None]
             seq = _token_seqs(batch, table.shape[0])
             o, _ = attend(q, latent.c, table, seq, jnp.where(live, picks, -1))
         else:
-            o = attend_picked(q, latent.c, table, batch, picks, self.scale)
-        o = jnp.einsum("thl,hlv->thv", o[..., : self.rank].astype(x.dtype), self.w_uv[...])
+            o = attend_picked(q, latent.c, table, batch, picks, self.scale * s)
+        o = rescale(o[..., : self.rank], s)
+        o = jnp.einsum("thl,hlv->thv", o.astype(x.dtype), self.w_uv[...])
         return join(new, self.specs), self.o_proj(o.reshape(T, H * self.v_dim)), picks

@@ -128,3 +128,22 @@ def test_auth_ids_isolate_keys_and_survive_a_salt():
     for bad in ("", "XYZ", "0123456789ABCDEF", "0123456789abcdef0"):
         with pytest.raises(ValueError, match="auth_id"):
             Namespace("m", "bfloat16", 4, 1, auth_id=bad)
+
+
+def test_kv_scale_schemes_isolate_keys_and_unquantized_keeps_the_old_digest():
+    """Quantized pages' scale scheme (``kv_quant.scheme``) is part of the identity; None
+    (unquantized pages) is the namespace of a store from before the field."""
+    from hicache_jax.storage.layout import _SAFE, namespace_dir
+
+    fp8 = Namespace("model-a", "float8_e4m3fn", 4, 1, kv_scales="tensor-1")
+    a = Namespace("model-a", "int8", 4, 1, kv_scales="tensor-0123456789ab")
+    b = Namespace("model-a", "int8", 4, 1, kv_scales="tensor-ba9876543210")
+    assert Namespace("model-a", "bfloat16", 4, 1, kv_scales=None).digest == NS.digest
+    assert len({NS.digest, fp8.digest, Namespace("model-a", "float8_e4m3fn", 4, 1).digest}) == 3
+    assert a.digest != b.digest
+    assert not set(page_hashes(list(range(8)), 4, a)) & set(page_hashes(list(range(8)), 4, b))
+    fields = namespace_dir(a).split("/")[1]
+    assert "kv_scales=tensor-0123456789ab" in fields and _SAFE.match(fields)
+    for bad in ("", "a/b", "tensor 1", "x" * 41, 1):
+        with pytest.raises(ValueError, match="kv_scales"):
+            Namespace("m", "int8", 4, 1, kv_scales=bad)
