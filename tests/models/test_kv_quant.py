@@ -161,3 +161,78 @@ def test_scheme_names_the_scales():
     a = kv_quant.KVScales((((0.1, 0.2),),))
     b = kv_quant.KVScales((((0.1, 0.3),),))
     assert kv_quant.scheme(jnp.int8, a) != kv_quant.scheme(jnp.int8, b)
+
+
+def test_an_eagle3_drafts_cache_layer_is_calibrated_and_scaled():
+    """The EAGLE-3 draft in the drafting block's place (as ``build.attach_drafter`` puts it):
+    its attention pages are calibrated over its own pass and it gets their scales."""
+    from flax import nnx
+
+    from hicache_jax.models.causal_lm import CausalLM
+    from hicache_jax.models.layers.eagle3 import Eagle3Config, Eagle3Draft
+    from tests.models.test_eagle3 import TARGET, draft_config
+
+    target = dataclasses.replace(TARGET, layer_kinds=("attention",) * 5)
+    model = CausalLM(target, rngs=nnx.Rngs(0))
+    draft = Eagle3Draft(
+        Eagle3Config.from_hf(draft_config(shared_head=True)), dtype=jnp.float32, rngs=nnx.Rngs(1)
+    )
+    model.mtp = nnx.data(nnx.List([draft]))
+    aux = draft.cfg.aux_boundaries(target.num_layers)
+    model.cfg = dataclasses.replace(model.cfg, mtp_cache_layers=1, eagle3_aux=aux)
+    model.kv_dtype = jnp.dtype(INT8)
+    scales = _scales(model, INT8)
+    assert len(scales.per_layer) == 6 and all(s != 1.0 for s in scales.per_layer[-1][0])
+    model.set_kv_scales(scales)
+    assert draft.attn.kv_scales == scales.per_layer[-1]
+    assert model.layers[0].mixer.kv_scales == scales.per_layer[0]
+
+
+# Where greedy decoding with 8-bit pages first leaves the unquantized engine's tokens, the
+# unquantized top two must be this close (logprob): 8-bit KV moves the tiny preset's logits
+# by up to ~0.15 (int8) and ~0.3 (float8_e4m3fn), so only a near-tie may flip (measured
+# gaps at the first difference: int8 <= 0.026, float8_e4m3fn <= 0.077).
+NEAR_TIE = 0.3
+
+
+def test_engine_greedy_and_l3_namespace_per_dtype(tmp_path):
+    """``--kv_cache_dtype`` through the engine (``build.set_kv_dtype`` calibrates int8): the
+    greedy tokens leave the unquantized ones only at near-ties, and the L3 namespace names
+    the scale scheme (unquantized: no field, the digest of a store from before it)."""
+    from hicache_jax import LLM
+
+    prompts = [np.random.RandomState(s).randint(3, 500, 24 + 8 * s).tolist() for s in range(4)]
+    sampling = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    outs, spaces = {}, {}
+    for kv_dtype in ("auto", INT8, FP8):
+        llm = LLM(
+            preset="tiny",
+            kv_cache_dtype=kv_dtype,
+            page_size=16,
+            max_running_requests=4,
+            enable_hierarchical_cache=True,
+            hicache_storage_backend="tensorstore",
+            hicache_storage_spec=str(tmp_path / "l3"),
+        )
+        try:
+            outs[kv_dtype] = llm.generate(
+                input_ids=prompts, sampling_params=sampling, return_logprob=True, top_logprobs_num=2
+            )
+            ns = spaces[kv_dtype] = llm.engine.storage.namespace
+            assert ns.kv_scales == kv_quant.scheme(llm.engine.model.kv_dtype, llm.engine.model.kv_scales)
+            if kv_dtype == INT8:
+                assert ns.kv_scales == f"tensor-{llm.engine.model.kv_scales.digest()}"
+        finally:
+            llm.close()
+    assert spaces["auto"].kv_scales is None and b"kv_scales" not in spaces["auto"].canonical_bytes()
+    assert spaces[FP8].kv_scales == "tensor-1"
+    assert len({ns.digest for ns in spaces.values()}) == 3
+    gaps = {}
+    for kv_dtype in (INT8, FP8):
+        for ref, got in zip(outs["auto"], outs[kv_dtype], strict=True):
+            a, b = ref["output_ids"], got["output_ids"]
+            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if k is not None:
+                top = ref["meta_info"]["output_top_logprobs"][k]
+                gaps.setdefault(kv_dtype, []).append(round(top[0][0] - top[1][0], 3))
+    assert all(g < NEAR_TIE for v in gaps.values() for g in v), gaps
