@@ -236,3 +236,30 @@ def test_engine_greedy_and_l3_namespace_per_dtype(tmp_path):
                 top = ref["meta_info"]["output_top_logprobs"][k]
                 gaps.setdefault(kv_dtype, []).append(round(top[0][0] - top[1][0], 3))
     assert all(g < NEAR_TIE for v in gaps.values() for g in v), gaps
+
+
+def test_scales_fold_exactly_in_the_pallas_kernels_path():
+    """Float32 pages with power-of-two scales hold ``x / s`` exactly, so a step that folds
+    the scales on read equals the unscaled step bit for bit: the Pallas kernels (interpret
+    mode) of DSA's latent attention, its row attention over the indexer's picks and the
+    index scores. (The same check on tiny-dsv4's window and compressed sources, 66 s here,
+    was run by hand: equal.)"""
+    from hicache_jax.models.kernels.backend import KernelConfig
+
+    model = build_preset("tiny-dsa", kernels=KernelConfig(attention="pallas", interpret=True))
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, model.cfg.vocab_size, 64), jnp.int32)[None]
+    plain_pages, plain, _ = _step(model, ids, "float32", None)
+    pow2 = iter([0.25, 2.0, 4.0, 0.5, 2.0, 0.25])
+    scales = kv_quant.KVScales(
+        tuple(
+            tuple(tuple(next(pow2) for _ in s.entry._fields) for s in specs)
+            for specs in layer_specs(model.cfg)
+        )
+    )
+    pages, got, _ = _step(model, ids, "float32", scales)
+    model.set_kv_scales(None)
+    # The writes divided (layer 0: latent rows by 0.25, indexer keys by 2) ...
+    np.testing.assert_array_equal(np.asarray(pages[0][0].c), np.asarray(plain_pages[0][0].c) * 4.0)
+    np.testing.assert_array_equal(np.asarray(pages[0][1].k), np.asarray(plain_pages[0][1].k) * 0.5)
+    # ... and the reads folded them back.
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
