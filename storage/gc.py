@@ -6,6 +6,12 @@
     python -m hicache_jax.storage.gc --spec=/data/l3 --namespace=<model>[/<fields>/<salt>]
     python -m hicache_jax.storage.gc --spec=/data/l3 --drop_legacy      # old flat pages
 
+The report also sums pages and bytes per KV page dtype (``kv_dtypes``: the namespace dir's
+``kv_dtype=`` field, layout.py), so a store shared by bfloat16 and 8-bit servers shows what
+each holds and its bytes per page. A namespace whose fields were too long for a path (hashed
+to ``h-...``: an int8 scale digest, a page-auth id) is named by one of its KV pages instead:
+the dtype its header gives (one page read per such namespace; ``unknown`` if none reads).
+
 Every sweep deletes only keys named as this project names pages (layout.py) and handover
 markers (handover.py): other files in the store are never listed for deletion. The report
 counts the prefill -> decode handover markers and gives the oldest one's age; every sweep
@@ -39,12 +45,16 @@ from absl import app, flags
 from tqdm import tqdm
 
 from hicache_jax.storage.capacity import Capacity, CapacityConfig
+from hicache_jax.storage.codec import CorruptPage, decode_page
 from hicache_jax.storage.handover import HandoverBoard, survey
 from hicache_jax.storage.journal import encode_records
+from hicache_jax.storage.keys import KINDS
 from hicache_jax.storage.layout import LEGACY_RANGE, PAGES, is_legacy_key, namespace_prefix, parse_page_path
 from hicache_jax.storage.lru_index import LruIndex
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
 
+# Page kinds whose values are KV (in the --kv_cache_dtype); the others are states.
+KV_KINDS = ("kv", "swa", "mla", "idx", "csa", "hca")
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -55,6 +65,31 @@ def parse_age(text: str) -> float:
     if not m:
         raise ValueError(f"bad age {text!r}: use e.g. 90s, 30m, 12h or 7d")
     return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+def kv_dtype_of(ns_dir: str) -> str:
+    """The ``kv_dtype=`` field of a namespace dir (``<model>/<fields>/<salt>``), or
+    ``unknown`` (fields hashed for length, or none named)."""
+    parts = ns_dir.split("/")
+    fields = parts[1] if len(parts) > 1 else ""
+    for field in fields.split(","):
+        name, _, value = field.partition("=")
+        if name == "kv_dtype" and value:
+            return value
+    return "unknown"
+
+
+def by_kv_dtype(namespaces: dict, dtypes: dict[str, str]) -> dict:
+    """{kv dtype: {"pages", "bytes", "bytes_per_page"}} summed over namespace dirs
+    (``dtypes``: each dir's KV dtype)."""
+    out: dict[str, dict] = {}
+    for ns_dir, r in namespaces.items():
+        row = out.setdefault(dtypes[ns_dir], {"pages": 0, "bytes": 0})
+        row["pages"] += r["pages"]
+        row["bytes"] += r["bytes"]
+    for row in out.values():
+        row["bytes_per_page"] = row["bytes"] / row["pages"] if row["pages"] else 0.0
+    return dict(sorted(out.items()))
 
 
 class Collector:
@@ -77,7 +112,33 @@ class Collector:
     def report(self) -> dict:
         idx = self.index
         markers = survey(HandoverBoard(self.store).scan(), time.time())
-        return {"pages": idx.pages, "bytes": idx.total_bytes, "namespaces": idx.report(), "handover": markers}
+        namespaces = idx.report()
+        dtypes = {d: kv_dtype_of(d) for d in namespaces}
+        dtypes.update({d: self.stored_kv_dtype(d) for d, t in dtypes.items() if t == "unknown"})
+        return {
+            "pages": idx.pages,
+            "bytes": idx.total_bytes,
+            "namespaces": namespaces,
+            "kv_dtypes": by_kv_dtype(namespaces, dtypes),
+            "handover": markers,
+        }
+
+    def stored_kv_dtype(self, ns_dir: str, tries: int = 4) -> str:
+        """The dtype of a KV page of namespace dir `ns_dir`, from its header (a state page
+        keeps its own dtype, so it is never the one read); ``unknown`` if none reads."""
+        idx = self.index
+        at = idx.select(ns_dir)
+        kv = np.isin(idx.cols["kind"][at], [KINDS.index(k) for k in KV_KINDS])
+        paths = idx.paths(at[kv][:tries])
+        for value in self.store.get(paths) if paths else []:
+            if value is None or len(value) < 16:
+                continue
+            try:  # the page's own namespace fingerprint: only its checksum and format are checked
+                arrays = decode_page(value, bytes(value[8:16]).hex())
+            except CorruptPage:
+                continue
+            return next(iter(arrays.values())).dtype.name
+        return "unknown"
 
     def sweep_markers(self, older_than_s: float | None = None, *, dry_run: bool) -> dict:
         """Remove handover markers past the evictor's bounds (`CapacityConfig`), and any
@@ -183,6 +244,9 @@ def _table(report: dict) -> str:
         row = f"{ns[:60]:<60} {r['pages']:>10} {r['bytes'] / 1e9:>9.3f} "
         lines.append(row + " ".join(f"{b / 1e9:>9.3f}" for b in r["by_age"].values()))
     lines.append(f"{'total':<60} {report['pages']:>10} {report['bytes'] / 1e9:>9.3f}")
+    for dtype, r in report.get("kv_dtypes", {}).items():
+        per_page = f"{r['bytes_per_page'] / 1024:.1f} KiB/page"
+        lines.append(f"{'kv_dtype=' + dtype:<60} {r['pages']:>10} {r['bytes'] / 1e9:>9.3f} {per_page:>13}")
     markers = report.get("handover")
     if markers is not None:
         oldest = "" if markers["oldest_age_s"] is None else f", oldest {markers['oldest_age_s']:.0f} s old"

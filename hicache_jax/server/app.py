@@ -190,6 +190,10 @@ def server_info(state: ServerState, metrics: dict) -> dict:
         "is_embedding": False,
         "disaggregation_mode": state.engine_cfg.disaggregation_mode,
         "weight_version": "default",
+        # The pages' dtype as resolved (engine_config keeps the flag as given, e.g. auto or
+        # fp8), and the device KV bytes per token at it: what the pool's tokens cost.
+        "kv_cache_dtype": state.model_info.get("kv_cache_dtype"),
+        "kv_bytes_per_token": state.model_info.get("kv_bytes_per_token"),
     }
     return {
         **flat,

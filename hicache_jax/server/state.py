@@ -60,7 +60,10 @@ class ServerState:
             "page_size": cfg.page_size,
             "has_tokenizer": engine.tokenizer.has_text,
             "eos_token_ids": list(mc.eos_token_ids),
-            "kv_bytes_per_token": engine.runner.kv_bytes_per_token(),  # attention layers, every head
+            # The pages' dtype (--kv_cache_dtype resolved: auto is the model's) and the device
+            # bytes a token takes in every paged layer at it, every head (also /server_info).
+            "kv_cache_dtype": str(engine.model.kv_dtype),
+            "kv_bytes_per_token": engine.runner.kv_bytes_per_token(),
             "disaggregation_mode": cfg.disaggregation_mode,  # this server's PD role (also /server_info)
         }
         source = None
