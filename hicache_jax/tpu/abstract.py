@@ -31,6 +31,7 @@ from hicache_jax.engine.build import (
     make_device_pools,
     make_runner,
 )
+from hicache_jax.models import kv_quant
 from hicache_jax.models.cache import RecurrentState
 from hicache_jax.models.causal_lm import CausalLM
 from hicache_jax.models.config import ModelConfig
@@ -74,6 +75,10 @@ class AbstractServer:
         with tracing_for(mesh):
             model = nnx.eval_shape(make)
         abstract_weights(model, mesh)
+        # The pages in --kv_cache_dtype, refused as the engine refuses it for this chip; int8's
+        # calibrated scales are numbers in the programs, not shapes: unit scales here.
+        model.kv_dtype = kv_quant.resolve(cfg.kv_cache_dtype, dtype)
+        kernels.check_model(model_cfg, dtype, kv_dtype=model.kv_dtype, chip=target.chip.name)
         # As the engine: its refusals, and for NEXTN the MTP block drafting in every step, for
         # EAGLE3 the draft (its config.json read, its weights shapes), its KV one more cache
         # layer (``Engine.__init__``).

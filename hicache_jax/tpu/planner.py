@@ -176,6 +176,7 @@ def plan(
     )
     steps = _step_costs(line.figures(cost) if line else cost(model_cfg), cfg, target)
     dtype_bytes = jnp.dtype(server.model.dtype).itemsize
+    kv_bytes = jnp.dtype(server.model.kv_dtype).itemsize  # --kv_cache_dtype's
     return Plan(
         topology=target.topology,
         tp_size=cfg.tp_size,
@@ -191,7 +192,7 @@ def plan(
         state_slots=slots,
         state_slots_that_fit=slots_fit,
         steps=steps,
-        l3_read_bytes_per_token=read_bytes_per_token(model_cfg, dtype_bytes, cfg.page_size),
+        l3_read_bytes_per_token=read_bytes_per_token(model_cfg, dtype_bytes, cfg.page_size, kv_bytes),
         num_layers=model_cfg.num_layers,
         depths=line.depths if line else None,
         check_error=line.worst[0] if line else None,
@@ -485,7 +486,7 @@ def format_plan(p: Plan, model_cfg: ModelConfig, cfg: EngineConfig, target: TpuT
     g = lambda b: f"{b / GiB:8.2f} GiB"
     lines = [
         f"{model_cfg.architecture} ({model_cfg.num_layers} layers) on {p.topology} at tp {p.tp_size}: "
-        f"{cfg.dtype}, page {cfg.page_size}, chunk {cfg.chunked_prefill_size}, "
+        f"{cfg.dtype}, KV {cfg.kv_cache_dtype}, page {cfg.page_size}, chunk {cfg.chunked_prefill_size}, "
         f"{cfg.max_running_requests} running",
         *_extrapolation_lines(p),
         f"per chip ({chip.name}, {g(p.hbm_bytes).strip()} usable HBM)",

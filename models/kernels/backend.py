@@ -73,13 +73,22 @@ class KernelConfig:
         """The backend of the recurrent kernels: Mamba2's SSD scan and Gated DeltaNet's."""
         return self.ssd or default_backend()
 
-    def check_model(self, cfg, dtype) -> None:
+    def check_model(self, cfg, dtype, kv_dtype=None, chip: str | None = None) -> None:
         """Refuse, when the model is built (before any weight is read), a model whose
         per-shard shapes the Pallas kernels cannot compile for TPU, naming the flag and the
         value; interpret mode (CPU tests) has no such limits. Without this, the first
-        compile would fail deep inside Mosaic. The kernels' own ``check_shapes`` say why."""
+        compile would fail deep inside Mosaic. The kernels' own ``check_shapes`` say why.
+
+        ``kv_dtype``: the pages' dtype (``--kv_cache_dtype``; default ``dtype``), refused
+        naming that flag when the Pallas attention kernels cannot read it on ``chip``
+        (``kv_dtypes.py``; default: the device's chip, none off TPU)."""
         if self.interpret:
             return
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if self.attention_backend == "pallas" and cfg.attention_layers:
+            from hicache_jax.models.kernels import kv_dtypes
+
+            kv_dtypes.check(kv_dtype, chip or kv_dtypes.current_chip())
         from hicache_jax.models.sharding import kv_heads_on_device, tp_size
 
         tp = tp_size(self.mesh)
@@ -94,7 +103,7 @@ class KernelConfig:
             checks.append(
                 (
                     "attention_backend",
-                    lambda: kernel.check_shapes(**heads, head_dim=width, dtype=dtype),
+                    lambda: kernel.check_shapes(**heads, head_dim=width, dtype=kv_dtype),
                 )
             )
         if self.ssd_backend == "pallas" and cfg.mamba is not None and cfg.mamba_layers:

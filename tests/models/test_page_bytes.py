@@ -33,3 +33,28 @@ def test_page_bytes_are_the_host_rows(preset, page_size):
         assert read_bytes_per_token(mc, dtype_bytes, cfg.page_size) == paged / cfg.page_size
     finally:
         engine.close()
+
+
+def test_quantized_kv_pages_count_their_own_bytes():
+    """``--kv_cache_dtype=float8_e4m3fn``: KV pages at 1 byte a value, the recurrent state
+    (conv inputs) still at the model's dtype: each equals the host rows the engine allocates."""
+    cfg = EngineConfig(
+        preset="tiny-mamba",
+        page_size=8,
+        max_total_tokens=256,
+        enable_hierarchical_cache=True,
+        kv_cache_dtype="float8_e4m3fn",
+    )
+    engine = Engine(cfg)
+    try:
+        host = engine.side.prefix_cache.host
+        mc = engine.model.cfg
+        model_bytes = np.dtype(engine.model.dtype).itemsize
+        assert model_bytes > 1
+        want = {L3_SUFFIX[kind]: pool.bytes_per_page for kind, pool in host.items()}
+        assert page_bytes(mc, model_bytes, cfg.page_size, kv_bytes=1) == want
+        wide = page_bytes(mc, model_bytes, cfg.page_size)
+        kv = [k for k in want if want[k] != wide[k]]
+        assert kv and all(wide[k] == model_bytes * want[k] for k in kv)  # the KV kinds only
+    finally:
+        engine.close()

@@ -24,6 +24,9 @@ Each item writes its own ``[block_q, N]`` scores; a token's row is then taken fr
 item. Rows a token does not see (unused pages, stale rows: NaN allowed) are ``-inf``; a
 key row only ever reaches its own score column, so a NaN row stays in its masked column.
 
+8-bit (quantized) keys are copied as they are and widened after the copy; the queries then
+stay in their own dtype (``reference.meet_dtype``).
+
 VMEM: ``block_rows x d`` keys, the block's ``[block_q * Hi, d]`` queries and
 ``[block_q, Hi]`` weights (double-buffered by Pallas), the ``[block_q * Hi, block_rows]``
 float32 products and the ``[block_q, block_rows]`` output block.
@@ -41,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hicache_jax.models.kernels import vmem
+from hicache_jax.models.kernels.index_scores.reference import meet_dtype
 
 NEG_INF = float("-inf")
 LANES = 128
@@ -119,7 +123,9 @@ def _kernel(
         for p in range(bp):
             copy(p).wait()
         k = buf[...].reshape(bp * R, d)
-        f32 = buf.dtype == jnp.float32
+        if k.dtype != q_ref.dtype:  # 8-bit keys, widened in VMEM (exact in the queries' dtype)
+            k = k.astype(jnp.float32).astype(q_ref.dtype)
+        f32 = k.dtype == jnp.float32
         precision = lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
         qk = lax.dot_general(
             q_ref[0], k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
@@ -189,7 +195,8 @@ def index_scores(
     W = blk.shape[0]
     flat_table = jnp.pad(jnp.clip(table, 0, num_pages - 1), ((0, 0), (0, nk * bp - max_pages)))
     nb = Tp // block_q
-    qb = jnp.pad(q.astype(keys.dtype), ((0, pad), (0, 0), (0, 0))).reshape(nb, block_q * H, d)
+    meet = meet_dtype(keys.dtype, q.dtype)
+    qb = jnp.pad(q.astype(meet), ((0, pad), (0, 0), (0, 0))).reshape(nb, block_q * H, d)
     wb = jnp.pad(w.astype(jnp.float32), ((0, pad), (0, 0))).reshape(nb, block_q, H)
     tok = jnp.stack([seq, last], axis=1).reshape(nb, block_q, 2)
     by_block = lambda shape: pl.BlockSpec((1, *shape), lambda i, j, blk, *_: (blk[i], 0, 0))  # noqa: E731
@@ -210,7 +217,7 @@ def index_scores(
         out_shape=jax.ShapeDtypeStruct((W, block_q, nk * block_rows), jnp.float32),
         # Every step starts and drains its own copies, so steps may run in any order.
         compiler_params=vmem.compiler_params(("parallel", "parallel")),
-        cost_estimate=cost(W, block_q, H, nk * block_rows, d, keys.dtype, keys.dtype),
+        cost_estimate=cost(W, block_q, H, nk * block_rows, d, keys.dtype, meet),
         interpret=interpret,
     )(blk, iseq, nblk, flat_table.reshape(-1), tok, qb, wb, vmem.in_hbm(keys, interpret))
     scores = out[token_item, jnp.arange(Tp) % block_q, :N]

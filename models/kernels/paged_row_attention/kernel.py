@@ -12,7 +12,8 @@ the blocks::
 
 **Row groups.** Mosaic slices an HBM pool only at its sublane packing: a float32 row is its
 own slice, but bfloat16 rows pack in pairs (two rows share each 32-bit word), so a 16-bit
-row is copied with its pair partner (``G = 2`` rows, twice the bytes). The buffer holds
+row is copied with its pair partner (``G = 2`` rows, twice the bytes); an 8-bit row (a
+quantized pool) with its three partners (``G = 4``), then widened in VMEM. The buffer holds
 ``block_rows * G`` rows; the score mask (``[1, block_rows * G]``, built beside the ids)
 keeps each listed row and drops its partner.
 
@@ -111,11 +112,15 @@ def _kernel(
         ids_copy.wait()
         copies(0, 0, lambda c: c.start())
         q = q_ref[0]  # [H, D]
-        f32 = buf.dtype == jnp.float32
+        # 8-bit pages are widened after the copy to the queries' dtype (exact); wider pages
+        # meet the queries in their own dtype.
+        quantized = jnp.dtype(buf.dtype).itemsize == 1
+        cdt = q.dtype if quantized else buf.dtype
+        f32 = cdt == jnp.float32
         # Explicit, so jax_default_matmul_precision=highest (the tests') cannot ask Mosaic for
         # an f32 contraction of bf16 operands, which it refuses.
         precision = lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
-        q = q.astype(buf.dtype)
+        q = q.astype(cdt)
 
         def step(j, carry):
             m, l, acc = carry
@@ -127,6 +132,8 @@ def _kernel(
 
             copies(j, slot, lambda c: c.wait())
             k = buf[slot].reshape(bn * G, D)
+            if quantized:
+                k = k.astype(jnp.float32).astype(cdt)
             keep = keep_ref[0, :, pl.ds(pl.multiple_of(j * bn * G, LANES), bn * G)] > 0  # [1, bn * G]
             s = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32

@@ -89,3 +89,42 @@ def test_planned_vmem_counts_the_widened_pages():
     assert narrow - kernel.vmem_bytes(dataclasses.replace(s, kv_dtype=jnp.int8), 8, 8) == 0
     kv32 = 2 * 2 * 8 * 16 * 8 * 128 * 4
     assert kernel.vmem_bytes(wide, 8, 8) - narrow == kv32 - kv32 * 6 // 8
+
+
+@pytest.mark.parametrize("kv_dtype, q_dtype", [("float8_e4m3fn", "bfloat16"), ("int8", "float32")])
+def test_row_attention_reads_quantized_rows(kv_dtype: str, q_dtype: str):
+    """DeepSeek V4's window and compressed rows, MLA's picked rows: 8-bit rows are copied
+    with their three packing partners (NaN in 8-bit floats) and widened in VMEM."""
+    from hicache_jax.models.kernels.paged_row_attention import kernel as rows_kernel
+    from hicache_jax.models.kernels.paged_row_attention import reference as rows_reference
+    from tests.models.kernels.test_paged_row_attention import D, batch
+    from tests.models.kernels.test_paged_row_attention import check as rows_check
+
+    q, pool, table, seq, idx = batch("float32", seed=2)
+    scale = INT8_STEP if kv_dtype == "int8" else 1.0
+    if kv_dtype == "int8":
+        pool = jnp.where(jnp.isnan(pool), kv_quant.INT8_MAX * scale, pool)
+    args = (q.astype(q_dtype), kv_quant.quantize(pool, jnp.dtype(kv_dtype), scale), table, seq, idx)
+    want_o, want_lse = rows_reference.paged_row_attention(*args, sm_scale=D**-0.5 * scale)
+    got_o, got_lse = rows_kernel.paged_row_attention(*args, sm_scale=D**-0.5 * scale, interpret=True)
+    rows_check(got_o * scale, got_lse, want_o * scale, want_lse, q_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e5m2", "int8"])
+def test_index_scores_read_quantized_keys(kv_dtype: str):
+    """Indexer keys in 8 bits meet bfloat16 queries in bfloat16 (``meet_dtype``), as the
+    reference does; the rows a token sees and its top-k are the reference's."""
+    from hicache_jax.models.kernels.index_scores import kernel as index_kernel
+    from hicache_jax.models.kernels.index_scores import reference as index_reference
+    from tests.models.kernels.test_index_scores import ROWS, batch
+
+    q, w, keys, table, seq, last = batch("float32", seed=3)
+    scale = INT8_STEP if kv_dtype == "int8" else 1.0
+    if kv_dtype == "int8":
+        keys = jnp.where(jnp.isnan(keys), kv_quant.INT8_MAX * scale, keys)
+    args = (q.astype(jnp.bfloat16), w, kv_quant.quantize(keys, jnp.dtype(kv_dtype), scale), table, seq, last)
+    got = index_kernel.index_scores(*args, block_q=4, block_rows=2 * ROWS, interpret=True)
+    want = index_reference.index_scores(*args)
+    seen = np.isfinite(np.asarray(want))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got)), seen)
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(want)[seen], rtol=1e-5, atol=1e-5 / scale)
