@@ -39,21 +39,25 @@ def _params(n, offset):
 
 
 @pytest.mark.parametrize(
-    "preset",
+    "preset,kv_dtype",
     [
-        "tiny-mamba",
-        "tiny-nemotron-h",
-        "tiny-granite-h",
-        "tiny-qwen3.5",
-        "tiny-qwen3-next",
-        "tiny-mla",
-        "tiny-dsa",
+        ("tiny-mamba", "auto"),
+        ("tiny-nemotron-h", "auto"),
+        ("tiny-granite-h", "auto"),
+        ("tiny-qwen3.5", "auto"),
+        ("tiny-qwen3-next", "auto"),
+        ("tiny-mla", "auto"),
+        ("tiny-dsa", "auto"),
         # Branches inside compression windows (CSA 4 tokens, HCA 16): the compressors' state
         # pages come back from L2 with the window and compressed pages.
-        "tiny-dsv4",
+        ("tiny-dsv4", "auto"),
+        # 8-bit pages (issue 46) leave L1 and come back from L2 as they were: the solo run
+        # with the same dtype is the reference.
+        ("tiny-qwen3.5", "float8_e4m3fn"),
+        ("tiny-mla", "int8"),
     ],
 )
-def test_l2_hits_under_pressure_give_solo_outputs(preset):
+def test_l2_hits_under_pressure_give_solo_outputs(preset, kv_dtype):
     rng = np.random.RandomState(1)
     shared = rng.randint(3, 500, SHARED).tolist()
 
@@ -66,6 +70,7 @@ def test_l2_hits_under_pressure_give_solo_outputs(preset):
     waves = [(first, _params(len(first), 0)), (filler, _params(2, 100)), (second, _params(len(second), 200))]
     base = dict(
         preset=preset,
+        kv_cache_dtype=kv_dtype,
         page_size=PAGE,
         chunked_prefill_size=CHUNK,
         max_running_requests=4,
