@@ -134,8 +134,8 @@ def page_dtypes_report(spec) -> dict:
 
 
 def test_dtypes_never_share_l3_pages(tmp_path):
-    """A float32 (auto on CPU), a bfloat16 and an fp8 engine on one L3 directory: none reads
-    another's pages; a second fp8 engine reads the first's, and gets its logprobs back. gc
+    """A float32 (auto on CPU), a bfloat16, an fp8 and an int8 engine on one L3 directory:
+    none reads another's pages; a second fp8 engine reads the first's, and gets its logprobs back. gc
     reports each dtype's pages, at each dtype's bytes per page."""
     spec = tmp_path / "l3"
     ids = prompt(seed=11)
@@ -155,15 +155,16 @@ def test_dtypes_never_share_l3_pages(tmp_path):
     # float32 noise `assert_same_pages_read` allows.
     moved = np.abs(top_logprobs(fp8) - top_logprobs(wide)).max()
     assert moved > 10 * SAME_PAGES_ATOL, moved
-    bf16, stats = serve("bfloat16")
-    assert bf16["meta_info"]["cached_tokens"] == 0 and stats["l3_reads"] == 0, stats
+    for other in ("bfloat16", INT8):  # int8: calibrated scales, its own scheme too
+        out, stats = serve(other)
+        assert out["meta_info"]["cached_tokens"] == 0 and stats["l3_reads"] == 0, (other, stats)
     again, stats = serve(FP8)
     meta = again["meta_info"]
     assert meta["cached_tokens_details"]["storage"] >= len(ids) - P, meta
     assert_same_pages_read(again, fp8)
 
     report = page_dtypes_report(spec)
-    assert set(report) == {"float32", "bfloat16", FP8}, report
+    assert set(report) == {"float32", "bfloat16", FP8, INT8}, report
     pages = {d: r["pages"] for d, r in report.items()}
     assert len(set(pages.values())) == 1 and pages[FP8] >= len(ids) // P, pages
     # Stored objects: one fixed header and a payload of 1, 2 and 4 bytes a value (at these
@@ -171,7 +172,7 @@ def test_dtypes_never_share_l3_pages(tmp_path):
     size = {d: r["bytes_per_page"] for d, r in report.items()}
     payload = size["bfloat16"] - size[FP8]
     assert size["float32"] - size["bfloat16"] == 2 * payload, size
-    assert 0 < size[FP8] - payload <= 512, size
+    assert 0 < size[FP8] - payload <= 512 and size[INT8] == size[FP8], size
 
 
 WIDE = ("float32", "bfloat16")
