@@ -62,8 +62,13 @@ def fill(spec: str, spaces) -> dict[str, str]:
             )
         tokens = np.random.default_rng(i).integers(0, 1000, P * (2 + i % 3))
         hashes = page_hashes(tokens, P, ns)
+        # The state page first, in a journal segment of its own: the oldest of its namespace,
+        # the first page a reader that ignored kinds would pick.
+        state = np.ones(64 + i, np.float32)
+        client.write_async([(page_path(ns, hashes[-1], "state"), {"state": state})], ns)
+        assert client.flush(10)
+        client.capacity.tick()
         items = [(page_path(ns, h, "kv"), {"kv": np.ones((2, P, 8), DTYPES[dtype])}) for h in hashes]
-        items.append((page_path(ns, hashes[-1], "state"), {"state": np.ones(64 + i, np.float32)}))
         client.write_async(items, ns)
         assert client.flush(10)
         truth[namespace_dir(ns)] = dtype
