@@ -177,18 +177,22 @@ def test_dtypes_never_share_l3_pages(tmp_path):
 
 WIDE = ("float32", "bfloat16")
 EIGHT_BIT = (FP8, "float8_e5m2")
-# DeepSeek V4's compressor state pages keep float32 (a running pool, like a recurrent state):
-# its 8-bit total is 1.63x bfloat16's tokens at the tiny widths; the compressed pages alone 2x.
-OWN_DTYPE_STATE = {"tiny-dsv4"}
+# DeepSeek V4's compressor state pages keep float32 (a running pool, like a recurrent state),
+# a fixed size per page: at 16-token pages its 8-bit total is 1.63x bfloat16's tokens (the
+# compressed pages alone 2x); at 256-token pages (V4's pages hold whole HCA entries of 128)
+# 1.96x, and 3.89x float32's.
+OWN_DTYPE_STATE = {"tiny-dsv4": 256}
 
 
-def pool_engine(preset: str, kv_dtype: str) -> Engine:
+def pool_engine(preset: str, kv_dtype: str, page_size: int = P) -> Engine:
     """An engine that is built, never run (nothing compiles): pools and pages only."""
     return Engine(
         EngineConfig(
             preset=preset,
             kv_cache_dtype=kv_dtype,
-            max_total_tokens=64 * P,
+            page_size=page_size,
+            chunked_prefill_size=page_size,
+            max_total_tokens=64 * page_size,
             enable_hierarchical_cache=True,
             hicache_size_gb=0.002,  # the same host memory for every dtype
         )
@@ -238,6 +242,13 @@ def test_eight_bit_pages_hold_more_tokens_at_equal_memory(preset):
         if preset not in OWN_DTYPE_STATE:
             assert per_token["float32"] >= 3.8 * per_token[d], per_token
             assert tokens[d] >= 3.8 * tokens["float32"], tokens
+    if preset in OWN_DTYPE_STATE:  # the state's share at the family's own page size
+        big = {x: pool_engine(preset, x, OWN_DTYPE_STATE[preset]) for x in (*WIDE, FP8)}
+        per_token = {x: e.runner.kv_bytes_per_token() for x, e in big.items()}
+        tokens = {x: min(h.size for h in e.prefix_cache.host.values()) for x, e in big.items()}
+        for wide, floor in (("bfloat16", 1.9), ("float32", 3.8)):
+            assert per_token[wide] >= floor * per_token[FP8], per_token
+            assert tokens[FP8] >= floor * tokens[wide], tokens
 
 
 def _zeros(layout: dict) -> dict:
