@@ -67,6 +67,11 @@ def amax(model, ids: np.ndarray | None = None) -> tuple[tuple[tuple[float, ...],
         cache = _pass(model, cache, dataclasses.replace(batch, logits_indices=last))
     finally:
         model.set_kv_scales(saved)
+    return cache_amax(cfg, cache)
+
+
+def cache_amax(cfg, cache) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """``amax``'s numbers from a cache written without scales."""
     out = []
     for specs, entry in zip(layer_specs(cfg), cache, strict=True):
         per_spec = []
