@@ -32,13 +32,14 @@ from hicache_jax.scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
+def kernel_config_of(cfg: EngineConfig) -> KernelConfig:
+    """The config's kernels, without a mesh."""
+    return KernelConfig(attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret)
+
+
 def kernel_config(cfg: EngineConfig) -> KernelConfig:
-    return KernelConfig(
-        attention=cfg.attention_backend,
-        ssd=cfg.ssd_backend,
-        interpret=cfg.kernel_interpret,
-        mesh=make_mesh(cfg.tp_size) if cfg.tp_size > 1 else None,
-    )
+    mesh = make_mesh(cfg.tp_size) if cfg.tp_size > 1 else None
+    return dataclasses.replace(kernel_config_of(cfg), mesh=mesh)
 
 
 def load_model_and_tokenizer(cfg: EngineConfig) -> tuple[CausalLM, Tokenizer]:
@@ -81,9 +82,7 @@ def attach_drafter(
         raise ConfigError(
             "speculative_algorithm='EAGLE3' is not supported yet for DeepSeek V4 (residual streams)"
         )
-    kernels = kernels or KernelConfig(
-        attention=cfg.attention_backend, ssd=cfg.ssd_backend, interpret=cfg.kernel_interpret
-    )
+    kernels = kernels or kernel_config_of(cfg)
     kernels = dataclasses.replace(kernels, mesh=model.mesh)  # the draft runs where the model does
     path = resolve_model_path(cfg.speculative_draft_model_path)
     try:
@@ -105,8 +104,11 @@ def set_kv_dtype(cfg: EngineConfig, model: CausalLM) -> None:
     dtypes scale by 1."""
     from hicache_jax.models import kv_quant
 
+    kernels = dataclasses.replace(kernel_config_of(cfg), mesh=model.mesh)
     try:
         model.kv_dtype = kv_quant.resolve(cfg.kv_cache_dtype, model.dtype)
+        # Pages the Pallas kernels cannot read on this chip: refused now, naming the flag.
+        kernels.check_model(model.cfg, model.dtype, kv_dtype=model.kv_dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     scales = None
