@@ -26,6 +26,14 @@ come chunk by chunk): row ``(t * nc + c) * Hkv + h`` is lanes ``128c ..`` of hea
 token ``t``, and the view is a bitcast, not a copy of the pool. Head ``h``'s keys are then
 strided loads, one per 128-lane chunk, which Mosaic supports only on <= 128-lane rows.
 
+8-bit pages (``--kv_cache_dtype`` float8_e4m3fn, float8_e5m2, int8) are copied as they are
+(half of bfloat16's HBM bytes) and widened to float32 in VMEM once per KV step (``_stage``),
+then read as float32 pages are; the caller folds the scales (``models/kv_quant.py``). XLA
+keeps an 8-bit pool in the kernel's row order at the shapes of Llama-3-8B (8 KV heads of 128
+per chip) and with one KV head; at some others (2 KV heads of 128, 2 or 4 of 256, seen on
+v5e and v6e) it lays the pool out otherwise and copies it into the kernel's order every call,
+as it does for ``D = 64`` pools of any dtype (a known cost, not a wrong result).
+
 The page table is scalar-prefetched into SMEM (1 MiB) while it takes at most half of it;
 a wider one (64 sequences of 4,096 pages: all of it) stays in HBM, and each query block
 first copies the entries it reads (``_table_copy``).
