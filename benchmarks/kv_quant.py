@@ -22,7 +22,9 @@ a float32 page, half a bfloat16 one). Each runs the shared-prefix document QA wo
 tokens, ``--questions`` questions each, shuffled), sized so that the documents overflow the
 wide dtypes' pools and fit the 8-bit one; a warm-up pass on other tokens compiles first,
 then L1 is flushed. Reported: the pool in tokens, cached prompt tokens, hit rate, and TTFT
-p50/p90. With ``--l2`` the host tier is on at ``--hicache_ratio`` (its bytes equal too).
+p50/p90; then, one at a time, ``--solo_repeats`` fresh prompts of a document's length, each
+cold and again (an L1 hit): the TTFT of each without queueing. With ``--l2`` the host tier
+is on at ``--hicache_ratio`` (its bytes equal too).
 
 Prints one JSON line per part (and a Markdown table per part).
 """
@@ -120,6 +122,7 @@ def run_dtype(model_path: str, model_dtype: str, kv_cache_dtype: str, new: int) 
             input_ids=chats, sampling_params={"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
         )
         page_dtype = str(llm.engine.model.kv_dtype)
+        eos = set(llm.engine.model.cfg.eos_token_ids or ())
         first = llm.tokenizer.decode(greedy[0]["output_ids"])
     finally:
         llm.close()
@@ -128,6 +131,7 @@ def run_dtype(model_path: str, model_dtype: str, kv_cache_dtype: str, new: int) 
         "page_dtype": page_dtype,
         "logprobs": lps,  # per prompt, token 1 on (token 0 has none)
         "greedy": [list(o["output_ids"]) for o in greedy],
+        "eos": eos,
         "first_answer": first,
         "seconds": round(time.perf_counter() - t, 1),
     }
@@ -140,9 +144,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def answer_end(ids: list[int], eos: set[int]) -> int:
+    """Tokens up to and including the first EOS (all of them without one): the answer, before
+    the text the model runs on into with ``ignore_eos``."""
+    return next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
+
+
 def compare(ref: dict, got: dict, new: int) -> dict:
     gap = np.abs(np.concatenate(got["logprobs"]) - np.concatenate(ref["logprobs"]))
     lead = [common_prefix(a, b) for a, b in zip(ref["greedy"], got["greedy"])]
+    ends = [answer_end(a, ref["eos"]) for a in ref["greedy"]]
     same = [float(np.mean(np.equal(a, b))) for a, b in zip(ref["greedy"], got["greedy"])]
     return {
         "page_dtype": got["page_dtype"],
@@ -155,6 +166,9 @@ def compare(ref: dict, got: dict, new: int) -> dict:
         "greedy_common_prefix": lead,  # per question
         "greedy_identical_at": {n: sum(k >= n for k in lead) / len(lead) for n in (8, 16, 32, new)},
         "greedy_position_agreement": float(np.mean(same)),
+        # identical up to the unquantized run's first EOS (its whole answer)
+        "answer_identical": sum(k >= e for k, e in zip(lead, ends)) / len(lead),
+        "answer_tokens_mean": float(np.mean(ends)),
         "english_perplexity": float(np.exp(-got["logprobs"][0].mean())),
         "first_answer": got["first_answer"],
         "seconds": got["seconds"],
@@ -187,9 +201,10 @@ def accuracy(args) -> dict:
 def accuracy_table(res: dict) -> str:
     rows = [
         "| KV dtype | scored tokens | mean abs dlogprob | max abs dlogprob | greedy identical "
-        "| first 16 / 32 identical | mean common prefix | positions agreeing | English ppl |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| auto ({res['auto']['page_dtype']}) | - | 0 | 0 | - | - | {res['new_tokens']} | 1 "
+        "| first 16 / 32 identical | answer identical | mean common prefix | positions agreeing "
+        "| English ppl |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| auto ({res['auto']['page_dtype']}) | - | 0 | 0 | - | - | - | {res['new_tokens']} | 1 "
         f"| {res['auto']['english_perplexity']:.3f} |",
     ]
     for k, v in res.items():
@@ -200,7 +215,7 @@ def accuracy_table(res: dict) -> str:
             f"| {k} | {v['scored_tokens']} | {v['logprob_abs_diff_mean']:.4f} "
             f"| {v['logprob_abs_diff_max']:.3f} "
             f"| {v['greedy_identical_count']} ({100 * v['greedy_identical']:.0f}%) "
-            f"| {100 * at[16]:.0f}% / {100 * at[32]:.0f}% "
+            f"| {100 * at[16]:.0f}% / {100 * at[32]:.0f}% | {100 * v['answer_identical']:.0f}% "
             f"| {v['greedy_mean_common_prefix']:.1f} | {v['greedy_position_agreement']:.3f} "
             f"| {v['english_perplexity']:.3f} |"
         )
@@ -218,6 +233,27 @@ async def _drive(url: str, cfg, vocab: int, seed: int):
         return recs, client.now()
     finally:
         await client.aclose()
+
+
+async def _solo(url: str, prompt_tokens: int, vocab: int, repeats: int) -> dict:
+    """One request at a time on fresh tokens: the prompt cold, then again (an L1 hit); the
+    median TTFT of each, the step cost without queueing."""
+    from hicache_jax.bench.client import BenchClient
+
+    rng = np.random.default_rng(12345)
+    client = BenchClient(url, timeout_s=3600)
+    cold, hit = [], []
+    try:
+        for _ in range(repeats):
+            prompt = rng.integers(3, vocab, prompt_tokens).tolist()
+            for got in (cold, hit):
+                rec = await client.generate(prompt, 1, 0)
+                if not rec.ok:
+                    raise RuntimeError(f"solo request failed: {rec.error}")
+                got.append(rec.ttft)
+    finally:
+        await client.aclose()
+    return {"cold_ms": 1000 * float(np.median(cold)), "hit_ms": 1000 * float(np.median(hit))}
 
 
 def tiers(args) -> dict:
@@ -264,6 +300,7 @@ def tiers(args) -> dict:
             warm_s = time.perf_counter() - t
             recs, secs = asyncio.run(_drive(server.url, cfg, info.vocab_size, args.seed))
             s = report.summarize("run", recs, secs, info)
+            solo = asyncio.run(_solo(server.url, args.doc_tokens + 32, info.vocab_size, args.solo_repeats))
         out["rows"][dtype] = {
             "max_total_tokens": tokens,
             "kv_bytes_per_token": per_token,
@@ -278,6 +315,7 @@ def tiers(args) -> dict:
             "max_hit_rate": s["max_hit_rate"],
             "capacity_max_hit_rate": s["capacity_max_hit_rate"],
             "ttft_ms": s["ttft_ms"],
+            "solo_ttft_ms": solo,
             "seconds": round(secs, 1),
             "warmup_s": round(warm_s, 1),
         }
@@ -288,15 +326,16 @@ def tiers(args) -> dict:
 def tiers_table(res: dict) -> str:
     rows = [
         "| KV dtype | KV bytes/token | pool (tokens) | working set | cached tokens | hit rate "
-        "| capacity max | TTFT p50 ms | TTFT p90 ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| capacity max | TTFT p50 ms | TTFT p90 ms | solo cold / hit TTFT ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, v in res["rows"].items():
         rows.append(
             f"| {k} | {v['kv_bytes_per_token']} | {v['max_total_tokens']} | {v['working_set_tokens']} "
             f"| {v['cached_tokens']}/{v['input_tokens']} | {100 * v['hit_rate']:.1f}% "
             f"| {100 * (v['capacity_max_hit_rate'] or 0):.1f}% "
-            f"| {v['ttft_ms']['p50']:.0f} | {v['ttft_ms']['p90']:.0f} |"
+            f"| {v['ttft_ms']['p50']:.0f} | {v['ttft_ms']['p90']:.0f} "
+            f"| {v['solo_ttft_ms']['cold_ms']:.0f} / {v['solo_ttft_ms']['hit_ms']:.0f} |"
         )
     return "\n".join(rows)
 
@@ -320,7 +359,8 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--doc_tokens", type=int, default=512)
     p.add_argument("--output_tokens", type=int, default=4)
-    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--rate", type=float, default=0.5)
+    p.add_argument("--solo_repeats", type=int, default=3, help="tiers: lone cold + hit prompts after the run")
     p.add_argument("--l2", action="store_true")
     p.add_argument("--hicache_ratio", type=float, default=2.0)
     p.add_argument(
