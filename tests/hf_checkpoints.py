@@ -239,17 +239,18 @@ def _deepseek(family: str, common: dict):
 
 
 def _deepseek_v4(common: dict, **overrides):
-    """Every DeepSeek V4 layer kind (sliding, CSA at 4 tokens an entry, HCA at 16: one page),
-    a hash-routed MoE layer then top-k ones, two residual streams, YaRN on the compressed
-    layers; ``index_topk`` covers every entry up to 512 tokens (transformers is
-    self-consistent only then)."""
+    """Every DeepSeek V4 layer kind once (sliding, CSA at 4 tokens an entry, HCA at 16: one
+    page), a hash-routed MoE layer then top-k ones, two residual streams, YaRN on the
+    compressed layers; ``index_topk`` covers every entry up to 512 tokens (transformers is
+    self-consistent only then). Three layers: a fourth (a second CSA) covered no other kind,
+    and every V4 test compiled and ran it."""
     import transformers as tf
 
     v4 = dict(
         vocab_size=common["vocab_size"],
         hidden_size=64,
         moe_intermediate_size=32,
-        num_hidden_layers=4,
+        num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=32,
@@ -261,10 +262,9 @@ def _deepseek_v4(common: dict, **overrides):
             "sliding_attention",
             "compressed_sparse_attention",
             "heavily_compressed_attention",
-            "compressed_sparse_attention",
         ],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": PAGE},
-        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
         sliding_window=20,
         o_groups=2,
         o_lora_rank=16,

@@ -55,7 +55,7 @@ def test_prompt_logprobs_match_the_causal_reference(tmp_path, monkeypatch, famil
 
 
 def test_deepseek_v4_compressed_sparse_attention_is_causal(tmp_path, monkeypatch):
-    """DeepSeek V4's CSA layers with ``index_topk`` 4 among up to 24 compressed entries (one
+    """DeepSeek V4's CSA layer with ``index_topk`` 4 among up to 24 compressed entries (one
     per 4 tokens, each visible once its window is complete): prompt logprobs through ``LLM``
     equal transformers' decoding one token at a time, and its full forward (both causal
     here), with the indexer's block at 2,048 and at 16 (it merges its running top-k every 16
