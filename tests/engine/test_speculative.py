@@ -54,10 +54,13 @@ def workload(seed: int = 0):
     return prompts, params
 
 
-def run(engine: Engine, prompts, params):
+def run(engine: Engine, prompts, params, all_tops: bool = False):
+    """Each request's outputs with logprobs; request 1's with its top 2 too, or with
+    ``all_tops`` every request's: then every step computes top logprobs, one program per
+    step shape rather than one with and one without (``assert_same`` compares them all)."""
     rids = [
         engine.add_request(
-            input_ids=p, sampling_params=sp, return_logprob=True, top_logprobs_num=2 * (i == 1)
+            input_ids=p, sampling_params=sp, return_logprob=True, top_logprobs_num=2 * (all_tops or i == 1)
         )
         for i, (p, sp) in enumerate(zip(prompts, params))
     ]
@@ -84,6 +87,10 @@ class Mixed:
             return draft
         req.drafter_state = req.drafter_state or "oracle"
         return corrupted(truth, len(req.output_ids), k, self.rng)
+
+    def may_draft_next(self, req) -> bool:
+        i, _ = self.truth[tuple(req.input_ids)]
+        return self.ngram.may_draft_next(req) if i % 2 else True  # the oracle always drafts
 
 
 def corrupted(truth: list[int], n: int, k: int, rng: random.Random) -> list[int]:
@@ -115,14 +122,16 @@ def test_outputs_equal_decoding_without_speculation(preset, tmp_path):
     check_outputs_equal(preset, tmp_path)
 
 
-def check_outputs_equal(preset: str, tmp_path, watch=None, seed: int = 0, **config) -> Engine:
+def check_outputs_equal(
+    preset: str, tmp_path, watch=None, seed: int = 0, all_tops: bool = False, **config
+) -> Engine:
     """The outputs of ``workload(seed)`` with speculation (``Mixed`` drafts) equal those
     without, on ``preset`` (``config``: settings other than ``BASE``'s); drafts were
     accepted and rejected, and requests retracted. ``watch``: called with the speculating
-    engine before it runs. Returns that engine."""
+    engine before it runs; ``all_tops``: ``run``'s. Returns that engine."""
     prompts, params = workload(seed)
     base = BASE | config
-    want = run(Engine(EngineConfig(preset=preset, **base)), prompts, params)
+    want = run(Engine(EngineConfig(preset=preset, **base)), prompts, params, all_tops)
     spec = EngineConfig(
         preset=preset,
         speculative_algorithm="NGRAM",
@@ -139,7 +148,7 @@ def check_outputs_equal(preset: str, tmp_path, watch=None, seed: int = 0, **conf
     if watch is not None:
         watch(engine)
     try:
-        got = run(engine, prompts, params)
+        got = run(engine, prompts, params, all_tops)
     finally:
         engine.close()
     assert_same(want, got)

@@ -9,7 +9,8 @@ EAGLE-3 draft checkpoint in its place (``EAGLE3``) over Gemma 3:
 - under load (concurrent requests, a pool small enough to retract, L2 and a TensorStore L3
   on), and again after L1 and L2 are flushed, so the second pass's prompts come back from
   L3: the block's KV travels with the pages, or the drafts read through them differ;
-- outputs equal decoding without speculation.
+- outputs equal decoding without speculation, every request's top logprobs included (each
+  asks for them: every step computes them, so each step shape is one program).
 
 Random weights almost never make the block's draft the model's next token, so half the
 requests have their drafts replaced by the true continuation (one token of it corrupted
@@ -136,7 +137,7 @@ def eagle3_checkpoint(folder) -> str:
 @pytest.mark.parametrize("preset,algorithm", DRAFTERS)
 def test_drafts_equal_a_recomputation_through_every_tier(preset, algorithm, tmp_path):
     prompts, params = workload()
-    want = run(Engine(EngineConfig(preset=preset, **BASE)), prompts, params)
+    want = run(Engine(EngineConfig(preset=preset, **BASE)), prompts, params, all_tops=True)
     draft = eagle3_checkpoint(str(tmp_path / "draft")) if algorithm == "EAGLE3" else None
     cfg = EngineConfig(
         preset=preset,
@@ -157,13 +158,13 @@ def test_drafts_equal_a_recomputation_through_every_tier(preset, algorithm, tmp_
     assert len(engine.runner.cache) == engine.model.cfg.num_layers + 1  # the drafter's KV
     engine.drafter = drafter = Checked(engine.model, prompts, want)
     try:
-        got = run(engine, prompts, params)
+        got = run(engine, prompts, params, all_tops=True)
         assert_same(want, got)
         assert engine.scheduler.num_retractions > 0, "the pool was meant to force retractions"
         first = drafter.checked
         assert first > 20
         engine.flush_cache()  # L1 and L2: the second pass's prompts come from L3
-        again = run(engine, prompts[:4], params[:4])
+        again = run(engine, prompts[:4], params[:4], all_tops=True)
     finally:
         engine.close()
     assert_same(want[:4], again)
