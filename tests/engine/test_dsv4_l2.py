@@ -20,6 +20,9 @@ from hicache_jax.kinds import CacheKind
 from tests.engine.test_speculative import BASE, run, workload
 
 PRESET = "tiny-dsv4"
+# 4 running requests: the workload below then gets index and csa pages apart (at 8 it does
+# not). Both tests run with it, so the one-request test's step programs are the other's.
+LIMITS = BASE | dict(max_running_requests=4)
 
 
 def _logprobs(out) -> np.ndarray:
@@ -33,12 +36,12 @@ def test_indexer_keys_follow_their_own_pool():
     The prompt is longer than the indexer keeps (8 entries, 32 tokens), so its keys pick."""
     prompt = np.random.RandomState(0).randint(3, 500, 70).tolist()
     params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-    cfg = EngineConfig(preset=PRESET, **BASE)
-    want = run(Engine(cfg), [prompt], [params])[0]
+    cfg = EngineConfig(preset=PRESET, **LIMITS)
+    want = run(Engine(cfg), [prompt], [params], all_tops=True)[0]
     skewed = Engine(cfg)
     pool = skewed.prefix_cache.pools[CacheKind.INDEX]
     pool.free(pool.alloc(pool.size))
-    got = run(skewed, [prompt], [params])[0]
+    got = run(skewed, [prompt], [params], all_tops=True)[0]
     assert got["output_ids"] == want["output_ids"]
     np.testing.assert_allclose(_logprobs(got), _logprobs(want), atol=1e-5)
 
@@ -48,9 +51,8 @@ def test_l2_on_gives_l2_off_outputs_under_retraction():
     L2 on and off give the same outputs; and with L2 on the two pools did diverge (else
     this workload no longer tests the case)."""
     prompts, params = workload(3)
-    base = BASE | dict(max_running_requests=4)
-    want = run(Engine(EngineConfig(preset=PRESET, **base)), prompts, params)
-    engine = Engine(EngineConfig(preset=PRESET, enable_hierarchical_cache=True, hicache_ratio=2.0, **base))
+    want = run(Engine(EngineConfig(preset=PRESET, **LIMITS)), prompts, params, all_tops=True)
+    engine = Engine(EngineConfig(preset=PRESET, enable_hierarchical_cache=True, hicache_ratio=2.0, **LIMITS))
     diverged = []
     step = engine.step
 
@@ -63,7 +65,8 @@ def test_l2_on_gives_l2_off_outputs_under_retraction():
         )
 
     engine.step = step_and_look
-    got = run(engine, prompts, params)
+    got = run(engine, prompts, params, all_tops=True)
     assert diverged, "no request's index and csa pages differed: the workload no longer tests this"
+    assert engine.scheduler.num_retractions > 0, "the pool was meant to force retractions"
     bad = [i for i, (w, g) in enumerate(zip(want, got)) if w["output_ids"] != g["output_ids"]]
     assert not bad, f"requests {bad} differ with L2 on"
