@@ -324,7 +324,11 @@ class Engine:
             return False
         drafter = self.drafter
         if drafter is not None and not wont_verify(
-            running, self.cfg.spec_width, self._overhead_rows, may_draft=drafter.may_draft_next
+            # A drafter that cannot tell (no ``may_draft_next``) may draft after any token.
+            running,
+            self.cfg.spec_width,
+            self._overhead_rows,
+            getattr(drafter, "may_draft_next", None),
         ):
             return False  # a draft follows the last token: only a step that would not verify goes ahead
         if len(prev.plan.items) != len(running) or any(i.req not in running for i in prev.plan.items):
