@@ -32,13 +32,14 @@ QUESTIONS = [
 ]
 
 
-def prompts(tokenizer) -> tuple[list[int], list[list[int]]]:
+def prompts(tokenizer, questions: list[str] = QUESTIONS) -> tuple[list[int], list[list[int]]]:
+    """The shipped English text's ids, and each question in the model's chat template."""
     from hicache_jax.server.chat_template import ChatTemplate
 
     with open(os.path.join(ROOT, "tests", "data", "english.txt")) as f:
         text = tokenizer.encode(f.read())
     chat = ChatTemplate(tokenizer)
-    return text, [chat.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return text, [chat.encode([{"role": "user", "content": q}]) for q in questions]
 
 
 def measure(llm, ids: list[list[int]], chats: list[list[int]], new: int) -> dict:

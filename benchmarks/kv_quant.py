@@ -39,8 +39,8 @@ import shlex
 import time
 
 import numpy as np
+from bf16_real import prompts as bf16_prompts  # benchmarks/ is the script's directory
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8", "bfloat16")
 BITS = {
     "auto": None,
@@ -89,12 +89,7 @@ QUESTIONS = [
 
 # ---- accuracy ------------------------------------------------------------------------------
 def prompts(tokenizer) -> tuple[list[int], list[list[int]]]:
-    from hicache_jax.server.chat_template import ChatTemplate
-
-    with open(os.path.join(ROOT, "tests", "data", "english.txt")) as f:
-        text = tokenizer.encode(f.read())
-    chat = ChatTemplate(tokenizer)
-    return text, [chat.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return bf16_prompts(tokenizer, QUESTIONS)
 
 
 def run_dtype(model_path: str, model_dtype: str, kv_cache_dtype: str, new: int) -> dict:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from hicache_jax.models import kv_quant
+
 WIDE = ("float32", "bfloat16")
-QUANTIZED = ("float8_e4m3fn", "float8_e5m2", "int8")
+QUANTIZED = tuple(kv_quant.QUANTIZED)  # every 8-bit page dtype the flag takes
 # The page dtypes each chip's kernels compile with (checked per chip by the tpu tests).
 CHIP_DTYPES = {chip: WIDE + QUANTIZED for chip in ("v4", "v5e", "v5p", "v6e", "7x")}
 FLAG = "--kv_cache_dtype"
