@@ -39,11 +39,19 @@ class Router:
         return cls(args, log_path)
 
     @classmethod
-    def pd(cls, prefills: list[str], decodes: list[str], log_path: str, policy: str = "random") -> Router:
+    def pd(
+        cls,
+        prefills: list[str],
+        decodes: list[str],
+        log_path: str,
+        policy: str = "random",
+        extra: tuple[str, ...] = (),
+    ) -> Router:
         """PD mode: each request goes to one prefill and one decode server (no bootstrap port:
         the KV travels through L3), the client gets the decode server's answer. Started
-        once it answers ``/health`` (it has checked its workers by then)."""
-        args = ["--pd-disaggregation", "--policy", policy]
+        once it answers ``/health`` (it has checked its workers by then). ``extra``: more
+        ``launch_router`` arguments."""
+        args = ["--pd-disaggregation", "--policy", policy, *extra]
         for url in prefills:
             args += ["--prefill", url, "none"]
         for url in decodes:

@@ -12,7 +12,8 @@ KV handed over through the L3 both servers share (server/disaggregation.py), eve
   falls back once its wait passes, counted); a decode server waiting for a marker no prefill
   server publishes computes the prompt itself; a decode server SIGKILLed mid-request leaves
   the prefill server holding nothing, and its marker behind until the sweep takes it.
-- The S3 L3 (SeaweedFS) through the router, once per routing policy the router offers in PD mode.
+- The S3 L3 (SeaweedFS) through the router, once per routing policy the router offers in PD mode:
+  the fault fleet's L3 (a router per policy in front of its servers, before any is killed).
 
 A family's reference comes from its decode server, so each family costs two server starts.
 """
@@ -34,7 +35,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hicache_jax
-from hicache_jax.storage.handover import HandoverBoard, room_key
+from hicache_jax.storage.handover import HANDOVER, HandoverBoard
 from hicache_jax.storage.tensorstore_store import TensorStoreL3
 from tests.reliability.weed import Weed, require_weed
 from tests.server.conftest import PAGE_SIZE, TEST_FLAGS, Server
@@ -118,10 +119,13 @@ def summed(servers: list[Server]) -> dict[str, float]:
     return out
 
 
-def markers(l3_dir) -> list[str]:
-    """The handover marker files in a directory L3."""
-    where = os.path.join(str(l3_dir), os.path.dirname(room_key(0)))
-    return sorted(os.listdir(where)) if os.path.isdir(where) else []
+def markers(l3_spec: str | dict) -> list[str]:
+    """The rooms of the handover markers in an L3 (a directory or a kvstore spec)."""
+    store = TensorStoreL3(l3_spec)
+    try:
+        return sorted(k.removeprefix(HANDOVER) for k in store.list_keys(HANDOVER))
+    finally:
+        store.close()
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ def test_family_through_router(checkpoint_dir, tmp_path, family):
     try:
         router = Router.pd([servers[0].url], [servers[1].url], str(tmp_path / "router.log"))
         serve_through(router, servers[:1], servers[1], CHUNK if family in RECURRENT else PAGE_SIZE, seed=11)
-        assert markers(l3) == []  # each consumed by the decode server
+        assert markers(str(l3)) == []  # each consumed by the decode server
     finally:
         if router is not None:
             router.close()
@@ -226,75 +230,97 @@ def test_family_through_router(checkpoint_dir, tmp_path, family):
             s.close()
 
 
-# ---- the S3 L3, and each routing policy ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def dense_model(checkpoint_dir, tmp_path_factory) -> list[str]:
-    path = model_dir(checkpoint_dir("llama"), tmp_path_factory.mktemp("dense") / "model", CHAT_TEMPLATE)
-    return [f"--model_path={path}", "--dtype=float32"]
-
-
-def test_each_policy_on_s3(dense_model, tmp_path, monkeypatch):
-    require_weed()
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "hicache-test")  # any key: weed runs without auth
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hicache-test")
-    weed = Weed(str(tmp_path / "weed"))
-    servers: list[Server] = []
-    try:
-        spec = weed.spec_at("pd")
-        servers = start(tmp_path, json.dumps(spec), dense_model, [PREFILL, decode_role()])
-        prefill, decode = servers
-        rng = np.random.default_rng(16)
-        for policy in POLICIES:
-            router = Router.pd(
-                [prefill.url], [decode.url], str(tmp_path / f"router-{policy}.log"), policy=policy
-            )
-            try:
-                p = ids_prompt(rng, 4 * PAGE_SIZE + 7)
-                out = router.post("/generate", {"input_ids": p, "sampling_params": GEN})
-            finally:
-                router.close()
-            assert_handover(out["meta_info"], len(p), PAGE_SIZE)
-            assert out["output_ids"] == reference(decode, p)["output_ids"], policy
-        assert pd_counters(prefill)["markers_published"] == len(POLICIES)
-        assert HandoverBoard(TensorStoreL3(spec)).scan() == {}  # each consumed
-    finally:
-        for s in servers:
-            s.close()
-        weed.kill()
-
-
-# ---- a dense fleet for the faults: two prefill servers, one decode server -----------------------
+# ---- a dense fleet on the S3 L3: two prefill servers, one decode server ---------------------------
 class Fleet:
-    def __init__(self, prefills: list[Server], decode: Server, router: Router, l3):
-        self.prefills, self.decode, self.router, self.l3 = prefills, decode, router, l3
+    def __init__(self, prefills: list[Server], decode: Server, router: Router, l3: dict, tmp):
+        self.prefills, self.decode, self.router, self.l3, self.tmp = prefills, decode, router, l3, tmp
 
     def live_prefill(self) -> Server:
         return next(p for p in self.prefills if p.proc.poll() is None)
 
 
+def dense_model(checkpoint_dir, dest) -> list[str]:
+    path = model_dir(checkpoint_dir("llama"), dest, CHAT_TEMPLATE)
+    return [f"--model_path={path}", "--dtype=float32"]
+
+
+def weed_and_dense_model(checkpoint_dir, tmp) -> tuple[Weed, list[str]]:
+    """SeaweedFS started while the dense checkpoint is written (each waits on its own)."""
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(Weed, str(tmp / "weed"))
+        try:
+            model = dense_model(checkpoint_dir, tmp / "model")
+        except BaseException:
+            if starting.exception() is None:
+                starting.result().kill()
+            raise
+        return starting.result(), model
+
+
 @pytest.fixture(scope="module")
-def fleet(dense_model, tmp_path_factory):
+def fleet(checkpoint_dir, tmp_path_factory):
+    """The dense fleet on SeaweedFS' S3 (the decode server with the short wait the faults
+    need), behind a router with the default policy."""
+    require_weed()
     tmp = tmp_path_factory.mktemp("fleet")
-    servers = start(tmp, str(tmp / "l3"), dense_model, [PREFILL, PREFILL, decode_role(FAULT_WAIT_S)])
-    router = None
-    try:
-        # The prefill program compiled (by one, loaded from the compilation cache by the other)
-        # before any handover is timed: a first compile outlasts the decode server's wait.
-        warm = ids_prompt(np.random.default_rng(0), 40)
-        for s in servers[:2]:
-            s.generate(input_ids=warm, sampling_params=dict(GEN, max_new_tokens=1))
-        router = Router.pd([s.url for s in servers[:2]], [servers[2].url], str(tmp / "router.log"))
-        yield Fleet(servers[:2], servers[2], router, tmp / "l3")
-    finally:
-        if router is not None:
-            router.close()
-        for s in servers:
-            s.close()
+    servers: list[Server] = []
+    router = weed = None
+    with pytest.MonkeyPatch.context() as mp:  # the keys, for the servers and this process
+        mp.setenv("AWS_ACCESS_KEY_ID", "hicache-test")  # any key: weed runs without auth
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "hicache-test")
+        try:
+            weed, model = weed_and_dense_model(checkpoint_dir, tmp)
+            spec = weed.spec_at("pd")
+            roles = [PREFILL, PREFILL, decode_role(FAULT_WAIT_S)]
+            servers = start(tmp, json.dumps(spec), model, roles)
+            # The prefill program compiled (by one, loaded from the compilation cache by the
+            # other) before any handover is timed: a first compile outlasts the decode
+            # server's wait.
+            warm = ids_prompt(np.random.default_rng(0), 40)
+            for s in servers[:2]:
+                s.generate(input_ids=warm, sampling_params=dict(GEN, max_new_tokens=1))
+            # A killed prefill server leaves the rotation within seconds (the defaults keep it
+            # for minutes, and each retry of the pair could pick it again).
+            health = ("--health-check-interval-secs", "1", "--health-failure-threshold", "2")
+            health += ("--health-check-timeout-secs", "20")  # a busy server is not a dead one
+            prefills, decode = [s.url for s in servers[:2]], [servers[2].url]
+            router = Router.pd(prefills, decode, str(tmp / "router.log"), extra=health)
+            yield Fleet(servers[:2], servers[2], router, spec, tmp)
+        finally:
+            if router is not None:
+                router.close()
+            for s in servers:
+                s.close()
+            if weed is not None:
+                weed.kill()
 
 
 def test_dense_family_through_router(fleet):
     serve_through(fleet.router, fleet.prefills, fleet.decode, PAGE_SIZE, seed=12)
     assert markers(fleet.l3) == []
+
+
+def test_each_policy_on_s3(fleet):
+    """A router per policy in front of the fleet (S3 L3): each request is handed over and
+    answers what one server does. Before the faults: every server is up."""
+    routers = {}
+    try:
+        prefills, decodes = [p.url for p in fleet.prefills], [fleet.decode.url]
+        for policy in POLICIES:
+            log = str(fleet.tmp / f"router-{policy}.log")
+            routers[policy] = Router.pd(prefills, decodes, log, policy=policy)
+        rng = np.random.default_rng(16)
+        before = summed(fleet.prefills)
+        for policy, router in routers.items():
+            p = ids_prompt(rng, 4 * PAGE_SIZE + 7)
+            out = router.post("/generate", {"input_ids": p, "sampling_params": GEN})
+            assert_handover(out["meta_info"], len(p), PAGE_SIZE)
+            assert out["output_ids"] == reference(fleet.decode, p)["output_ids"], policy
+    finally:
+        for router in routers.values():
+            router.close()
+    assert delta(summed(fleet.prefills), before)["markers_published"] == len(POLICIES)
+    assert HandoverBoard(TensorStoreL3(fleet.l3)).scan() == {}  # each consumed
 
 
 EXAMPLES = itertools.count()
@@ -346,6 +372,8 @@ def test_prefill_killed_mid_request(fleet):
         victim = None
         while victim is None and time.monotonic() < deadline and not pending.done():
             victim = next((s for s in fleet.prefills if busy(s)), None)
+            if victim is None:
+                time.sleep(0.02)  # the prefill takes seconds; a tighter loop only slows it down
         assert victim is not None, "no prefill server took the prompt"
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(30)
@@ -395,7 +423,7 @@ def test_decode_killed_mid_request(fleet):
     assert pool_used(prefill) == idle
 
     assert markers(fleet.l3) == [str(room)]
-    board = HandoverBoard(TensorStoreL3(str(fleet.l3)))
+    board = HandoverBoard(TensorStoreL3(fleet.l3))
     marker = board.read(room)
     assert marker is not None and marker.end == pd["end"] and marker.input_len == len(p), marker
     assert board.sweep() == 0 and markers(fleet.l3) == [str(room)]  # young: kept
