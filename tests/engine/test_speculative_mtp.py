@@ -17,7 +17,11 @@ requests have their drafts replaced by the true continuation (one token of it co
 half the time): the step then accepts drafts, and the block must draft from the last
 accepted row (``accepted_rows``) for the next drafts to equal the recomputation. The
 prompts share no prefix (a page's last position holds the block's KV for the token after
-the page, which a request sharing the page need not have: ``mtp_drafts.py``)."""
+the page, which a request sharing the page need not have: ``mtp_drafts.py``).
+
+A step of decodes may hold a one-token chunk that does not end its prompt, and verify: the
+block must then read the prompt's next token after that row, not the token sampled there
+(``test_a_verify_step_holding_a_prompt_chunk`` makes the schedule that does it)."""
 
 from __future__ import annotations
 
@@ -172,6 +176,56 @@ def test_drafts_equal_a_recomputation_through_every_tier(preset, algorithm, tmp_
     assert sum(g["meta_info"]["cached_tokens_details"].get("storage", 0) for g in again) > 0
     st = engine.stats
     assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st
+
+
+class VerifiedChunks:
+    """Counts the verify steps holding a chunk that does not end its prompt (the engine's
+    batch builder is wrapped to see each step's plan)."""
+
+    def __init__(self, engine: Engine):
+        self.count, build = 0, engine.builder.build
+
+        def watched(plan, **kw):
+            self.count += plan.verify and any(not item.samples for item in plan.items)
+            return build(plan, **kw)
+
+        engine.builder.build = watched
+
+
+# The batch builder's rows are the same for every drafter: one preset, whose drafts differ
+# from the recomputation at C's first draft when the block reads the token sampled there.
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5-mtp"])
+def test_a_verify_step_holding_a_prompt_chunk(preset):
+    """One-page chunks: prompts A, B, C of 24, 25 and 40 tokens, queued in that order, each
+    taking what the older ones leave of a step's 16 tokens (a decode takes none), and never
+    past the end of a page. C's chunk in step 4 stops one token short of its page's end, so
+    its next chunk is that one token, in a step where A and B decode and nobody waits to
+    take the rest of the budget: a verify step.
+
+        step 1  A [0, 16)
+        step 2  A [16, 24) samples      B [0, 8)
+        step 3  A decodes               B [8, 16)            C [0, 8)
+        step 4  A decodes               B [16, 25) samples   C [8, 15)
+        step 5  A, B verify drafts                           C [15, 16): its row samples,
+                                                               but the token after it is C's 17th
+
+    The block's KV at C's position 15 is then read by every draft C makes."""
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, 500, n).tolist() for n in (24, 25, 40)]
+    params = [
+        {"max_new_tokens": m, "seed": i, "ignore_eos": True, "temperature": 0.0}
+        for i, m in enumerate((10, 10, 20))
+    ]
+    base = BASE | {"chunked_prefill_size": BASE["page_size"]}
+    want = run(Engine(EngineConfig(preset=preset, **base)), prompts, params, all_tops=True)
+    cfg = EngineConfig(
+        preset=preset, speculative_algorithm="NEXTN", speculative_num_draft_tokens=WIDTH, **base
+    )
+    engine = Engine(cfg)
+    engine.drafter = drafter = Checked(engine.model, prompts, want)
+    chunks = VerifiedChunks(engine)
+    assert_same(want, run(engine, prompts, params, all_tops=True))
+    assert chunks.count > 0 and drafter.checked > 0, (chunks.count, drafter.checked)
 
 
 def test_nextn_needs_mtp_blocks():
