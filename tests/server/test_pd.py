@@ -44,8 +44,8 @@ from tests.waits import wait
 
 pytest.importorskip("sglang_router")
 
-# One prefill step shape (token_buckets(16) == [16]): a family's servers compile one prefill
-# program, not three, and the decode server loads it from the compilation cache the prefill
+# Two prefill step shapes, not three (token_buckets(16 + 8) == [16, 24], the 24 only for a
+# chunk beside decodes): the decode server loads the 16 from the compilation cache the prefill
 # server filled. A recurrent family's state is kept per chunk.
 CHUNK = 16
 FLAGS = (*TEST_FLAGS, f"--chunked_prefill_size={CHUNK}")
