@@ -54,11 +54,15 @@ def test_pattern_depths_step_by_whole_periods():
     assert planner.pattern_depths(preset_config("tiny")) is None
 
 
-def test_extrapolated_plan_matches_full_depth(tmp_path):
+def test_extrapolated_plan_matches_full_depth(tmp_path, monkeypatch):
     """A 6-layer local/global model planned from compiles at 2 and 4 layers against the same
     model compiled at 6: weights and pool exact, compiled figures close. The line checks at
     6 too, reading the full-depth figures from the memo both plans share (each depth's
-    programs compiled once: the check is then the comparison this test makes)."""
+    programs compiled once: the check is then the comparison this test makes). Costed at the
+    smallest decode batch and one past the engine's buckets (64 > 8 running) only: each
+    batch is one more program at each of the 3 depths (a tiny model's TPU compile is mostly
+    a fixed cost per program, 5-10 s here), and the line treats every batch alike."""
+    monkeypatch.setattr(planner, "DECODE_BATCHES", (1, 64))
     tiny = preset_config("tiny")
     model = dataclasses.replace(tiny, layer_kinds=tiny.layer_kinds + tiny.layer_kinds[:2])
     cfg = EngineConfig(
@@ -78,6 +82,7 @@ def test_extrapolated_plan_matches_full_depth(tmp_path):
     assert (line.weights_bytes, line.kv_pool_bytes) == (full.weights_bytes, full.kv_pool_bytes)
     assert line.temp_program == full.temp_program
     assert line.temp_bytes == pytest.approx(full.temp_bytes, rel=0.1)
+    assert [s.name for s in full.steps] == ["decode x1", "decode x64", "prefill 64"]
     for a, b in zip(line.steps, full.steps, strict=True):
         assert a.name == b.name
         assert a.flops == pytest.approx(b.flops, rel=0.01), a.name
