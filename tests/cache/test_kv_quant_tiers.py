@@ -38,9 +38,13 @@ SAMPLING = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
 TOP = 5
 FP8, INT8 = "float8_e4m3fn", "int8"
 # Float32 noise between two batchings of the same quantized pages (a prefill of 64 tokens
-# against one of 16; a recurrent state recomputed from a snapshot): up to 3e-5 measured.
-# Reading unquantized pages instead moves them by far more (`test_dtypes_never_share_l3_pages`).
-SAME_PAGES_ATOL = 1e-4
+# against one of 16; a recurrent state recomputed from a snapshot): up to 3e-5 measured on
+# most runs. The second pass also recomputes and writes again its uncached tail (up to a
+# page, a chunk for recurrent models), where that noise can round an 8-bit value the other
+# way (one e4m3 step is 1/16 to 1/8 of it): 1.2e-4 seen once under load (tiny-mla, e4m3).
+# Reading unquantized pages instead moves them by far more (`test_dtypes_never_share_l3_pages`:
+# over ten times this).
+SAME_PAGES_ATOL = 1e-3
 
 
 def top_logprobs(out: dict) -> np.ndarray:
