@@ -215,7 +215,7 @@ class BatchBuilder:
                     grammar_rows.append((r.grammar, row0, item.draft))
                 if not verify:
                     last_rows[s] = (t + n - 1) if R == T else s
-                if R == T and not verify:
+                if R == T and not (verify and item.samples):  # a verify step's prompt chunk too
                     nxt = fill[1:] + r.fill_ids[item.end : item.end + 1]  # row q scores token q+1
                     targets[t : t + len(nxt)] = nxt
                 _pack_penalty(penalty, item, rows, self.eos_token_ids)

@@ -54,13 +54,18 @@ def workload(seed: int = 0):
     return prompts, params
 
 
-def run(engine: Engine, prompts, params, all_tops: bool = False):
+def run(engine: Engine, prompts, params, all_tops: bool = False, logprob_start_len: int = -1):
     """Each request's outputs with logprobs; request 1's with its top 2 too, or with
     ``all_tops`` every request's: then every step computes top logprobs, one program per
-    step shape rather than one with and one without (``assert_same`` compares them all)."""
+    step shape rather than one with and one without (``assert_same`` compares them all).
+    ``logprob_start_len``: each request's, for prompt logprobs."""
     rids = [
         engine.add_request(
-            input_ids=p, sampling_params=sp, return_logprob=True, top_logprobs_num=2 * (all_tops or i == 1)
+            input_ids=p,
+            sampling_params=sp,
+            return_logprob=True,
+            top_logprobs_num=2 * (all_tops or i == 1),
+            logprob_start_len=logprob_start_len,
         )
         for i, (p, sp) in enumerate(zip(prompts, params))
     ]

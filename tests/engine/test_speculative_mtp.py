@@ -209,7 +209,8 @@ def test_a_verify_step_holding_a_prompt_chunk(preset):
         step 5  A, B verify drafts                           C [15, 16): its row samples,
                                                                but the token after it is C's 17th
 
-    The block's KV at C's position 15 is then read by every draft C makes."""
+    The block's KV at C's position 15 is then read by every draft C makes, and the row's
+    prompt logprob scores C's 17th token (every request asks for prompt logprobs)."""
     rng = np.random.RandomState(0)
     prompts = [rng.randint(3, 500, n).tolist() for n in (24, 25, 40)]
     params = [
@@ -217,14 +218,20 @@ def test_a_verify_step_holding_a_prompt_chunk(preset):
         for i, m in enumerate((10, 10, 20))
     ]
     base = BASE | {"chunked_prefill_size": BASE["page_size"]}
-    want = run(Engine(EngineConfig(preset=preset, **base)), prompts, params, all_tops=True)
+    want = run(Engine(EngineConfig(preset=preset, **base)), prompts, params, True, logprob_start_len=0)
     cfg = EngineConfig(
         preset=preset, speculative_algorithm="NEXTN", speculative_num_draft_tokens=WIDTH, **base
     )
     engine = Engine(cfg)
     engine.drafter = drafter = Checked(engine.model, prompts, want)
     chunks = VerifiedChunks(engine)
-    assert_same(want, run(engine, prompts, params, all_tops=True))
+    got = run(engine, prompts, params, True, logprob_start_len=0)
+    assert_same(want, got)
+    for a, b in zip(want, got):
+        lp_a = [x[0] for x in a["meta_info"]["input_token_logprobs"]]
+        lp_b = [x[0] for x in b["meta_info"]["input_token_logprobs"]]
+        assert len(lp_b) == len(lp_a) and lp_a[0] is None
+        np.testing.assert_allclose(lp_b[1:], lp_a[1:], atol=2e-4)
     assert chunks.count > 0 and drafter.checked > 0, (chunks.count, drafter.checked)
 
 

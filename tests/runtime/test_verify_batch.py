@@ -210,7 +210,13 @@ def test_verify_build_matches_a_recomputation(case):
     # Every token row is a logits row and samples.
     np.testing.assert_array_equal(batch.logits_indices, np.arange(T))
     np.testing.assert_array_equal(sampling.last_rows, np.arange(T))
-    assert (sampling.targets == -1).all()  # no prompt logprobs in a verify step
+    # Prompt logprobs only for a one-token chunk that does not end its prompt: its row
+    # scores the prompt's next token.
+    targets = np.full(T, -1)
+    for s, i in enumerate(items):
+        if not i.samples:
+            targets[cu[s]] = i.req.fill_ids[i.end]
+    np.testing.assert_array_equal(sampling.targets, targets)
     neutral = dict(temperature=0, top_p=1, top_k=-1, min_p=0, seeds=0, counters=0)
     for field in neutral:
         want = [row[field] for row in rows] + [neutral[field]] * pad_t
