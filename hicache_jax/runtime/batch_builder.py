@@ -6,10 +6,8 @@ Shapes come from a few buckets so steady-state serving never recompiles:
 - steps with prefill: ``T`` from a short geometric list, ``S = max_running_requests``;
 - logits rows: one per sequence, or one per token when a request wants input logprobs;
 - verify steps (speculative decoding: a request feeds its last token and a draft, every
-  item a decode): ``S`` as for decode-only steps, ``T = S * w`` for the least ``w`` of
-  ``verify_widths(spec_width)`` (2, 4, ..., ``spec_width``) that holds the step's tokens
-  (``S * spec_width``: room for every request's whole draft), and every token row is a
-  logits row and samples
+  item a decode): ``S`` as for decode-only steps, ``T = S * spec_width`` (room for every
+  request's whole draft), and every token row is a logits row and samples
   (``StepShape.N = R = T``), each with its request's settings and the key of the output
   position it predicts, so the token after an accepted draft is the token the request
   would have sampled there without one;
@@ -36,7 +34,7 @@ from hicache_jax.runtime.penalties import PenaltyInputs, held_back
 from hicache_jax.runtime.sampler import SamplingInputs
 from hicache_jax.runtime.step_inputs import DraftInputs, StateCopies, StepInputs, StepShape
 from hicache_jax.sampling_params import GRAMMARS
-from hicache_jax.scheduler.plan import TOP_WIDTHS, StepPlan, token_buckets, verify_widths
+from hicache_jax.scheduler.plan import TOP_WIDTHS, StepPlan, token_buckets
 
 # The sampling settings packed per row: (SamplingParams field, ``SamplingInputs`` array).
 SAMPLED = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"))
@@ -99,8 +97,7 @@ class BatchBuilder:
         """The step shape of a plan."""
         if plan.verify:  # every token row samples: the token after each draft token
             S = self._decode_seqs(len(plan.items))
-            T = next(S * w for w in verify_widths(self.spec_width) if S * w >= plan.num_tokens)
-            return StepShape(T, S, T, False, T)
+            return StepShape(S * self.spec_width, S, S * self.spec_width, False, S * self.spec_width)
         if plan.decode_only:
             S = self._decode_seqs(len(plan.items))
             T = S
@@ -120,8 +117,11 @@ class BatchBuilder:
         out = [StepShape(S, S, S, True) for S in decode]
         for T in self.buckets:
             out += [StepShape(T, self.max_running, R, False) for R in sorted({self.max_running, T})]
-        widths = verify_widths(self.spec_width)
-        out += [StepShape(S * w, S, S * w, False, S * w) for S in decode for w in widths]
+        if self.spec_width > 1:
+            out += [
+                StepShape(S * self.spec_width, S, S * self.spec_width, False, S * self.spec_width)
+                for S in decode
+            ]
         return out
 
     def warmup_programs(self) -> list[tuple[StepShape, int]]:
@@ -319,11 +319,9 @@ class _DraftRows:
     def add(self, item, s: int, t: int, verify: bool, cap: int) -> None:
         """Item ``s``, whose token rows start at ``t``: the token after each row is the
         prompt's next (a chunk's last row: the next chunk's first token) or the one sampled
-        after it (each row of a sampling item in a verify step; the last row of a sampling
-        item, at row ``s``). A verify step may hold a one-token chunk that does not end its
-        prompt (``decode_only``): its row samples too, but the token after it is the prompt's."""
+        after it (each row of a verify step; the last row of a sampling item, at row ``s``)."""
         n, fed = item.num_tokens, item.fed_ids
-        if verify and item.samples:
+        if verify:
             self.next_rows[t : t + n] = np.arange(t, t + n)
         else:
             self.next_ids[t : t + n - 1] = fed[1:]

@@ -1,31 +1,23 @@
-"""Whether a step drafts at all, and how much: drafting must pay for the verify step's
-extra rows.
+"""Whether a step drafts at all: drafting must pay for the verify step's extra rows.
 
-A verify step of ``B`` decoding requests runs ``S x w`` token rows (``S``: ``B`` rounded up
-to a power of two, the decode step's row count; ``w`` the least of ``verify_widths(W)``,
-2, 4, ..., ``W`` the speculative width, whose rows hold its ``B`` last tokens and its
-drafts: ``runtime/batch_builder.py``), against the decode step's ``S``. So the choice is
-per step and bucket, not per token: once a step verifies in ``S x w`` rows, every draft
-token that fits them rides in rows already paid for.
+A verify step of ``B`` decoding requests runs ``S x W`` token rows (``S``: ``B`` rounded up
+to a power of two, the decode step's row count; ``W``: the speculative width), however few
+draft tokens it carries (``runtime/batch_builder.py``), against the decode step's ``S``. So
+the choice is per step, not per token: once a step verifies, every request's draft rides
+in rows already paid for, and each drafts all it has room for (``drafts.add_drafts``).
 
 Cost model: a step costs ``OVERHEAD_ROWS + rows`` (the fixed part: reading the weights,
 dispatch; then each row's compute). The decode step yields ``B`` tokens; the verify step
-``B + A``, ``A`` the draft tokens accepted. Verifying in ``S x w`` rows pays when
-``(B + A) / (OVERHEAD_ROWS + S w) >= B / (OVERHEAD_ROWS + S)``, i.e. when::
+``B + A``, ``A`` the draft tokens accepted. Verifying pays when
+``(B + A) / (OVERHEAD_ROWS + S W) >= B / (OVERHEAD_ROWS + S)``, i.e. when::
 
-    A >= needed(B, w) = B * S * (w - 1) / (OVERHEAD_ROWS + S)
+    A >= needed(B, W) = B * S * (W - 1) / (OVERHEAD_ROWS + S)
 
 On a memory-bound accelerator the overhead is hundreds of rows and ``needed`` is a fraction
-of a token: any likely draft pays. On a few CPU cores it is tens: at ``B = 4``, ``w = 4``
-``needed`` is 3 tokens, at ``w = 2`` one: a step whose only likely draft is one request's
-verifies in 8 rows, not 16, and drops the drafts that do not fit them. The default, 12, is
-SmolLM2-135M's on this project's 2-core CPU under load (``benchmarks/RESULTS.md``,
-speculative section): a machine's constant, not a model's.
-
-``worth_verifying`` picks the bucket: for each ``w`` it fills the ``S w - B`` draft rows
-with the drafts of the requests due to probe first, then by acceptance rate (a draft cut
-short keeps its first tokens), and takes the ``w`` whose expected tokens per cost,
-``(B + A) / (OVERHEAD_ROWS + S w)``, is highest among those that pay or probe.
+of a token: any likely draft pays. On a few CPU cores it is tens: at ``B = 4``, ``W = 4``
+``needed`` is several tokens, so a step verifies only when most requests have drafts that
+are usually right. The default, 12, is SmolLM2-135M's on this project's 2-core CPU under
+load (``benchmarks/RESULTS.md``, speculative section): a machine's constant, not a model's.
 
 ``A`` is estimated per request from its own history (``DraftHistory``, kept on the
 request): ``rate * len(draft)``, ``rate`` the fraction of its draft tokens accepted, an
@@ -45,9 +37,8 @@ Nothing here reads a clock: every process of a multi-host engine decides the sam
 The overlap schedule plans step N+1 while step N runs (``Engine._can_run_ahead``), before
 N's tokens are read; no draft can follow a token not known yet, so a step planned ahead has
 none. It is planned ahead only when it would not verify whatever its drafts were
-(``wont_verify``): no request would probe, and in every bucket even full drafts (``width -
-1`` tokens each) at the highest rates, as many as fit, are expected to gain less than
-``needed``. Such a step counts, for
+(``wont_verify``): no request would probe, and even full drafts (``width - 1`` tokens each)
+at every request's rate are expected to gain less than ``needed``. Such a step counts, for
 each request, as a step with a draft and no verify step (``planned_ahead``), so a request
 whose drafts stopped counting still probes every ``PROBE_EVERY`` steps: the step that
 would probe is planned after N is read, with its draft.
@@ -59,7 +50,6 @@ import dataclasses
 from collections.abc import Callable
 
 from hicache_jax.request import Req
-from hicache_jax.scheduler.plan import verify_widths
 
 OVERHEAD_ROWS = 12.0  # a step's fixed cost, in token rows, on CPU (see the module docstring)
 # On an accelerator: the rows at which a bfloat16 step's compute (2 FLOPs per weight per row)
@@ -104,65 +94,28 @@ def history(req: Req) -> DraftHistory:
 
 
 def needed(batch: int, width: int, overhead_rows: float = OVERHEAD_ROWS) -> float:
-    """Accepted draft tokens a verify step of ``batch`` requests in ``S x width`` token rows
-    must yield to cost no more per token than their decode step (the module docstring's model)."""
+    """Accepted draft tokens a verify step of ``batch`` requests must yield to cost no more
+    per token than their decode step (the module docstring's model)."""
     seqs = 1 << (batch - 1).bit_length()  # the decode step's rows (BatchBuilder's buckets)
     return batch * seqs * (width - 1) / (overhead_rows + seqs)
 
 
-def _fill(
-    order: list[tuple[Req, DraftHistory, int]], room: int, spread: bool
-) -> tuple[dict[Req, int], float]:
-    """Draft tokens kept per request, ``order``'s (request, history, draft length) filled in
-    turn into ``room`` rows (``spread``: each request's first token before anyone's second),
-    and their expected accepted tokens."""
-    keep = {req: 0 for req, _, _ in order}
-    for share in (1, None) if spread else (None,):
-        for req, _, n in order:
-            k = min(n - keep[req] if share is None else min(n, share), room)
-            keep[req] += k
-            room -= k
-    return keep, sum(h.expected(keep[req]) for req, h, _ in order)
-
-
-def _best(order, batch: int, width: int, overhead_rows: float) -> dict[Req, int]:
-    """The bucket with the most expected tokens per cost among those that pay for their rows
-    or probe: its draft tokens per request ({}: none). A step probes when a request due to
-    probe has a draft; every request with a draft then gets at least its first token
-    checked (a bucket has a row per request to spare), so probes stay aligned."""
-    seqs = 1 << (batch - 1).bit_length()
-    probe = any(h.probing for _, h, _ in order)
-    best, value = {}, 0.0
-    for w in verify_widths(width):
-        keep, gain = _fill(order, seqs * w - batch, spread=probe)
-        if probe or (gain > 0 and gain >= needed(batch, w, overhead_rows)):
-            v = (batch + gain) / (overhead_rows + seqs * w)
-            if v > value:
-                best, value = keep, v
-    return best
-
-
-def _order(pairs: list[tuple[Req, DraftHistory, int]]) -> list[tuple[Req, DraftHistory, int]]:
-    """Requests due to probe first, then by acceptance rate (stable among equals)."""
-    return sorted((p for p in pairs if p[2] > 0), key=lambda p: (not p[1].probing, -p[1].rate))
-
-
 def worth_verifying(
     drafts: dict[Req, list[int]], batch: int, width: int, overhead_rows: float = OVERHEAD_ROWS
-) -> dict[Req, int]:
+) -> bool:
     """Whether a step of ``batch`` decoding requests should verify ``drafts`` (each request
-    with its proposal; [] for none), and in which bucket: the draft tokens each request
-    keeps (the first ones of its proposal), or {} for no verify step. Records each request's
-    outcome either way."""
+    with its proposal; [] for none); records each request's outcome either way."""
     hist = {req: history(req) for req in drafts}
     for req, h in hist.items():
         h.observe(req)
-    keep = _best(_order([(req, h, len(drafts[req])) for req, h in hist.items()]), batch, width, overhead_rows)
+    gain = sum(h.expected(len(drafts[req])) for req, h in hist.items())
+    probe = any(h.probing and drafts[req] for req, h in hist.items())
+    verify = probe or (gain > 0 and gain >= needed(batch, width, overhead_rows))
     for req, h in hist.items():
-        h.drafted = keep.get(req, 0)
-        if drafts[req] and not h.drafted:
+        h.drafted = len(drafts[req]) if verify else 0
+        if drafts[req] and not verify:
             h.idle += 1
-    return keep
+    return verify
 
 
 def wont_verify(
@@ -172,17 +125,16 @@ def wont_verify(
     may_draft: Callable[[Req], bool] | None = None,
 ) -> bool:
     """Whether the next step of ``reqs`` (each decoding) would not verify whatever their
-    drafts, by ``worth_verifying``'s rule: none would probe, and in no bucket would full
-    drafts at the highest rates gain ``needed`` (an upper bound: a draft has at most
-    ``width - 1`` tokens, and a bucket's rows filled by rate hold the most expected tokens
-    any drafts could put there). ``may_draft(req)``: False only where no draft can follow
-    the request's next token (the drafter proves it: ``NgramIndex.can_follow``); such a
-    request neither probes nor gains. Reads the histories as the last step left them,
-    changes nothing."""
+    drafts, by ``worth_verifying``'s rule: none would probe, and full drafts at their rates
+    are expected to gain less than ``needed`` (an upper bound: a draft has at most
+    ``width - 1`` tokens). ``may_draft(req)``: False only where no draft can follow the
+    request's next token (the drafter proves it: ``NgramIndex.can_follow``); such a request
+    neither probes nor gains. Reads the histories as the last step left them, changes nothing."""
     hist = [req.draft_history or DraftHistory() for req in reqs if may_draft is None or may_draft(req)]
     if any(h.probing for h in hist):
         return False
-    return not _best(_order([(i, h, width - 1) for i, h in enumerate(hist)]), len(reqs), width, overhead_rows)
+    gain = sum(h.expected(width - 1) for h in hist)
+    return gain == 0 or gain < needed(len(reqs), width, overhead_rows)
 
 
 def planned_ahead(reqs: list[Req]) -> None:

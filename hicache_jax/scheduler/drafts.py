@@ -28,8 +28,7 @@ Which requests draft, and how much:
 - only when the pages (and scratch slots) are free without retracting anyone: speculation
   never costs another request its place;
 - only in a step whose drafts are expected to pay for the verify step's extra rows
-  (``draft_policy``: from each request's acceptance so far), and only as many of each
-  draft's first tokens as the policy's bucket of rows holds;
+  (``draft_policy``: from each request's acceptance so far);
 - none in a step planned ahead of the step in flight (the overlap schedule): its requests'
   last tokens are not known yet (``Req.pending``). The engine plans ahead only a step that
   would not verify anyway (``draft_policy.wont_verify``), and each request counts it as a
@@ -46,8 +45,7 @@ from hicache_jax.scheduler.draft_policy import planned_ahead, worth_verifying
 from hicache_jax.scheduler.plan import StepPlan
 
 Propose = Callable[[Req, int], list[int]]  # (request, most tokens) -> its draft
-# (drafts, batch, width) -> the draft tokens each request keeps ({}: no verify step)
-Gate = Callable[[dict[Req, list[int]], int, int], dict[Req, int]]
+Gate = Callable[[dict[Req, list[int]], int, int], bool]  # (drafts, batch, width) -> verify?
 
 
 def draft_room(req: Req, *, width: int, context_len: int, page_size: int, recurrent: bool) -> int:
@@ -71,8 +69,8 @@ def add_drafts(
     gate: Gate | None = worth_verifying,
 ) -> int:
     """Give each decode item of an all-decode ``plan`` its draft, where it has room and the
-    pages are free (see the module docstring), cut to what ``gate`` keeps of each
-    (``draft_policy``; None: every draft whole); returns the draft tokens added."""
+    pages are free (see the module docstring), if ``gate`` finds the drafts worth a verify
+    step (``draft_policy``; None: always); returns the draft tokens added."""
     if not plan.items or not plan.decode_only:
         return 0
     drafts, ahead = [], []
@@ -93,14 +91,11 @@ def add_drafts(
     planned_ahead(ahead)
     if not drafts:
         return 0
-    keep = None if gate is None else gate({i.req: d for i, d in drafts}, len(plan.items), width)
-    if keep is not None and not keep:
+    if gate is not None and not gate({i.req: d for i, d in drafts}, len(plan.items), width):
         return 0
     added = 0
     for item, draft in drafts:
         req = item.req
-        if keep is not None:
-            draft = draft[: keep.get(req, 0)]
         if not draft:
             continue
         end = item.end + len(draft)

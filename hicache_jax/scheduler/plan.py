@@ -1,5 +1,5 @@
 """A step's work: ``StepPlan``, the ``WorkItem`` of each request it runs, and the bucket
-arithmetic its shapes come from (``token_buckets``, ``verify_widths``, ``TOP_WIDTHS``).
+arithmetic its shapes come from (``token_buckets``, ``TOP_WIDTHS``).
 
 The scheduler makes plans; ``hicache_jax/runtime/batch_builder.py`` turns a plan into padded
 device inputs. Nothing here imports JAX, so the scheduler does not either
@@ -76,15 +76,3 @@ def token_buckets(max_tokens: int) -> list[int]:
         out.append(b)
         b *= 4
     return out + [max_tokens]
-
-
-def verify_widths(width: int) -> tuple[int, ...]:
-    """The token rows per sequence row a verify step may run with, for drafts of at most
-    ``width - 1`` tokens: the powers of two below ``width``, from 2, then ``width``. A verify
-    step of ``S`` sequence rows runs ``S * w`` token rows, ``w`` the least that holds its
-    tokens: a step whose few drafts fit ``2 S`` rows does not pay for ``S * width``."""
-    out, w = [], 2
-    while w < width:
-        out.append(w)
-        w *= 2
-    return tuple(out + [width]) if width > 1 else ()

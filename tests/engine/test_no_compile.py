@@ -23,13 +23,12 @@ def _plan(rng, max_running: int, max_prefill: int, width: int = 0) -> StepPlan:
     """A plan the scheduler could make: decodes, plus prefill chunks within the budget; with
     speculation (``width``), half the all-decode plans carry drafts."""
     items, budget = [], max_prefill
-    decoding = rng.rand() < 0.4  # every request decodes (else each does half the time)
     for _ in range(rng.randint(1, max_running + 1)):
         n = int(rng.randint(1, 300))
         lsl = int(rng.randint(-1, n))
         req = Req(rid="r", input_ids=[3] * n, sampling=SamplingParams(), return_logprob=rng.rand() < 0.3)
         req.logprob_start_len = lsl
-        if decoding or rng.rand() < 0.5 or budget == 0:  # decoding: one token past the prompt
+        if rng.rand() < 0.5 or budget == 0:  # decoding: one token past the prompt
             req.output_ids = [3] * int(rng.randint(1, 5))
             end = n + len(req.output_ids)
             items.append(WorkItem(req, end - 1, end))
@@ -40,9 +39,8 @@ def _plan(rng, max_running: int, max_prefill: int, width: int = 0) -> StepPlan:
             items.append(WorkItem(req, start, end))
     plan = StepPlan(items)
     if width > 1 and plan.decode_only and rng.rand() < 0.5:  # a verify step: drafts of 0..width-1
-        dense = rng.rand()  # the share of requests with a draft: every verify bucket is reached
         for item in plan.items:
-            k = int(rng.randint(0, width)) if rng.rand() < dense else 0
+            k = int(rng.randint(0, width))
             item.draft, item.end = (3,) * k, item.end + k
     return plan
 

@@ -1,8 +1,6 @@
 """The draft policy: a step verifies only when its drafts are expected to pay for the verify
-step's rows, in the bucket of rows (``verify_widths``) whose expected tokens per cost is
-highest, keeping the drafts most likely to be accepted; a request whose drafts are rejected
-stops counting and probes again later; one whose drafts are accepted keeps drafting its full
-width. A step the overlap schedule plans
+step's rows; a request whose drafts are rejected stops counting and probes again later; one
+whose drafts are accepted keeps drafting its full width. A step the overlap schedule plans
 ahead (without drafts: ``wont_verify``) is one that would not have verified, and planning
 ahead moves no probe.
 
@@ -13,7 +11,6 @@ verify step gets one more ``spec_verifications`` and its accepted tokens in
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import types
 
@@ -31,7 +28,7 @@ from hicache_jax.scheduler.draft_policy import (
     worth_verifying,
 )
 from hicache_jax.scheduler.drafts import add_drafts
-from hicache_jax.scheduler.plan import StepPlan, WorkItem, verify_widths
+from hicache_jax.scheduler.plan import StepPlan, WorkItem
 
 WIDTH = 4
 
@@ -40,31 +37,21 @@ def new_req(i: int = 0) -> Req:
     return Req(f"r{i}", list(range(3, 40)), SamplingParams(max_new_tokens=1000))
 
 
-def verify(reqs, keep: dict, accepted) -> None:
-    """The engine's counters after a step that fed each request its first ``keep[r]`` draft
-    tokens, of which the first ``accepted[i]`` would have been accepted."""
-    for i, r in enumerate(reqs):
-        if keep.get(r):
-            r.spec_verifications += 1
-            r.spec_accepted_tokens += min(accepted[i], keep[r])
-
-
-def run_keeps(trace, batch: int, width: int = WIDTH) -> list[list[int]]:
-    """Steps of ``batch`` requests, each with a full draft every step; ``trace(step, i)``:
-    the draft tokens request ``i`` would have accepted at ``step``. Returns, per step, the
-    draft tokens each request kept (all 0: no verify step)."""
-    reqs = [new_req(i) for i in range(batch)]
-    out = []
-    for step in range(len(trace)):
-        keep = worth_verifying({r: [7] * (width - 1) for r in reqs}, batch, width)
-        verify(reqs, keep, trace[step])
-        out.append([keep.get(r, 0) for r in reqs])
-    return out
-
-
 def run(trace, batch: int, width: int = WIDTH) -> list[bool]:
-    """``run_keeps``: per step, whether it verified."""
-    return [any(k) for k in run_keeps(trace, batch, width)]
+    """Steps of ``batch`` requests, each with a full draft every step; ``trace(step, i)``:
+    the draft tokens request ``i`` would have accepted at ``step``. Returns, per step,
+    whether it verified."""
+    reqs = [new_req(i) for i in range(batch)]
+    verified = []
+    for step in range(len(trace)):
+        drafts = {r: [7] * (width - 1) for r in reqs}
+        verify = worth_verifying(drafts, batch, width)
+        if verify:
+            for i, r in enumerate(reqs):
+                r.spec_verifications += 1
+                r.spec_accepted_tokens += min(trace[step][i], width - 1)
+        verified.append(verify)
+    return verified
 
 
 def test_the_needed_tokens_are_where_a_verify_step_breaks_even():
@@ -108,50 +95,14 @@ def test_a_request_that_starts_copying_recovers_at_its_next_probe():
     assert all(verified[resumed:]), verified
 
 
-def test_one_good_request_among_poor_ones_verifies_in_the_small_bucket():
+def test_one_good_request_among_poor_ones_does_not_pay_at_batch_4_but_does_alone():
     """Four requests, one whose drafts are mostly right, the others' never: at B = 4 what it
-    gains does not pay for the rows of four full drafts (``needed(4, W)``) but does pay for
-    the 8-row bucket (``needed(4, 2)``), so once the others' rates have fallen every step
-    verifies its full draft in 8 rows, the others' cut to what fits beside it; alone it
-    verifies every step."""
+    gains does not pay for the extra rows of four (``needed(4, W)``); alone it does."""
     accepted = math.ceil(needed(4, WIDTH)) - 1
-    assert max(needed(4, 2), needed(1, WIDTH)) < accepted < needed(4, WIDTH)
-    keeps = run_keeps([[accepted, 0, 0, 0]] * 80, batch=4)
-    settled = keeps[8:]
-    assert all(k[0] == WIDTH - 1 for k in settled), keeps
-    assert all(sum(k) + 4 <= 4 * 2 for k in settled), keeps  # the 8-row bucket
+    assert needed(1, WIDTH) < accepted < WIDTH
+    good_and_poor = run([[accepted, 0, 0, 0]] * 80, batch=4)
+    assert good_and_poor.count(True) <= 4 + 80 / PROBE_EVERY, good_and_poor
     assert all(run([[accepted]] * 80, batch=1))
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    st.lists(st.tuples(st.integers(0, WIDTH - 1), st.integers(0, 8)), min_size=1, max_size=4),
-    st.sampled_from([0.0, 4.0, 12.0, 40.0]),
-)
-def test_the_kept_drafts_are_the_best_the_buckets_allow(case, overhead):
-    """Requests past their first probe, with drafts of any length and any rate: the policy's
-    choice has the highest expected tokens per cost, ``(B + A) / (overhead + S w)``, of every
-    way to keep a prefix of each draft in any bucket that pays (``A >= needed``), found by
-    trying them all; none paying: no verify step."""
-    reqs = [new_req(i) for i in range(len(case))]
-    for r, (_, eighths) in zip(reqs, case):
-        r.draft_history = draft_policy.DraftHistory(rate=eighths / 8, idle=0)
-    drafts = {r: [7] * n for r, (n, _) in zip(reqs, case)}
-    B, S = len(reqs), 1 << (len(reqs) - 1).bit_length()
-    best = 0.0
-    for ks in itertools.product(*(range(n + 1) for n, _ in case)):
-        gain = sum(k * e / 8 for k, (_, e) in zip(ks, case))
-        for w in verify_widths(WIDTH):
-            if sum(ks) + B <= S * w and gain > 0 and gain >= needed(B, w, overhead):
-                best = max(best, (B + gain) / (overhead + S * w))
-    keep = worth_verifying(drafts, B, WIDTH, overhead)
-    if not best:
-        assert not keep
-        return
-    assert all(0 <= keep.get(r, 0) <= len(drafts[r]) for r in reqs)
-    w = next(w for w in verify_widths(WIDTH) if sum(keep.values()) + B <= S * w)
-    gain = sum(keep.get(r, 0) * r.draft_history.rate for r in reqs)
-    assert math.isclose((B + gain) / (overhead + S * w), best, rel_tol=1e-9), (keep, best)
 
 
 def test_no_drafts_no_verify_step():
@@ -174,8 +125,7 @@ def decode_plan(reqs) -> StepPlan:
 
 def test_add_drafts_gives_full_width_or_nothing():
     """Through ``add_drafts``: a request whose drafts are accepted gets ``width - 1`` tokens
-    every step; four whose drafts are rejected soon get none, all of them; in between, each
-    keeps the first tokens of its proposal, as many as the policy's bucket holds."""
+    every step; four whose drafts are rejected soon get none, all of them."""
     good = new_req()
     for _ in range(10):
         plan = decode_plan([good])
@@ -190,9 +140,7 @@ def test_add_drafts_gives_full_width_or_nothing():
         added.append(add_drafts(plan, Adapter(), lambda r, k: [5] * k, width=WIDTH, context_len=4096))
         for item in plan.items:
             item.req.spec_verifications += bool(item.draft)
-            assert item.draft == (5,) * len(item.draft) and item.end == item.start + 1 + len(item.draft)
-            assert len(item.draft) == item.req.draft_history.drafted  # what its rate will be of
-        assert any(plan.num_tokens <= 4 * w for w in verify_widths(WIDTH))
+        assert len({len(i.draft) for i in plan.items}) == 1  # the step drafts for all or for none
     assert added[0] == 4 * (WIDTH - 1) and added[-1] == 0, added
     always = decode_plan(poor)
     assert add_drafts(always, Adapter(), lambda r, k: [5] * k, width=WIDTH, context_len=4096, gate=None) > 0
@@ -213,15 +161,16 @@ def test_any_trace_probes_within_the_interval_and_averages_what_it_saw(trace):
     batch = len(trace[0])
     reqs = [new_req(i) for i in range(batch)]
     rates = [draft_policy.PRIOR] * batch
-    quiet = [0] * batch
+    quiet = 0
     for row in trace:
-        keep = worth_verifying({r: [7] * (WIDTH - 1) for r in reqs}, batch, WIDTH)
-        verify(reqs, keep, row)
-        for i, r in enumerate(reqs):
-            quiet[i] = 0 if keep.get(r) else quiet[i] + 1
-            if keep.get(r):
-                rates[i] += draft_policy.RECENT * (min(row[i], keep[r]) / keep[r] - rates[i])
-        assert max(quiet) <= PROBE_EVERY
+        verify = worth_verifying({r: [7] * (WIDTH - 1) for r in reqs}, batch, WIDTH)
+        quiet = 0 if verify else quiet + 1
+        assert quiet <= PROBE_EVERY
+        if verify:
+            for i, r in enumerate(reqs):
+                r.spec_verifications += 1
+                r.spec_accepted_tokens += row[i]
+                rates[i] += draft_policy.RECENT * (row[i] / (WIDTH - 1) - rates[i])
     worth_verifying({r: [] for r in reqs}, batch, WIDTH)  # takes in the last step's outcome
     for r, rate in zip(reqs, rates):
         assert abs(r.draft_history.rate - rate) < 1e-9
@@ -239,9 +188,12 @@ def run_ahead(trace, batch: int, width: int = WIDTH) -> tuple[list[bool], list[b
             verified.append(False)
             ahead.append(True)
             continue
-        keep = worth_verifying({r: [7] * (width - 1) for r in reqs}, batch, width)
-        verify(reqs, keep, trace[step])
-        verified.append(bool(keep))
+        verify = worth_verifying({r: [7] * (width - 1) for r in reqs}, batch, width)
+        if verify:
+            for i, r in enumerate(reqs):
+                r.spec_verifications += 1
+                r.spec_accepted_tokens += min(trace[step][i], width - 1)
+        verified.append(verify)
         ahead.append(False)
     return verified, ahead
 
@@ -310,11 +262,11 @@ def test_a_step_planned_ahead_would_not_have_verified_its_drafts(trace):
             ahead += 1
             quiet = [q + 1 for q in quiet]
         else:
-            keep = worth_verifying(drafts, batch, WIDTH)
-            verified = bool(keep)
-            verify(reqs, keep, [a for _, a in row])
-            for i, (r, (n, _)) in enumerate(zip(reqs, row)):
-                if keep.get(r):
+            verified = worth_verifying(drafts, batch, WIDTH)
+            for i, (r, (n, accepted)) in enumerate(zip(reqs, row)):
+                if verified and n:
+                    r.spec_verifications += 1
+                    r.spec_accepted_tokens += min(accepted, n)
                     quiet[i] = 0
                 elif n:
                     quiet[i] += 1
