@@ -238,7 +238,9 @@ def test_a_flush_does_not_hold_new_requests(server):
     """Finding 4: /flush_cache held every new request until all in flight ended (a probe waited
     38 s behind one 300-token request). Now the probe runs while the flush waits, and the flush
     happens once the long request ends."""
-    sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}  # seconds on the tiny model
+    # Seconds on the tiny model, well inside the flush's 30 s wait even on a loaded machine
+    # (1,500 tokens took 33 s in one suite run: the flush was refused).
+    sp = {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}
     long = {"input_ids": list(range(10, 30)), "sampling_params": sp}
     done: dict[str, float] = {}
     t0 = time.monotonic()
