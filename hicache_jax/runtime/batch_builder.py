@@ -319,9 +319,11 @@ class _DraftRows:
     def add(self, item, s: int, t: int, verify: bool, cap: int) -> None:
         """Item ``s``, whose token rows start at ``t``: the token after each row is the
         prompt's next (a chunk's last row: the next chunk's first token) or the one sampled
-        after it (each row of a verify step; the last row of a sampling item, at row ``s``)."""
+        after it (each row of a sampling item in a verify step; the last row of a sampling
+        item, at row ``s``). A verify step may hold a one-token chunk that does not end its
+        prompt (``decode_only``): its row samples too, but the token after it is the prompt's."""
         n, fed = item.num_tokens, item.fed_ids
-        if verify:
+        if verify and item.samples:
             self.next_rows[t : t + n] = np.arange(t, t + n)
         else:
             self.next_ids[t : t + n - 1] = fed[1:]

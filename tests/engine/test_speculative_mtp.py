@@ -99,21 +99,19 @@ def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
 
 
 class Checked(MtpDrafter):
-    """The block's drafts, each checked against ``reference_drafts`` (``strict``: asserted
-    equal; else the differing ones counted in ``differed``); for even-numbered prompts then
-    replaced by the true continuation, a token corrupted half the time."""
+    """The block's drafts, each checked against ``reference_drafts``; for even-numbered
+    prompts then replaced by the true continuation, a token corrupted half the time."""
 
-    def __init__(self, model, prompts, want, seed: int = 1, strict: bool = True):
-        self.model, self.rng, self.strict = model, random.Random(seed), strict
+    def __init__(self, model, prompts, want, seed: int = 1):
+        self.model, self.rng = model, random.Random(seed)
         self.truth = {tuple(p): (i, w["output_ids"]) for i, (p, w) in enumerate(zip(prompts, want))}
-        self.checked = self.differed = 0
+        self.checked = 0
 
     def __call__(self, req, k: int) -> list[int]:
         proposed = list(req.drafter_state or ())
         if proposed:
             ref = reference_drafts(self.model, req.input_ids + req.output_ids, len(proposed))
-            assert proposed == ref or not self.strict, (req.rid, len(req.output_ids), proposed, ref)
-            self.differed += proposed != ref
+            assert proposed == ref, (req.rid, len(req.output_ids), proposed, ref)
             self.checked += 1
         i, truth = self.truth[tuple(req.input_ids)]
         if i % 2:
@@ -212,11 +210,7 @@ def test_a_verify_step_holding_a_prompt_chunk(preset):
                                                                but the token after it is C's 17th
 
     The block's KV at C's position 15 is then read by every draft C makes, and the row's
-    prompt logprob scores C's 17th token (every request asks for prompt logprobs): outputs
-    and prompt logprobs equal decoding without speculation. Drafts are checked against the
-    recomputation but not asserted equal here: one clean-clone suite run saw one request's
-    chained drafts differ at its first output (not reproduced alone; under investigation),
-    which costs acceptance only."""
+    prompt logprob scores C's 17th token (every request asks for prompt logprobs)."""
     rng = np.random.RandomState(0)
     prompts = [rng.randint(3, 500, n).tolist() for n in (24, 25, 40)]
     params = [
@@ -229,7 +223,7 @@ def test_a_verify_step_holding_a_prompt_chunk(preset):
         preset=preset, speculative_algorithm="NEXTN", speculative_num_draft_tokens=WIDTH, **base
     )
     engine = Engine(cfg)
-    engine.drafter = drafter = Checked(engine.model, prompts, want, strict=False)
+    engine.drafter = drafter = Checked(engine.model, prompts, want)
     chunks = VerifiedChunks(engine)
     got = run(engine, prompts, params, True, logprob_start_len=0)
     assert_same(want, got)
