@@ -13,12 +13,13 @@ Four parts:
   ``copy`` (summarise a given text, edit given code, answer with quotes from a given passage,
   correct a given paragraph: a few hundred tokens each) and ``ordinary`` (open questions,
   short chat). Per batch size B (B = 1: the prompts one after another; otherwise B at a
-  time) the off and on runs alternate, best of ``--repeats``, after an untimed run of each
-  that compiles what they use (the prompts are then in the prefix cache for every timed
-  run, on and off alike). Reports the accept length (tokens a verify step yields: accepted
-  draft tokens + 1, from the engine's counters), tokens/s off and on, their ratio, the
-  share of each engine's steps planned ahead of the step in flight (``ahead``: the overlap
-  schedule's look-ahead, ``Engine._can_run_ahead``), and whether the outputs are identical.
+  time) the off and on runs alternate, best of ``--repeats``, after two untimed runs of each
+  that compile what they use (the first the whole prompts' steps, the second those of
+  prompts found in the prefix cache, as every timed run finds them, on and off alike).
+  Reports the accept length (tokens a verify step yields: accepted draft tokens + 1, from
+  the engine's counters), tokens/s off and on, their ratio, the share of each engine's
+  steps planned ahead of the step in flight (``ahead``: the overlap schedule's look-ahead,
+  ``Engine._can_run_ahead``), and whether the outputs are identical.
 - ``families``: per family preset, on CPU, the runner's time for a verify step of B
   requests each feeding k + 1 tokens (its last and k drafted) against k + 1 decode steps
   of the same B requests; the plans come from the engine's scheduler, the drafts from an
@@ -203,10 +204,13 @@ def real(args) -> list[dict]:
 
 
 def compare(off, on, ids: list[list[int]], batch: int, new: int, repeats: int) -> dict:
-    """``ids`` on both engines, alternating, best of ``repeats`` each after an untimed run
-    (it compiles what the runs use and puts the prompts in the prefix cache)."""
+    """``ids`` on both engines, alternating, best of ``repeats`` each after two untimed runs
+    (the first compiles the whole prompts' steps and puts the prompts in the prefix cache,
+    the second the steps of prompts found cached, as every timed run finds them)."""
     ref, _ = run_prompts(off, ids, batch, new)
     got, _ = run_prompts(on, ids, batch, new)
+    run_prompts(off, ids, batch, new)
+    run_prompts(on, ids, batch, new)
     times = {"off": [], "on": []}
     accept, drafted, ahead, same = [], [], {"off": [], "on": []}, got == ref
     for _ in range(repeats):
@@ -241,7 +245,13 @@ def compare(off, on, ids: list[list[int]], batch: int, new: int, repeats: int) -
 
 
 def family_verify(
-    model: str, batch: int, k: int, repeats: int, max_running: int = 0, algorithm: str = "NGRAM"
+    model: str,
+    batch: int,
+    k: int,
+    repeats: int,
+    max_running: int = 0,
+    algorithm: str = "NGRAM",
+    prompt: int = 0,
 ) -> dict:
     """Runner seconds of one decode step and of one verify step (each request feeding its last
     token and ``k`` drafted), same ``batch`` requests, best of ``repeats``. ``model``: a preset,
@@ -250,7 +260,8 @@ def family_verify(
     ``algorithm``: NGRAM (the steps as n-gram drafting runs them: the model alone) or NEXTN
     (each step, decode and verify, then runs the model's MTP block over its rows and chains
     it for ``k`` drafts, ``runtime/mtp_drafts.py``); the drafts fed are the oracle's either
-    way, with the chain's pages reserved as the engine does."""
+    way, with the chain's pages reserved as the engine does. ``prompt``: each request's prompt
+    tokens (0: two pages and 3), so the steps attend over about that many cached tokens."""
     import numpy as np
 
     from hicache_jax.config import EngineConfig
@@ -268,7 +279,7 @@ def family_verify(
             page_size=page,
             chunked_prefill_size=4 * page,
             max_running_requests=max_running or batch,
-            max_total_tokens=(max_running or batch) * 8 * page + 1024,
+            max_total_tokens=(max_running or batch) * (8 * page + prompt) + 1024,
             speculative_algorithm=algorithm,
             speculative_num_draft_tokens=width,
         )
@@ -278,7 +289,7 @@ def family_verify(
     rng = np.random.RandomState(0)
     for _ in range(batch):
         engine.add_request(
-            input_ids=rng.randint(3, 500, 2 * page + 3).tolist(),
+            input_ids=rng.randint(3, 500, prompt or 2 * page + 3).tolist(),
             sampling_params={"max_new_tokens": 4 * page, "ignore_eos": True, "temperature": 0},
         )
     sched = engine.scheduler
@@ -405,6 +416,7 @@ def main() -> None:
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--mtp_families", default=",".join(MTP_FAMILIES))
     p.add_argument("--family_batch", default="4", help="batch sizes of the verify part, comma-separated")
+    p.add_argument("--family_prompt", type=int, default=0, help="verify part prompt tokens (0: 2 pages + 3)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per request in the family verify step")
     p.add_argument("--layers", default="1,2,4", help="Llama-3-8B depths for the TPU part")
     p.add_argument("--topology", default="v5e:2x2", help="its first chip compiles (tp 1)")
@@ -435,7 +447,9 @@ def main() -> None:
         )
         for model in args.families.split(","):
             for batch in (int(b) for b in args.family_batch.split(",")):
-                r = family_verify(model, batch, args.k, args.repeats + 2, args.max_running)
+                r = family_verify(
+                    model, batch, args.k, args.repeats + 2, args.max_running, prompt=args.family_prompt
+                )
                 print(
                     f"{model:>21} {batch:>2} {str(r['decode_shape']):>18} {str(r['shape']):>22} "
                     f"{r['decode_ms']:>10.2f} {r['verify_ms']:>10.2f} {r['ratio']:>16.2f}",

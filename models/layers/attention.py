@@ -25,6 +25,23 @@ from hicache_jax.models.sharding import kv_heads_on_device, tp_size
 PREFILL_Q_BLOCK = {"xla": 16, "pallas": None}
 
 
+def q_block(name: str, batch: ForwardBatch, tokens: int) -> int | None:
+    """Query rows per block for a step of ``tokens`` rows: 1 in a decode step; else
+    ``PREFILL_Q_BLOCK``, cut (xla) to the rows a sequence brings on average, rounded up to
+    a power of two. A speculative verify step (``W`` rows per sequence) thus runs blocks of
+    ``W`` rows, not 16 rows mostly empty that gather the same pages: on CPU, SmolLM2-135M's
+    verify step of 4 x 4 rows at 300 cached tokens takes 0.86x the time, 1 x 4 rows 0.69x
+    (``benchmarks/RESULTS.md``, speculative section). Steps with prompt chunks bring 16 or
+    more rows per sequence on average, and keep 16."""
+    if batch.decode_only:
+        return 1
+    block = PREFILL_Q_BLOCK[name]
+    if block is None:
+        return None
+    per_seq = -(-tokens // batch.kv_lens.shape[0])
+    return min(block, 1 << (per_seq - 1).bit_length())
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, kind: str, *, dtype, rngs: nnx.Rngs, kernels):
         H, Hkv, D, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -97,7 +114,7 @@ class Attention(nnx.Module):
             sm_scale=self.scale * k_scale,
             sliding_window=self.window,
             soft_cap=self.soft_cap,
-            q_block=1 if batch.decode_only else PREFILL_Q_BLOCK[name],
+            q_block=q_block(name, batch, T),
             sinks=self.sinks is not None,
         )
         sinks = () if self.sinks is None else (self.sinks[...].astype(jnp.float32),)

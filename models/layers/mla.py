@@ -32,7 +32,7 @@ from hicache_jax.models.cache import IndexPages, LatentPages, join, paged_specs,
 from hicache_jax.models.config import ModelConfig
 from hicache_jax.models.kernels import backend, sharded
 from hicache_jax.models.kv_quant import field_scales, rescale, store, unscale
-from hicache_jax.models.layers.attention import PREFILL_Q_BLOCK
+from hicache_jax.models.layers.attention import q_block
 from hicache_jax.models.layers.linear import Linear
 from hicache_jax.models.layers.norms import LayerNorm, RMSNorm
 from hicache_jax.models.layers.rope import apply_rope, rope_frequencies
@@ -270,9 +270,9 @@ class MLA(nnx.Module):
         table = batch.page_tables[CacheKind.LATENT]
         if picks is None:
             name = self.kernels.attention_backend
-            q_block = 1 if batch.decode_only else PREFILL_Q_BLOCK[name]
             fn = backend.attention_fn(name, self.kernels.interpret)
-            attend = sharded.latent_attention(fn, self.kernels.mesh, sm_scale=self.scale * s, q_block=q_block)
+            block = q_block(name, batch, T)
+            attend = sharded.latent_attention(fn, self.kernels.mesh, sm_scale=self.scale * s, q_block=block)
             rows = latent.c[:, :, None, :]  # [pages, page_size, 1, L + R]: a bitcast of the pool
             o = attend(q, rows, rows, batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs)
         elif self.kernels.attention_backend == "pallas":  # the picked rows by DMA, per token
