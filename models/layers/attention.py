@@ -30,8 +30,8 @@ def q_block(name: str, batch: ForwardBatch, tokens: int) -> int | None:
     ``PREFILL_Q_BLOCK``, cut (xla) to the rows a sequence brings on average, rounded up to
     a power of two. A speculative verify step (``W`` rows per sequence) thus runs blocks of
     ``W`` rows, not 16 rows mostly empty that gather the same pages: on CPU, SmolLM2-135M's
-    verify step of 4 x 4 rows at 300 cached tokens takes 0.86x the time, 1 x 4 rows 0.69x
-    (``benchmarks/RESULTS.md``, speculative section). Steps with prompt chunks bring 16 or
+    verify step at 300 cached tokens takes 0.68-0.75x the time at 4 x 4 rows, 0.70-0.85x at
+    1 x 4 (``benchmarks/RESULTS.md``, speculative section). Steps with prompt chunks bring 16 or
     more rows per sequence on average, and keep 16."""
     if batch.decode_only:
         return 1

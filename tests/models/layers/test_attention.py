@@ -22,8 +22,8 @@ def batch(seqs: int, decode_only: bool = False):
 @pytest.mark.parametrize("seqs", [1, 4, 64])
 def test_blocks_follow_the_rows_a_sequence_brings(seqs: int):
     assert q_block("xla", batch(seqs, decode_only=True), seqs) == 1
-    for width in (2, 3, 4, 8):  # a verify step: ``width`` rows per sequence
-        assert q_block("xla", batch(seqs), seqs * width) == 1 << (width - 1).bit_length()
+    for width, block in {2: 2, 3: 4, 4: 4, 8: 8}.items():  # a verify step: ``width`` rows each
+        assert q_block("xla", batch(seqs), seqs * width) == block
     assert q_block("xla", batch(seqs), seqs * 16) == PREFILL_Q_BLOCK["xla"]
     assert q_block("xla", batch(seqs), seqs * 16 + 512) == PREFILL_Q_BLOCK["xla"]  # a chunk beside
     assert q_block("pallas", batch(seqs), seqs * 4) is None  # the kernel plans its own
